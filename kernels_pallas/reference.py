@@ -1,0 +1,317 @@
+"""Pure-jnp oracles for every kernel in :mod:`kernels_pallas`.
+
+These functions define the semantics the Pallas kernels must meet; tests compare every kernel
+against them. They are written to be obviously correct first (plain gathers and a masked
+softmax in float32). ``ragged_paged_attention_xla`` is a memory-light formulation of the same
+math (an online softmax over block columns) that ``impl="auto"`` runs on CPU.
+
+Shape letters: B batch, T tokens, H query heads, K kv heads (G = H // K query heads per kv
+head), D head dim, N blocks, S block size, M max blocks per sequence.
+
+Conventions shared by all kernels:
+
+* KV pages are ``[K, N, S, D]``; the token at position ``p`` of a sequence lives in block
+  ``block_tables[seq, p // S]`` at offset ``p % S``; a slot index is ``block * S + offset``.
+* A negative block id means "no block"; it is never dereferenced (clamped to 0 for addressing
+  and masked by length).
+* Keys at or past a sequence's length are never read into the result: masking uses ``where``
+  on both logits and values, so NaN garbage in unwritten slots cannot leak into the output.
+* A query at position ``p`` sees keys at positions ``(p - sliding_window, p]``.
+* Rows with nothing to attend to (a decode row of length 0, padding rows) return zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "paged_attention_reference",
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
+    "write_kv_reference",
+    "copy_blocks_reference",
+    "swap_blocks_reference",
+    "ragged_row_info",
+]
+
+_NEG_INF = float("-inf")
+
+
+def _scale_and_cap(logits: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
+    logits = logits * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    return logits
+
+
+def _masked_softmax_pv(logits: jax.Array, mask: jax.Array, v: jax.Array, spec: str) -> jax.Array:
+    """softmax(logits) @ v over the masked keys; all-masked rows give zeros, never NaN."""
+    logits = jnp.where(mask, logits, _NEG_INF)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum(spec, p, v)
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Decode attention: one query token per sequence, at position ``lengths[b] - 1``.
+
+    Args:
+      q: ``[B, H, D]`` queries.
+      k_pages, v_pages: ``[K, N, S, D]`` pages.
+      lengths: ``i32[B]`` tokens in each sequence (0 = padding row, output zeros).
+      block_tables: ``i32[B, M]`` block ids per sequence.
+      sm_scale: logit scale, default ``D ** -0.5``.
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      sliding_window: if set, only the last ``sliding_window`` keys are seen.
+
+    Returns:
+      ``[B, H, D]`` in ``q.dtype``.
+    """
+    b, h, d = q.shape
+    k_heads, _, s, _ = k_pages.shape
+    g = h // k_heads
+    m = block_tables.shape[1]
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    tables = jnp.maximum(block_tables, 0)
+    k = k_pages[:, tables].reshape(k_heads, b, m * s, d).astype(jnp.float32)  # [K, B, MS, D]
+    v = v_pages[:, tables].reshape(k_heads, b, m * s, d).astype(jnp.float32)
+    qg = q.reshape(b, k_heads, g, d).astype(jnp.float32)
+    pos = jnp.arange(m * s)[None, :]  # [1, MS]
+    lengths = lengths.astype(jnp.int32)[:, None]
+    mask = pos < lengths  # [B, MS]
+    if sliding_window is not None:
+        mask &= pos > (lengths - 1 - sliding_window)
+    mask4 = mask[:, None, None, :]  # [B, 1, 1, MS]
+    v = jnp.where(mask[None, :, :, None], v, 0.0)
+    logits = jnp.einsum("bkgd,kbtd->bkgt", qg, k)
+    logits = _scale_and_cap(logits, sm_scale, soft_cap)
+    out = _masked_softmax_pv(logits, mask4, v, "bkgt,kbtd->bkgd")
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+def ragged_row_info(
+    cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per query row: its sequence, its position in that sequence, and whether it is real.
+
+    Args:
+      cu_q_lens: ``i32[B + 1]`` cumulative query lengths; sequence ``s`` owns rows
+        ``cu_q_lens[s]:cu_q_lens[s + 1]``.
+      kv_lens: ``i32[B]`` total tokens of each sequence (the queries are its last ones).
+      num_seqs: scalar, number of sequences that count.
+      num_tokens: static T.
+
+    Returns:
+      ``(seq i32[T], pos i32[T], valid bool[T])``.
+    """
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    nseq = jnp.asarray(num_seqs, jnp.int32)
+    # Sequence of each row: number of sequence ends (among the real ones) at or before the row.
+    ends = cu_q_lens[1:].astype(jnp.int32)
+    bidx = jnp.arange(ends.shape[0], dtype=jnp.int32)
+    seq = jnp.sum((ends[None, :] <= rows[:, None]) & (bidx[None, :] < nseq), axis=1)
+    seq = jnp.minimum(seq, ends.shape[0] - 1).astype(jnp.int32)
+    valid = rows < cu_q_lens[nseq]
+    q_start = cu_q_lens[seq]
+    q_len = cu_q_lens[seq + 1] - q_start
+    pos = kv_lens[seq] - q_len + (rows - q_start)
+    valid &= pos >= 0
+    return seq, pos.astype(jnp.int32), valid
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Ragged causal attention over paged KV: decode, prefill, chunked prefill, prefix hits.
+
+    Sequence ``s < num_seqs`` owns query rows ``cu_q_lens[s]:cu_q_lens[s + 1]``; they are the
+    last ``q_len`` of its ``kv_lens[s]`` tokens (their K/V are already in the pages). Row ``i``
+    of the sequence is at position ``kv_lens[s] - q_len + i`` and attends causally. Rows at or
+    past ``cu_q_lens[num_seqs]`` are padding and return zeros.
+
+    This oracle gathers every row's whole sequence (``[K, T, M*S, D]``): clear, not frugal.
+
+    Args:
+      q: ``[T, H, D]``.
+      k_pages, v_pages: ``[K, N, S, D]``.
+      kv_lens: ``i32[B]``.
+      block_tables: ``i32[B, M]``.
+      cu_q_lens: ``i32[B + 1]``.
+      num_seqs: scalar ``i32``.
+
+    Returns:
+      ``[T, H, D]`` in ``q.dtype``.
+    """
+    t, h, d = q.shape
+    k_heads, _, s, _ = k_pages.shape
+    g = h // k_heads
+    m = block_tables.shape[1]
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    seq, pos, valid = ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)
+    tables = jnp.maximum(block_tables[seq], 0)  # [T, M]
+    k = k_pages[:, tables].reshape(k_heads, t, m * s, d).astype(jnp.float32)
+    v = v_pages[:, tables].reshape(k_heads, t, m * s, d).astype(jnp.float32)
+    kpos = jnp.arange(m * s)[None, :]
+    mask = (kpos <= pos[:, None]) & valid[:, None]  # [T, MS]
+    if sliding_window is not None:
+        mask &= kpos > (pos[:, None] - sliding_window)
+    v = jnp.where(mask[None, :, :, None], v, 0.0)
+    qg = q.reshape(t, k_heads, g, d).astype(jnp.float32)
+    logits = jnp.einsum("tkgd,ktsd->tkgs", qg, k)
+    logits = _scale_and_cap(logits, sm_scale, soft_cap)
+    out = _masked_softmax_pv(logits, mask[:, None, None, :], v, "tkgs,ktsd->tkgd")
+    return out.reshape(t, h, d).astype(q.dtype)
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Same math as :func:`ragged_paged_attention_reference`, memory-light for XLA backends.
+
+    A ``lax.scan`` over the M block columns keeps an online softmax per query row, so the
+    working set is one block per row (``[K, T, S, D]``) instead of the whole sequence. Columns
+    past every row's position are masked, never read into the result.
+    """
+    t, h, d = q.shape
+    k_heads, _, s, _ = k_pages.shape
+    g = h // k_heads
+    m = block_tables.shape[1]
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    seq, pos, valid = ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)
+    tables = jnp.maximum(block_tables[seq], 0)  # [T, M]
+    qg = q.reshape(t, k_heads, g, d).astype(jnp.float32) * sm_scale
+    lo = pos - (sliding_window if sliding_window is not None else (m * s + 1))  # exclusive
+
+    def body(carry, j):
+        m_i, l_i, acc = carry  # [T,K,G], [T,K,G], [T,K,G,D]
+        blk = tables[:, j]  # [T]
+        kb = k_pages[:, blk].astype(jnp.float32)  # [K, T, S, D]
+        vb = v_pages[:, blk].astype(jnp.float32)
+        kpos = j * s + jnp.arange(s)[None, :]  # [1, S]
+        mask = (kpos <= pos[:, None]) & (kpos > lo[:, None]) & valid[:, None]  # [T, S]
+        vb = jnp.where(mask[None, :, :, None], vb, 0.0)
+        logits = jnp.einsum("tkgd,ktsd->tkgs", qg, kb)
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        mask4 = mask[:, None, None, :]
+        logits = jnp.where(mask4, logits, _NEG_INF)
+        m_new = jnp.maximum(m_i, jnp.max(logits, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.where(jnp.isfinite(m_i), jnp.exp(m_i - m_safe), 0.0)
+        p = jnp.where(mask4, jnp.exp(logits - m_safe[..., None]), 0.0)
+        l_new = alpha * l_i + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("tkgs,ktsd->tkgd", p, vb)
+        return (m_new, l_new, acc), None
+
+    init = (
+        jnp.full((t, k_heads, g), _NEG_INF, jnp.float32),
+        jnp.zeros((t, k_heads, g), jnp.float32),
+        jnp.zeros((t, k_heads, g, d), jnp.float32),
+    )
+    (_, l_i, acc), _ = jax.lax.scan(body, init, jnp.arange(m))
+    out = acc / jnp.where(l_i > 0, l_i, 1.0)[..., None]
+    return out.reshape(t, h, d).astype(q.dtype)
+
+
+def write_kv_reference(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter T tokens' K/V into their slots; slots < 0 are skipped.
+
+    Args:
+      k_pages, v_pages: ``[K, N, S, D]``.
+      k, v: ``[T, K, D]``.
+      slot_mapping: ``i32[T]``, ``block * S + offset`` or negative for padding.
+
+    Returns:
+      The updated ``(k_pages, v_pages)``.
+    """
+    kh, n, s, d = k_pages.shape
+    slots = jnp.where(slot_mapping < 0, n * s, slot_mapping)  # out of range -> dropped
+
+    def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
+        flat = pages.reshape(kh, n * s, d)
+        flat = flat.at[:, slots].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
+        return flat.reshape(kh, n, s, d)
+
+    return scatter(k_pages, k), scatter(v_pages, v)
+
+
+def copy_blocks_reference(
+    k_pages: jax.Array, v_pages: jax.Array, src: jax.Array, dst: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Copy whole blocks ``src[i] -> dst[i]`` in both K and V pages; ``src[i] < 0`` skipped.
+
+    All reads see the pages as they were before the call. Destinations must be distinct.
+
+    Args:
+      k_pages, v_pages: ``[K, N, S, D]``.
+      src, dst: ``i32[P]``.
+    """
+    n = k_pages.shape[1]
+    skip = (src < 0) | (dst < 0)
+    d_idx = jnp.where(skip, n, dst)
+    s_idx = jnp.maximum(src, 0)
+
+    def cp(pages: jax.Array) -> jax.Array:
+        return pages.at[:, d_idx].set(pages[:, s_idx], mode="drop")
+
+    return cp(k_pages), cp(v_pages)
+
+
+def swap_blocks_reference(
+    src_pages: jax.Array, dst_pages: jax.Array, src_ids: jax.Array, dst_ids: jax.Array
+) -> jax.Array:
+    """Copy blocks ``src_pages[..., src_ids[i], :, :] -> dst_pages[..., dst_ids[i], :, :]``.
+
+    The math of a swap, with no regard to memory kinds; pairs with a negative id are skipped.
+
+    Args:
+      src_pages: ``[..., N_src, S, D]`` (block axis third from last).
+      dst_pages: ``[..., N_dst, S, D]``.
+      src_ids, dst_ids: ``i32[P]``.
+    """
+    n_dst = dst_pages.shape[-3]
+    skip = (src_ids < 0) | (dst_ids < 0)
+    d_idx = jnp.where(skip, n_dst, dst_ids)
+    blocks = jnp.take(src_pages, jnp.maximum(src_ids, 0), axis=-3)
+    idx = (Ellipsis, d_idx, slice(None), slice(None))
+    return dst_pages.at[idx].set(blocks.astype(dst_pages.dtype), mode="drop")
