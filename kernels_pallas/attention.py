@@ -1,15 +1,389 @@
-"""Paged attention entry points (placeholder: reference path only until the kernels land)."""
+"""Public paged-attention entry points: argument checks and dispatch to a kernel family.
+
+Two ops, one contract (see ``kernels_pallas.reference`` for the exact semantics):
+
+* :func:`paged_attention`: decode, one query token per sequence.
+* :func:`ragged_paged_attention`: a token-packed batch mixing decode rows, whole prefills,
+  chunked prefills and prefix-cache hits (queries are the last ``q_len`` of ``kv_len`` tokens).
+
+``impl`` chooses the implementation:
+
+* ``"auto"``: Mosaic TPU kernel on a TPU backend, Mosaic GPU kernel on a GPU backend, the XLA
+  oracle elsewhere (``paged_attention_reference`` for decode, ``ragged_paged_attention_xla``
+  for ragged batches).
+* ``"reference"``: the oracle path, on any backend.
+* ``"pallas"``: the backend's Pallas kernel; on CPU the TPU kernel, which needs
+  ``interpret=True``.
+* ``"pallas_tpu"`` / ``"pallas_gpu"``: force one kernel family (e.g. in interpret mode on CPU).
+
+Stacked caches: pages may be ``[L, K, N, S, D]`` (all layers, as the engine keeps them so a
+``lax.scan`` runs over layers) together with ``layer=`` (a Python int or a traced ``i32``
+scalar). The TPU kernels read ``pages.at[layer]`` straight from HBM, so no per-layer copy of
+the cache is made; the reference path indexes ``pages[layer]``.
+
+Every argument problem raises ``ValueError`` naming it, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas import reference
 
+__all__ = ["IMPLS", "paged_attention", "ragged_paged_attention"]
 
-def paged_attention(q, k_pages, v_pages, lengths, block_tables, **kw):  # noqa: D103
-    kw.pop("impl", None), kw.pop("interpret", None)
-    return reference.paged_attention_reference(q, k_pages, v_pages, lengths, block_tables, **kw)
+logger = logging.getLogger(__name__)
+
+IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
 
 
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **kw):  # noqa: D103
-    kw.pop("impl", None), kw.pop("interpret", None)
-    return reference.ragged_paged_attention_xla(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **kw
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int_dtype(x: Any) -> bool:
+    return jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.integer)
+
+
+def _check_common(
+    name: str,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float | None,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    impl: str,
+    layer: Any,
+) -> None:
+    """Checks shared by both ops (q is ``[B|T, H, D]``)."""
+    if impl not in IMPLS:
+        raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must have rank 3 [tokens, H, D], got shape {q.shape}")
+    if k_pages.ndim not in (4, 5):
+        raise ValueError(
+            f"{name}: k_pages must have rank 4 [K, N, S, D] or 5 [L, K, N, S, D], "
+            f"got shape {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"{name}: k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}"
+        )
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"{name}: k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}"
+        )
+    if k_pages.ndim == 5:
+        if layer is None:
+            raise ValueError(
+                f"{name}: pages of rank 5 [L, K, N, S, D] need layer= (int or i32 scalar)"
+            )
+        if isinstance(layer, (int, np.integer)):
+            if not 0 <= int(layer) < k_pages.shape[0]:
+                raise ValueError(
+                    f"{name}: layer={int(layer)} out of range for {k_pages.shape[0]} layers"
+                )
+        elif jnp.ndim(layer) != 0 or not _is_int_dtype(layer):
+            raise ValueError(f"{name}: layer must be an integer scalar, got {layer!r}")
+    elif layer is not None:
+        raise ValueError(
+            f"{name}: layer= given but pages have rank 4 {k_pages.shape}; pass stacked "
+            "[L, K, N, S, D] pages to select a layer"
+        )
+    _, h, d = q.shape
+    kh, _, _, dk = k_pages.shape[-4:]
+    if kh == 0 or h % kh != 0:
+        raise ValueError(
+            f"{name}: number of query heads H={h} is not divisible by number of kv heads K={kh}"
+        )
+    if d != dk:
+        raise ValueError(f"{name}: head_dim mismatch: q has D={d}, pages have D={dk}")
+    if q.dtype != k_pages.dtype:
+        raise ValueError(f"{name}: dtype mismatch: q is {q.dtype}, pages are {k_pages.dtype}")
+    if block_tables.ndim != 2:
+        raise ValueError(
+            f"{name}: block_tables must have rank 2 [B, M], got shape {block_tables.shape}"
+        )
+    if not _is_int_dtype(block_tables):
+        raise ValueError(f"{name}: block_tables must be integer, got {block_tables.dtype}")
+    if sm_scale is not None and not isinstance(sm_scale, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name}: sm_scale must be a Python float or None, got {sm_scale!r}")
+    if soft_cap is not None and (
+        not isinstance(soft_cap, (int, float, np.floating, np.integer)) or not soft_cap > 0
+    ):
+        raise ValueError(f"{name}: soft_cap must be a positive float or None, got {soft_cap!r}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0
+    ):
+        raise ValueError(
+            f"{name}: sliding_window must be a positive int or None, got {sliding_window!r}"
+        )
+
+
+def _check_vector(name: str, what: str, x: Any, n: int, n_desc: str) -> None:
+    shape = jnp.shape(x)
+    if len(shape) != 1 or shape[0] != n:
+        raise ValueError(f"{name}: {what} must have shape ({n},) ({n_desc}), got {shape}")
+    if not _is_int_dtype(x):
+        raise ValueError(f"{name}: {what} must be integer, got {jnp.asarray(x).dtype}")
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_family(name: str, impl: str, interpret: bool) -> str:
+    """Map ``impl`` + backend to one of "reference", "tpu", "gpu"."""
+    backend = jax.default_backend()
+    if impl == "reference":
+        return "reference"
+    if impl == "auto":
+        if backend == "tpu":
+            return "tpu"
+        if backend == "gpu":
+            return "gpu" if _gpu_module(required=False) is not None else "reference"
+        return "reference"
+    if impl == "pallas":
+        family = "gpu" if backend == "gpu" else "tpu"
+    else:
+        family = impl.removeprefix("pallas_")
+    if family == "tpu" and backend != "tpu" and not interpret:
+        raise ValueError(
+            f"{name}: impl={impl!r} runs the Mosaic TPU kernel, which needs a TPU backend or "
+            f"interpret=True (backend is {backend!r})"
+        )
+    if family == "gpu":
+        _gpu_module(required=True)
+    return family
+
+
+def _gpu_module(required: bool):
+    try:
+        return importlib.import_module("kernels_pallas.gpu.attention")
+    except ImportError as e:
+        if required:
+            raise NotImplementedError(
+                "the Mosaic GPU attention kernels (kernels_pallas.gpu.attention) are not "
+                f"available: {e}"
+            ) from e
+        logger.warning("kernels_pallas.gpu.attention unavailable (%s); using the XLA path", e)
+        return None
+
+
+def _select_layer(pages: jax.Array, layer: Any) -> jax.Array:
+    return pages if pages.ndim == 4 else pages[layer]
+
+
+def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
+    fn = getattr(_gpu_module(required=True), fn_name)
+    if k_pages.ndim == 5:
+        if "layer" in inspect.signature(fn).parameters:
+            kwargs = dict(kwargs, layer=layer)
+        else:
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
+    q, *rest = args
+    return fn(q, k_pages, v_pages, *rest, **kwargs)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+    layer: int | jax.Array | None = None,
+) -> jax.Array:
+    """Decode attention over paged KV: one query token per sequence, at ``lengths[b] - 1``.
+
+    Args:
+      q: ``[B, H, D]`` queries; H must be a multiple of K (MHA, GQA, MQA).
+      k_pages, v_pages: ``[K, N, S, D]`` pages, or ``[L, K, N, S, D]`` with ``layer``.
+        Same dtype as ``q``.
+      lengths: ``i32[B]`` tokens in each sequence; 0 marks a padding row (output zeros).
+      block_tables: ``i32[B, M]`` block ids; negative ids mean "no block".
+      sm_scale: logit scale, default ``D ** -0.5``.
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      sliding_window: if set, the query sees only the last ``sliding_window`` keys.
+      impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"``.
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+      layer: layer index into stacked ``[L, ...]`` pages (int or traced i32 scalar).
+
+    Returns:
+      ``[B, H, D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: on bad shapes, dtypes or options (before tracing).
+      NotImplementedError: ``impl="pallas_gpu"`` when the GPU kernels are not installed.
+    """
+    name = "paged_attention"
+    _check_common(
+        name,
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        impl=impl,
+        layer=layer,
+    )
+    b = q.shape[0]
+    _check_vector(name, "lengths", lengths, b, "B = q.shape[0]")
+    if block_tables.shape[0] != b:
+        raise ValueError(
+            f"{name}: block_tables batch {block_tables.shape[0]} != q batch {b} "
+            f"(block_tables {block_tables.shape}, q {q.shape})"
+        )
+    family = _resolve_family(name, impl, interpret)
+    scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
+    cap = None if soft_cap is None else float(soft_cap)
+    window = None if sliding_window is None else int(sliding_window)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    block_tables = jnp.asarray(block_tables, jnp.int32)
+    kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
+    if family == "reference":
+        return reference.paged_attention_reference(
+            q,
+            _select_layer(k_pages, layer),
+            _select_layer(v_pages, layer),
+            lengths,
+            block_tables,
+            **kw,
+        )
+    if family == "tpu":
+        from kernels_pallas.tpu.paged_attention import paged_attention_tpu
+
+        return paged_attention_tpu(
+            q, k_pages, v_pages, lengths, block_tables, layer=layer, interpret=interpret, **kw
+        )
+    return _call_gpu(
+        "paged_attention_gpu",
+        (q, lengths, block_tables),
+        k_pages,
+        v_pages,
+        layer,
+        dict(kw, interpret=interpret),
+    )
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+    layer: int | jax.Array | None = None,
+) -> jax.Array:
+    """Ragged causal attention over paged KV (decode, prefill, chunked prefill, prefix hits).
+
+    Sequence ``s < num_seqs`` owns query rows ``cu_q_lens[s]:cu_q_lens[s + 1]``: the last
+    ``q_len`` of its ``kv_lens[s]`` tokens (whose K/V are already written to the pages). Row
+    ``i`` of the sequence sits at position ``kv_lens[s] - q_len + i`` and attends causally
+    (and within ``sliding_window``). Rows at or past ``cu_q_lens[num_seqs]`` are padding and
+    return zeros.
+
+    Args:
+      q: ``[T, H, D]`` token-packed queries.
+      k_pages, v_pages: ``[K, N, S, D]`` pages, or ``[L, K, N, S, D]`` with ``layer``.
+      kv_lens: ``i32[B]`` total tokens of each sequence (``kv_lens[s] >= q_len``).
+      block_tables: ``i32[B, M]`` block ids; negative ids mean "no block".
+      cu_q_lens: ``i32[B + 1]`` cumulative query lengths, ``cu_q_lens[0] == 0``.
+      num_seqs: scalar (or shape ``(1,)``) number of sequences that count.
+      sm_scale, soft_cap, sliding_window, impl, interpret, layer: as in
+        :func:`paged_attention`.
+
+    Returns:
+      ``[T, H, D]`` in ``q.dtype``.
+    """
+    name = "ragged_paged_attention"
+    _check_common(
+        name,
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        impl=impl,
+        layer=layer,
+    )
+    b = block_tables.shape[0]
+    _check_vector(name, "kv_lens", kv_lens, b, "B = block_tables.shape[0]")
+    _check_vector(name, "cu_q_lens", cu_q_lens, b + 1, "B + 1")
+    if jnp.ndim(num_seqs) > 1 or jnp.size(num_seqs) != 1 or not _is_int_dtype(num_seqs):
+        raise ValueError(
+            f"{name}: num_seqs must be an integer scalar, got shape {jnp.shape(num_seqs)}"
+        )
+    if isinstance(num_seqs, (int, np.integer)) and not 0 <= int(num_seqs) <= b:
+        raise ValueError(f"{name}: num_seqs={int(num_seqs)} out of range [0, {b}]")
+    family = _resolve_family(name, impl, interpret)
+    scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
+    cap = None if soft_cap is None else float(soft_cap)
+    window = None if sliding_window is None else int(sliding_window)
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    block_tables = jnp.asarray(block_tables, jnp.int32)
+    cu_q_lens = jnp.asarray(cu_q_lens, jnp.int32)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
+    if family == "reference":
+        return reference.ragged_paged_attention_xla(
+            q,
+            _select_layer(k_pages, layer),
+            _select_layer(v_pages, layer),
+            kv_lens,
+            block_tables,
+            cu_q_lens,
+            num_seqs,
+            **kw,
+        )
+    if family == "tpu":
+        from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu(
+            q,
+            k_pages,
+            v_pages,
+            kv_lens,
+            block_tables,
+            cu_q_lens,
+            num_seqs,
+            layer=layer,
+            interpret=interpret,
+            **kw,
+        )
+    return _call_gpu(
+        "ragged_paged_attention_gpu",
+        (q, kv_lens, block_tables, cu_q_lens, num_seqs),
+        k_pages,
+        v_pages,
+        layer,
+        dict(kw, interpret=interpret),
     )
