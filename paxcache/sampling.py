@@ -1,0 +1,370 @@
+"""Sampling parameters and a jit-compiled, batched sampler.
+
+``SamplingParams`` describes how one request picks its next tokens (vLLM-style field names).
+``sample`` turns a batch of logits ``f32[B, V]`` into tokens, with every row carrying its own
+temperature, top-k, top-p, min-p and PRNG key, so rows with different settings share one compiled
+call and no Python loop runs over rows.
+
+Randomness is per request, never per batch: the key of a row is derived on the host by
+``request_key(seed, step, index)`` from the request's seed, the number of tokens that completion
+has generated so far, and the completion index ``j`` (for ``n > 1``). A request's samples
+therefore do not depend on its batch position or on what else is in the batch.
+
+Keys are passed to ``sample`` as raw ``threefry2x32`` key data, ``u32[B, 2]`` (what
+``jax.random.key_data`` returns for a threefry key); typed key arrays (``jax.random.key``) of
+shape ``[B]`` are accepted too.
+
+Filter semantics (as in vLLM): temperature scales the logits first; then top-k keeps the ``k``
+largest; top-p keeps the smallest prefix of the sorted distribution (renormalized after top-k)
+whose mass reaches ``p``; min-p keeps tokens whose probability is at least ``min_p`` times the
+most likely token's. A row with ``temperature <= GREEDY_EPS`` is greedy (argmax of the raw
+logits, lowest id on ties). Reported log-probabilities are the log-softmax of the *raw* logits
+(before temperature and filters), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "GREEDY_EPS",
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "SampleOutput",
+    "SamplingParams",
+    "pack_params",
+    "random_seed",
+    "request_key",
+    "request_keys",
+    "sample",
+]
+
+GREEDY_EPS = 1e-5
+"""Temperatures at or below this are treated as 0 (greedy); avoids overflow in ``logits / T``."""
+
+MAX_N = 64
+"""Largest allowed ``n`` (completions per request)."""
+
+MAX_LOGPROBS = 20
+"""Largest allowed ``logprobs`` (top log-probabilities per token), as in OpenAI's API."""
+
+_U64 = (1 << 64) - 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's completions.
+
+    Attributes:
+      max_tokens: most tokens to generate per completion (>= 1).
+      temperature: softmax temperature (>= 0, finite); 0 means greedy.
+      top_k: keep only the ``top_k`` most likely tokens; 0 turns the filter off.
+      top_p: nucleus sampling mass in (0, 1]; 1 turns the filter off.
+      min_p: keep tokens with probability >= ``min_p`` * max probability, in [0, 1]; 0 is off.
+      seed: per-request seed (int) for reproducible sampling; ``None`` draws a fresh one.
+      stop: stop string(s), matched on detokenized text; the returned text ends before the
+        match. Normalized to a tuple of non-empty strings (``None`` -> ``()``).
+      stop_token_ids: token ids that end a completion (the id is kept in ``token_ids``).
+        Normalized to a tuple of ints (``None`` -> ``()``).
+      n: number of completions for the prompt, in [1, ``MAX_N``].
+      logprobs: ``None`` for no log-probabilities; an int in [0, ``MAX_LOGPROBS``] reports the
+        sampled token's log-probability plus that many top alternatives per token.
+      ignore_eos: keep generating past the tokenizer's EOS token.
+
+    Raises:
+      ValueError: naming the offending field, for any out-of-range or wrongly typed value.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    n: int = 1
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if (
+            not _is_real(self.temperature)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        else:
+            raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        object.__setattr__(self, "stop", stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, (list, tuple)):
+            ids = tuple(ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request samples by argmax (temperature ~ 0)."""
+        return self.temperature <= GREEDY_EPS
+
+
+class SampleOutput(NamedTuple):
+    """Result of ``sample`` for a batch of ``B`` rows and ``k = num_logprobs`` alternatives.
+
+    Attributes:
+      tokens: i32[B] sampled token ids.
+      logprob: f32[B] log-softmax of the raw logits at the sampled token.
+      top_ids: i32[B, k] the ``k`` most likely token ids under the raw logits, best first.
+      top_logprobs: f32[B, k] their log-probabilities.
+    """
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side key derivation.
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Vectorized SplitMix64 finalizer on uint64 (wrap-around arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def request_keys(
+    seeds: Sequence[int] | np.ndarray,
+    steps: Sequence[int] | np.ndarray,
+    indices: Sequence[int] | np.ndarray,
+) -> np.ndarray:
+    """Batched ``request_key``: ``u32[B, 2]`` raw threefry keys, one per row.
+
+    Args:
+      seeds: [B] request seeds (any Python ints; taken modulo 2**64).
+      steps: [B] tokens generated so far by each row's completion.
+      indices: [B] completion index ``j`` in ``0..n-1``.
+
+    Returns:
+      u32[B, 2] keys, a pure function of each row's ``(seed, step, index)``.
+    """
+    s = np.asarray([int(v) & _U64 for v in np.ravel(seeds)], dtype=np.uint64)
+    t = np.asarray(steps, dtype=np.int64).ravel().astype(np.uint64)
+    j = np.asarray(indices, dtype=np.int64).ravel().astype(np.uint64)
+    if not (s.shape == t.shape == j.shape):
+        raise ValueError(
+            f"seeds, steps and indices must have the same length, got {s.shape}, {t.shape}, "
+            f"{j.shape}"
+        )
+    h = _splitmix64(s)
+    h = _splitmix64(h ^ t)
+    h = _splitmix64(h ^ (j * np.uint64(0x632BE59BD9B4E019)))
+    hi = (h >> np.uint64(32)).astype(np.uint32)
+    lo = (h & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return np.stack([hi, lo], axis=-1)
+
+
+def request_key(seed: int, step: int, index: int = 0) -> np.ndarray:
+    """The PRNG key for one sampling step of one completion: ``u32[2]`` raw threefry key data.
+
+    Args:
+      seed: the request's seed (``SamplingParams.seed``, or ``random_seed()`` when it is None).
+      step: number of tokens this completion has generated so far.
+      index: completion index ``j`` for ``n > 1``.
+
+    Returns:
+      u32[2]; the same inputs always give the same key, whatever else is in the batch.
+    """
+    return request_keys([seed], [step], [index])[0]
+
+
+def random_seed() -> int:
+    """A fresh 63-bit seed for requests that did not set one."""
+    return secrets.randbits(63)
+
+
+def pack_params(
+    params: Sequence[SamplingParams], batch_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-row filter arrays for ``sample``, padded with greedy rows to ``batch_size``.
+
+    Args:
+      params: one ``SamplingParams`` per row (repeat a request's params for each of its rows).
+      batch_size: pad to this many rows (default ``len(params)``).
+
+    Returns:
+      ``(temperature f32[B], top_k i32[B], top_p f32[B], min_p f32[B])`` numpy arrays.
+    """
+    b = len(params) if batch_size is None else batch_size
+    if b < len(params):
+        raise ValueError(f"batch_size {b} is smaller than the number of rows {len(params)}")
+    temperature = np.zeros(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    top_p = np.ones(b, np.float32)
+    min_p = np.zeros(b, np.float32)
+    for i, p in enumerate(params):
+        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+    return temperature, top_k, top_p, min_p
+
+
+# ----------------------------------------------------------------------------------------------
+# Device-side sampler.
+
+
+def _as_typed_keys(keys: jax.Array) -> jax.Array:
+    if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        return keys
+    if keys.ndim != 2 or keys.shape[-1] != 2:
+        raise ValueError(f"keys must be u32[B, 2] raw threefry key data, got shape {keys.shape}")
+    return jax.random.wrap_key_data(keys.astype(jnp.uint32), impl="threefry2x32")
+
+
+def _filtered_sample(
+    scaled: jax.Array, gumbel: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
+    """Samples with top-k / top-p / min-p filters. scaled, gumbel: f32[B, V] -> i32[B]."""
+    v = scaled.shape[-1]
+    order = jnp.argsort(-scaled, axis=-1, stable=True)  # i32[B, V], most likely first
+    s_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(v, dtype=jnp.int32)[None, :]
+    k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v))[:, None]
+    keep = rank < k
+    # top-p on the distribution renormalized after top-k: keep while the mass *before* a token
+    # is below p (so the first token is always kept).
+    masked = jnp.where(keep, s_logits, -jnp.inf)
+    probs = jax.nn.softmax(masked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < top_p[:, None]
+    keep = keep.at[:, 0].set(True)
+    # min-p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p). Ratios are unchanged
+    # by renormalization, so the order of filters does not matter for this one.
+    log_min_p = jnp.log(jnp.maximum(min_p, 0.0))[:, None]  # log(0) = -inf: keeps everything
+    keep &= (s_logits - s_logits[:, :1]) >= log_min_p
+    # Gumbel noise is indexed by token id (not rank) so that a row samples the same token here as
+    # in the unfiltered path whenever its filters keep everything.
+    noisy = jnp.where(keep, s_logits + jnp.take_along_axis(gumbel, order, axis=-1), -jnp.inf)
+    pos = jnp.argmax(noisy, axis=-1)
+    return jnp.take_along_axis(order, pos[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("num_logprobs",))
+def sample(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    keys: jax.Array,
+    num_logprobs: int = 0,
+) -> SampleOutput:
+    """Samples one token per row, each row with its own settings and key.
+
+    Args:
+      logits: f32[B, V] (other float dtypes are upcast to f32).
+      temperature: f32[B]; rows with ``temperature <= GREEDY_EPS`` take the argmax.
+      top_k: i32[B]; 0 (or negative) = off.
+      top_p: f32[B] in (0, 1]; 1 = off.
+      min_p: f32[B] in [0, 1]; 0 = off.
+      keys: u32[B, 2] raw threefry key data (see ``request_keys``) or typed keys ``key<fry>[B]``.
+      num_logprobs: static number ``k`` of top log-probabilities to return per row.
+
+    Returns:
+      ``SampleOutput(tokens i32[B], logprob f32[B], top_ids i32[B, k], top_logprobs f32[B, k])``.
+    """
+    logits = logits.astype(jnp.float32)
+    b, v = logits.shape
+    temperature = jnp.asarray(temperature, jnp.float32).reshape(b)
+    top_k = jnp.asarray(top_k, jnp.int32).reshape(b)
+    top_p = jnp.asarray(top_p, jnp.float32).reshape(b)
+    min_p = jnp.asarray(min_p, jnp.float32).reshape(b)
+    typed = _as_typed_keys(keys)
+
+    greedy_rows = temperature <= GREEDY_EPS
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled() -> jax.Array:
+        t = jnp.where(greedy_rows, 1.0, temperature)[:, None]
+        scaled = logits / t
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(typed)
+        needs_filter = jnp.any(
+            ~greedy_rows & (((top_k > 0) & (top_k < v)) | (top_p < 1.0) | (min_p > 0.0))
+        )
+        tok = jax.lax.cond(
+            needs_filter,
+            lambda: _filtered_sample(scaled, gumbel, top_k, top_p, min_p),
+            lambda: jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32),
+        )
+        return jnp.where(greedy_rows, greedy_tok, tok)
+
+    tokens = jax.lax.cond(jnp.all(greedy_rows), lambda: greedy_tok, sampled)
+
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    if num_logprobs > 0:
+        top_logprobs, top_ids = jax.lax.top_k(logp, min(num_logprobs, v))
+        top_ids = top_ids.astype(jnp.int32)
+    else:
+        top_logprobs = jnp.zeros((b, 0), jnp.float32)
+        top_ids = jnp.zeros((b, 0), jnp.int32)
+    return SampleOutput(tokens, logprob, top_ids, top_logprobs)
