@@ -1,0 +1,366 @@
+"""The Llama-family NNX model: dense path properties, config parsing, and the paged split."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_reference import base_config, forward_np, inv_freq_np
+
+from paxcache.models import (
+    NO_WINDOW,
+    ConfigError,
+    LlamaConfig,
+    LlamaForCausalLM,
+    apply_rope,
+    dense_attention,
+    rope_cos_sin,
+)
+from paxcache.models.llama import _rope_inv_freq
+from paxcache.models.loading import model_to_hf_tensors
+
+
+def make(
+    model_type: str = "llama", dtype=jnp.float32, param_dtype=None, seed: int = 0, **hf
+) -> LlamaForCausalLM:
+    cfg = LlamaConfig.from_hf_dict(base_config(model_type, **hf))
+    return LlamaForCausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
+
+
+def randomize(model: LlamaForCausalLM, seed: int = 0, scale: float = 0.2) -> LlamaForCausalLM:
+    """Replaces every param with N(0, scale) noise (+1 for norms) so tests are not degenerate."""
+    rng = np.random.default_rng(seed)
+    state = nnx.state(model, nnx.Param)
+
+    def noise(path, x):
+        n = rng.standard_normal(x.shape) * scale
+        if "norm" in str(path[-1]) or "layernorm" in str(path[-1]):
+            n = n + 1
+        return jnp.asarray(n, x.dtype)
+
+    nnx.update(model, jax.tree_util.tree_map_with_path(noise, state))
+    return model
+
+
+def ids(b: int, t: int, seed: int = 0, vocab: int = 64) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, t)), jnp.int32)
+
+
+# -- dense path ------------------------------------------------------------------------------
+
+
+def test_dense_forward_returns_f32_logits_of_shape_btv() -> None:
+    model = make()
+    out = model(ids(3, 7))
+    chex.assert_shape(out, (3, 7, 64))
+    assert out.dtype == jnp.float32
+    chex.assert_tree_all_finite(out)
+
+
+def test_dense_forward_is_causal() -> None:
+    model = randomize(make())
+    a = ids(1, 10, seed=1)
+    b = a.at[0, 6:].set((a[0, 6:] + 1) % 64)
+    la, lb = model(a), model(b)
+    chex.assert_trees_all_close(la[:, :6], lb[:, :6], atol=1e-6)
+    assert not np.allclose(la[:, 6:], lb[:, 6:])
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_bias", "mistral", "qwen2", "qwen2_sw"])
+def test_random_model_matches_numpy_hf_reference(variant: str) -> None:
+    hf = {
+        "llama": base_config("llama", tie_word_embeddings=True),
+        "llama_bias": base_config("llama", attention_bias=True),
+        "mistral": base_config("mistral", sliding_window=5),
+        "qwen2": base_config("qwen2", num_key_value_heads=1),
+        "qwen2_sw": base_config(
+            "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1
+        ),
+    }[variant]
+    model = randomize(LlamaForCausalLM(LlamaConfig.from_hf_dict(hf), rngs=nnx.Rngs(0)), seed=2)
+    toks = list(np.asarray(ids(1, 11, seed=3)[0]))
+    want = forward_np(hf, model_to_hf_tensors(model), toks)
+    chex.assert_trees_all_close(model(jnp.asarray([toks]))[0], want, atol=2e-4, rtol=2e-4)
+
+
+def test_gqa_equals_mha_with_each_kv_head_repeated_for_its_query_group() -> None:
+    gqa = randomize(make(num_key_value_heads=2), seed=4)  # H=4, K=2, D=8: heads 0,1 -> kv 0
+    mha = make(num_key_value_heads=4)
+    d = 8
+    for name in ("embed_tokens", "norm", "lm_head"):
+        getattr(mha, name).set_value(getattr(gqa, name)[...])
+    for name, value in gqa.layers.stacked().items():
+        if name not in ("k_proj", "v_proj"):
+            getattr(mha.layers, name).set_value(value)
+
+    def repeat(w):  # [L, E, K*D] -> [L, E, H*D], kv head j serves query heads 2j, 2j+1
+        layers, e, _ = w.shape
+        return jnp.repeat(w.reshape(layers, e, 2, d), 2, axis=2).reshape(layers, e, 4 * d)
+
+    mha.layers.k_proj.set_value(repeat(gqa.layers.k_proj[...]))
+    mha.layers.v_proj.set_value(repeat(gqa.layers.v_proj[...]))
+    x = ids(2, 9, seed=5)
+    chex.assert_trees_all_close(gqa(x), mha(x), atol=1e-5)
+
+
+def test_mistral_sliding_window_limits_what_each_token_sees() -> None:
+    model = randomize(make("mistral", sliding_window=3, num_hidden_layers=1), seed=6)
+    a = ids(1, 8, seed=7)
+    b = a.at[0, 0].set((a[0, 0] + 1) % 64)
+    diff = np.abs(np.asarray(model(a) - model(b)))[0].max(-1)  # [T]
+    assert (diff[:3] > 1e-4).all()  # positions 0..2 still see token 0
+    np.testing.assert_allclose(diff[3:], 0, atol=1e-6)  # window 3: position 3 sees 1..3
+
+
+def test_windowed_config_parsing_per_layer() -> None:
+    cfg = LlamaConfig.from_hf_dict(
+        base_config(
+            "qwen2",
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=7,
+            max_window_layers=2,
+        )
+    )
+    assert cfg.layer_windows() == (None, None, 7, 7) and cfg.sliding_window == 7
+    qwen_off = LlamaConfig.from_hf_dict(base_config("qwen2", sliding_window=7))
+    assert qwen_off.sliding_window is None
+    assert LlamaConfig.from_hf_dict(base_config("mistral", sliding_window=9)).layer_windows() == (
+        9,
+        9,
+    )
+
+
+def test_tied_embeddings_share_the_embedding_matrix_as_lm_head() -> None:
+    model = randomize(make(tie_word_embeddings=True), seed=8)
+    assert model.lm_head is None
+    hidden = jnp.ones((2, 32))
+    chex.assert_trees_all_close(
+        model.compute_logits(hidden), hidden @ model.embed_tokens[...].T, atol=1e-5
+    )
+    assert model.config.num_params() == sum(
+        x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+    )
+
+
+def test_bf16_model_stays_close_to_f32() -> None:
+    f32 = randomize(make(), seed=9, scale=0.1)
+    bf16 = make(dtype=jnp.bfloat16)
+    nnx.update(bf16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(f32, nnx.Param)))
+    x = ids(2, 12, seed=10)
+    a, b = f32(x), bf16(x)
+    assert b.dtype == jnp.float32 and bf16.layers.q_proj[...].dtype == jnp.bfloat16
+    err = float(jnp.max(jnp.abs(a - b)))
+    assert err < 0.05 * float(jnp.max(jnp.abs(a))), err
+    assert float(jnp.mean(jnp.argmax(a, -1) == jnp.argmax(b, -1))) > 0.8
+
+
+def test_f32_params_with_bf16_compute() -> None:
+    model = make(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    assert model.layers.q_proj[...].dtype == jnp.float32
+    assert model(ids(1, 4)).dtype == jnp.float32
+
+
+# -- RoPE ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
+def test_rope_inverse_frequencies_match_hf_formula(scaling) -> None:
+    hf = base_config("llama", head_dim=64, rope_theta=500000.0, rope_scaling=scaling)
+    cfg = LlamaConfig.from_hf_dict(hf)
+    np.testing.assert_allclose(_rope_inv_freq(cfg), inv_freq_np(hf), rtol=1e-5)
+
+
+def test_llama3_scaling_keeps_high_and_divides_low_frequencies() -> None:
+    rs = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    plain = _rope_inv_freq(LlamaConfig.from_hf_dict(base_config(head_dim=128, rope_theta=500000.0)))
+    scaled = _rope_inv_freq(
+        LlamaConfig.from_hf_dict(base_config(head_dim=128, rope_theta=500000.0, rope_scaling=rs))
+    )
+    assert scaled[0] == plain[0]
+    np.testing.assert_allclose(scaled[-1], plain[-1] / 8, rtol=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position() -> None:
+    cfg = LlamaConfig.from_hf_dict(base_config())
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((1, 1, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 1, 8)), jnp.float32)
+
+    def score(pq: int, pk: int) -> float:
+        cq, sq = rope_cos_sin(cfg, jnp.asarray([pq]))
+        ck, sk = rope_cos_sin(cfg, jnp.asarray([pk]))
+        return float(jnp.sum(apply_rope(q, cq, sq) * apply_rope(k, ck, sk)))
+
+    assert score(7, 3) == pytest.approx(score(24, 20), rel=1e-4)
+    assert score(7, 3) != pytest.approx(score(7, 4), rel=1e-3)
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_config_round_trips_through_hf_dict(model_type: str) -> None:
+    extra = {"mistral": {"sliding_window": 16}, "qwen2": {}, "llama": {"attention_bias": True}}
+    cfg = LlamaConfig.from_hf_dict(base_config(model_type, **extra[model_type]))
+    assert LlamaConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "gpt_neox"}, "model_type"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "low_freq_factor"),
+        ({"head_dim": 7}, "even"),
+    ],
+)
+def test_bad_configs_raise_clear_errors(change: dict, message: str) -> None:
+    hf = base_config("llama")
+    hf.update(change)
+    with pytest.raises(ConfigError, match=message):
+        LlamaConfig.from_hf_dict(hf)
+
+
+def test_missing_required_field_is_named() -> None:
+    hf = base_config("llama")
+    del hf["intermediate_size"]
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        LlamaConfig.from_hf_dict(hf)
+
+
+def test_layers_run_under_a_single_scan() -> None:
+    model = make(num_hidden_layers=6)
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids(1, 4))
+    prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert prims.count("scan") == 1
+    scan = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+    assert scan.params["length"] == 6
+
+
+# -- paged split -----------------------------------------------------------------------------
+
+
+def make_attn_fn(
+    cfg: LlamaConfig, block_tables: jax.Array, seq_of_token: jax.Array, slot_mapping: jax.Array
+):
+    """A dense-equivalent ``attn_fn``: scatter new K/V into pages, gather each token's sequence
+    by its block table, attend causally (windowed) by position. Negative ids never read."""
+    s = None
+
+    def attn_fn(layer, q, k, v, k_pages, v_pages, positions):
+        nonlocal s
+        _, kh, n, s, d = k_pages.shape
+        valid = slot_mapping >= 0
+        slot = jnp.where(valid, slot_mapping, n * s)  # out of range -> dropped
+        kp = k_pages[layer].reshape(kh, n * s, d)
+        vp = v_pages[layer].reshape(kh, n * s, d)
+        kp = kp.at[:, slot].set(jnp.swapaxes(k, 0, 1), mode="drop")
+        vp = vp.at[:, slot].set(jnp.swapaxes(v, 0, 1), mode="drop")
+        k_pages = k_pages.at[layer].set(kp.reshape(kh, n, s, d))
+        v_pages = v_pages.at[layer].set(vp.reshape(kh, n, s, d))
+        tables = block_tables[seq_of_token]  # [T, M]
+        m = tables.shape[1]
+        slots = (jnp.maximum(tables, 0)[:, :, None] * s + jnp.arange(s)).reshape(-1, m * s)
+        k_pos = jnp.broadcast_to(jnp.arange(m * s), slots.shape)
+        ok = jnp.repeat(tables >= 0, s, axis=1) & (k_pos <= positions[:, None])
+        keys = jnp.where(ok[..., None, None], jnp.moveaxis(kp[:, slots], 0, 2), 0)
+        vals = jnp.where(ok[..., None, None], jnp.moveaxis(vp[:, slots], 0, 2), 0)
+        window = jnp.asarray([NO_WINDOW if w is None else w for w in cfg.layer_windows()])[layer]
+        out = dense_attention(q[:, None], keys, vals, positions[:, None], k_pos, window, ok)
+        return out[:, 0], k_pages, v_pages
+
+    return attn_fn
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_paged_forward_with_injected_attn_fn_equals_dense(model_type: str) -> None:
+    """Two sequences: prefill in two chunks, then decode steps, pages prefilled with NaN."""
+    hf = {"sliding_window": 5} if model_type == "mistral" else {}
+    model = randomize(make(model_type, **hf), seed=12)
+    cfg = model.config
+    s, n = 4, 12
+    seqs = [np.asarray(ids(1, 14, seed=13)[0]), np.asarray(ids(1, 9, seed=14)[0])]
+    tables = jnp.asarray([[7, 2, 10, 0, -1], [5, 11, 3, -1, -1]], jnp.int32)
+    k_pages, v_pages = (jnp.full(p.shape, jnp.nan) for p in model.init_kv_pages(n, s))
+    dense = [np.asarray(model(jnp.asarray(x[None]))[0]) for x in seqs]
+
+    # Steps: (seq, start, stop) chunks processed together in one flat batch per step.
+    steps = [
+        [(0, 0, 6), (1, 0, 3)],
+        [(0, 6, 10), (1, 3, 7)],
+        [(0, 10, 11), (1, 7, 8)],
+        [(0, 11, 12), (1, 8, 9)],
+        [(0, 12, 13)],
+        [(0, 13, 14)],
+    ]
+
+    @jax.jit
+    def run(state, toks, pos, seq_of, slot_map, kp, vp):
+        mdl = nnx.merge(graphdef, state)
+        fn = make_attn_fn(cfg, tables, seq_of, slot_map)
+        return mdl.forward_paged(toks, pos, (kp, vp), lambda *a: fn(*a, pos))
+
+    graphdef, state = nnx.split(model)
+    for step in steps:
+        toks, pos, seq_of, slot_map, want = [], [], [], [], []
+        for sid, a, b in step:
+            for p in range(a, b):
+                toks.append(seqs[sid][p])
+                pos.append(p)
+                seq_of.append(sid)
+                slot_map.append(int(tables[sid, p // s]) * s + p % s)
+                want.append(dense[sid][p])
+        pad = 16 - len(toks)  # pad to a fixed bucket; padded rows write nowhere
+        toks, pos = toks + [0] * pad, pos + [0] * pad
+        seq_of, slot_map = seq_of + [0] * pad, slot_map + [-1] * pad
+        logits, (k_pages, v_pages) = run(
+            state,
+            *(jnp.asarray(a, jnp.int32) for a in (toks, pos, seq_of, slot_map)),
+            k_pages,
+            v_pages,
+        )
+        chex.assert_shape(logits, (16, cfg.vocab_size))
+        chex.assert_trees_all_close(logits[: len(want)], np.stack(want), atol=1e-4)
+
+
+def test_forward_paged_logits_indices_selects_rows() -> None:
+    model = randomize(make(), seed=15)
+    cfg = model.config
+    toks = ids(1, 6, seed=16)[0]
+    pos = jnp.arange(6, dtype=jnp.int32)
+    tables = jnp.asarray([[1, 0]], jnp.int32)
+    fn = make_attn_fn(cfg, tables, jnp.zeros(6, jnp.int32), jnp.asarray([4, 5, 6, 7, 0, 1]))
+    pages = model.init_kv_pages(2, 4)
+    logits, (kp, _) = model.forward_paged(
+        toks, pos, pages, lambda *a: fn(*a, pos), logits_indices=jnp.asarray([5, 2])
+    )
+    chex.assert_shape(logits, (2, cfg.vocab_size))
+    chex.assert_shape(kp, (2, 2, 2, 4, 8))  # [L, K, N, S, D]
+    dense = model(toks[None])[0]
+    chex.assert_trees_all_close(logits, dense[jnp.asarray([5, 2])], atol=1e-4)
