@@ -560,10 +560,7 @@ def allocate(
     salt = _i32(salt)
     token_ids = jnp.asarray(token_ids, _I32).reshape(-1)
     t = token_ids.shape[0]
-    if t < m * s:
-        token_ids = jnp.pad(token_ids, (0, m * s - t))
-    else:
-        token_ids = token_ids[: m * s]
+    token_ids = jnp.pad(token_ids, (0, m * s - t)) if t < m * s else token_ids[: m * s]
     blocks = token_ids.reshape(m, s)
     safe_slot = jnp.clip(slot, 0, b - 1)
 
