@@ -1,0 +1,180 @@
+"""Attention metadata and the paged attention op that model code calls.
+
+One engine step runs a *ragged batch*: up to B sequences, each contributing ``q_len`` new
+tokens (1 for a decode, a whole prompt, or a chunk of one), packed into T rows. The
+:class:`AttentionMetadata` pytree says, for that step, where each row's key/value goes in the
+paged cache and which pages each sequence reads. It is built inside ``jit`` from the block
+tables of a ``BlockState`` and the step's token counts, so allocation and attention compile
+into one program.
+
+Shape letters: B sequences in the step, T token rows, H query heads, K kv heads, D head dim,
+L layers, N blocks, S block size, M max blocks per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+import kernels_pallas as kp
+from kernels_pallas.reference import ragged_row_info
+
+__all__ = ["AttentionMetadata", "build_metadata", "metadata_from_state", "paged_attention_op"]
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """What one forward step needs to read and write the paged KV cache.
+
+    Attributes:
+      block_tables: ``i32[B, M]`` block ids of each sequence in the step (-1 = no block).
+      kv_lens: ``i32[B]`` tokens of each sequence after this step (its new tokens included).
+      cu_q_lens: ``i32[B + 1]`` cumulative new-token counts; sequence ``s`` owns rows
+        ``cu_q_lens[s]:cu_q_lens[s + 1]``.
+      num_seqs: ``i32[]`` sequences that count; the rest are padding.
+      slot_mapping: ``i32[T]`` cache slot (``block * S + offset``) of each row's K/V, -1 for
+        padding rows (their writes are skipped).
+      positions: ``i32[T]`` position of each row's token in its sequence (0 for padding rows),
+        for rotary embeddings.
+      row_valid: ``bool[T]`` which rows are real tokens.
+      row_seq: ``i32[T]`` the sequence (index into the step's B) each row belongs to.
+    """
+
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    slot_mapping: jax.Array
+    positions: jax.Array
+    row_valid: jax.Array
+    row_seq: jax.Array
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the static number of token rows."""
+        return self.slot_mapping.shape[0]
+
+
+def build_metadata(
+    block_tables: jax.Array,
+    kv_lens: jax.Array,
+    q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    num_tokens: int,
+    block_size: int,
+) -> AttentionMetadata:
+    """Build the metadata of a ragged step from per-sequence tables and counts (jit-friendly).
+
+    Args:
+      block_tables: ``i32[B, M]`` tables of the step's sequences, in row order.
+      kv_lens: ``i32[B]`` each sequence's length after the step.
+      q_lens: ``i32[B]`` each sequence's new tokens this step (``<= kv_lens``).
+      num_seqs: how many of the B sequences are real (the rest must have ``q_lens == 0``
+        or are ignored).
+      num_tokens: static T (rows in the step; ``sum(q_lens) <= T``).
+      block_size: static S.
+
+    Returns:
+      The step's :class:`AttentionMetadata`.
+    """
+    b = block_tables.shape[0]
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    live = jnp.arange(b) < num_seqs
+    q_lens = jnp.where(live, q_lens.astype(jnp.int32), 0)
+    kv_lens = jnp.where(live, kv_lens.astype(jnp.int32), 0)
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    seq, pos, valid = ragged_row_info(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    pos = jnp.where(valid, pos, 0)
+    blk = jnp.take_along_axis(block_tables[seq], (pos // block_size)[:, None], axis=1)[:, 0]
+    valid &= blk >= 0
+    slot = jnp.where(valid, blk * block_size + pos % block_size, -1)
+    return AttentionMetadata(
+        block_tables=block_tables.astype(jnp.int32),
+        kv_lens=kv_lens,
+        cu_q_lens=cu_q_lens,
+        num_seqs=num_seqs,
+        slot_mapping=slot.astype(jnp.int32),
+        positions=pos.astype(jnp.int32),
+        row_valid=valid,
+        row_seq=seq,
+    )
+
+
+def metadata_from_state(
+    state: Any,
+    slot_ids: jax.Array,
+    q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    num_tokens: int,
+    kv_lens: jax.Array | None = None,
+) -> AttentionMetadata:
+    """Metadata for a step over allocator slots ``slot_ids``, read from a ``BlockState``.
+
+    Args:
+      state: an ``allocator.BlockState`` whose tables already hold this step's tokens
+        (i.e. after ``allocator.allocate`` / ``allocator.append``).
+      slot_ids: ``i32[B]`` allocator slot of each sequence in the step (padding: any id).
+      q_lens: ``i32[B]`` new tokens per sequence this step.
+      num_seqs: real sequences among the B.
+      num_tokens: static T.
+      kv_lens: ``i32[B]`` lengths after the step; default ``state.seq_lens[slot_ids]`` (right
+        for decodes and whole prompts; a chunked prefill passes its computed length + chunk).
+    """
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    tables = state.block_tables[slot_ids]
+    if kv_lens is None:
+        kv_lens = state.seq_lens[slot_ids]
+    return build_metadata(tables, kv_lens, q_lens, num_seqs, num_tokens, state.config.block_size)
+
+
+def paged_attention_op(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    metadata: AttentionMetadata,
+    *,
+    layer: int | jax.Array | None = None,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Write this step's K/V into the paged cache, then attend over it (causal, ragged).
+
+    Args:
+      q: ``[T, H, D]`` queries of the step's rows.
+      k, v: ``[T, K, D]`` keys and values of the step's rows.
+      k_pages, v_pages: ``[K, N, S, D]``, or ``[L, K, N, S, D]`` with ``layer``.
+      metadata: the step's :class:`AttentionMetadata`.
+      layer: layer index into stacked pages (int or traced scalar, e.g. inside ``lax.scan``).
+      sm_scale, soft_cap, sliding_window, impl, interpret: as in
+        :func:`kernels_pallas.ragged_paged_attention`.
+
+    Returns:
+      ``(out [T, H, D], (k_pages, v_pages))`` with the new K/V written. Padding rows of
+      ``out`` are zeros.
+    """
+    kv_kwargs: dict[str, Any] = {} if layer is None else {"layer": layer}
+    k_pages, v_pages = kp.write_kv(k_pages, v_pages, k, v, metadata.slot_mapping, **kv_kwargs)
+    out = kp.ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        metadata.kv_lens,
+        metadata.block_tables,
+        metadata.cu_q_lens,
+        metadata.num_seqs,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        impl=impl,
+        interpret=interpret,
+        **kv_kwargs,
+    )
+    return out, (k_pages, v_pages)

@@ -1,0 +1,96 @@
+"""Flax NNX layers on the paged KV cache.
+
+:class:`PagedAttention` is the one call a Flax model swaps in for its attention: given the
+step's projected ``q, k, v`` and the layer's KV pages, it writes the new keys and values into
+the pages and attends over each sequence's whole context (ragged batch: prefill, decode,
+chunked prefill and prefix hits together). It holds no parameters; the cache is passed in and
+returned, so it stays a pure value the caller can donate across steps.
+
+Shape letters: T token rows, H query heads, K kv heads, D head dim, N blocks, S block size.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from paxcache.attention import AttentionMetadata, paged_attention_op
+
+__all__ = ["PagedAttention"]
+
+
+class PagedAttention(nnx.Module):
+    """Paged, ragged, causal attention over a block-table KV cache.
+
+    Args:
+      num_heads: H, query heads.
+      num_kv_heads: K, key/value heads (``H % K == 0``; GQA when ``H > K``).
+      head_dim: D.
+      sm_scale: logit scale, default ``D ** -0.5``.
+      soft_cap: optional logit soft cap.
+      sliding_window: optional window (a query at ``p`` sees keys in ``(p - window, p]``).
+      impl: kernel choice passed to :mod:`kernels_pallas` (``"auto"`` by default).
+      interpret: run Pallas kernels in interpret mode (CPU tests).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        sm_scale: float | None = None,
+        soft_cap: float | None = None,
+        sliding_window: int | None = None,
+        impl: str = "auto",
+        interpret: bool = False,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sm_scale = sm_scale
+        self.soft_cap = soft_cap
+        self.sliding_window = sliding_window
+        self.impl = impl
+        self.interpret = interpret
+
+    def __call__(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv_pages: tuple[jax.Array, jax.Array],
+        metadata: AttentionMetadata,
+        *,
+        layer: int | jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attend and update the cache.
+
+        Args:
+          q: ``[T, H, D]``; k, v: ``[T, K, D]`` (rotary embeddings already applied).
+          kv_pages: ``(k_pages, v_pages)``, each ``[K, N, S, D]`` or ``[L, K, N, S, D]``.
+          metadata: the step's :class:`~paxcache.attention.AttentionMetadata`.
+          layer: index into stacked pages.
+
+        Returns:
+          ``(out [T, H, D], (k_pages, v_pages))``.
+        """
+        k_pages, v_pages = kv_pages
+        return paged_attention_op(
+            q,
+            k,
+            v,
+            k_pages,
+            v_pages,
+            metadata,
+            layer=layer,
+            sm_scale=self.sm_scale,
+            soft_cap=self.soft_cap,
+            sliding_window=self.sliding_window,
+            impl=self.impl,
+            interpret=self.interpret,
+        )
