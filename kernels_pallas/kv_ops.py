@@ -1,15 +1,533 @@
-"""KV movement entry points (placeholder: reference path only until the kernels land)."""
+"""KV movement: write new tokens' K/V, copy blocks (copy-on-write, fork), swap blocks.
+
+Three public ops, semantics defined by the oracles in :mod:`kernels_pallas.reference`:
+
+* :func:`write_kv`: scatter T tokens' K/V into their slots (``block * S + offset``); slots
+  < 0 are padding and skipped.
+* :func:`copy_blocks`: copy whole blocks ``src[i] -> dst[i]``; pairs with a negative id are
+  skipped.
+* :func:`swap_blocks`: move blocks between two page arrays that may live in different memory
+  kinds (device HBM and ``pinned_host``), in either direction.
+
+Pages are ``[K, N, S, D]`` (one layer) or stacked ``[L, K, N, S, D]`` (the whole model, as
+:class:`paxcache.kv_cache.KVCache` keeps them). With stacked pages, :func:`write_kv` takes
+``layer=`` (Python int or traced ``i32`` scalar) and writes that layer in place;
+:func:`copy_blocks` copies the block in every layer at once (what copy-on-write needs).
+
+In place: every op is a pure function returning the new pages. Under ``jax.jit`` with the
+pages donated (``donate_argnums``) the XLA path is an in-place scatter and the Pallas kernels
+alias their pages input -> output (``input_output_aliases``), so writing a few tokens touches
+only those rows; tests check the compiled program has no full-size copy.
+
+``impl``: ``"auto"`` (Mosaic TPU kernel on TPU; XLA scatter on GPU, see below, and on CPU),
+``"reference"`` (the XLA path), ``"pallas"`` (the backend's kernel; on CPU the TPU kernel,
+which needs ``interpret=True``), ``"pallas_tpu"`` / ``"pallas_gpu"`` (force one family).
+The Mosaic GPU kernels (``kernels_pallas.gpu.kv_ops``) have only run in interpret mode so far,
+so ``"auto"`` on a GPU uses the XLA scatter, which XLA already performs in place on donated
+buffers; set ``kernels_pallas.kv_ops.GPU_KERNELS_BY_DEFAULT = True`` to make ``"auto"`` pick
+them once they are checked on a GPU.
+
+swap_blocks outside the TPU kernel (GPU, CPU, or ``impl="reference"``): one jitted program
+gathers the blocks on the source side into one array, moves it with ONE transfer (a
+``device_put`` to the destination memory kind inside the jit), and scatters it on the
+destination side (host-side gather/scatter run under ``compute_on("device_host")``); the
+destination is donated so the scatter is in place. The number of pairs is padded with -1 up to
+a power of two, so swapping 3, 4, 5 ... blocks compiles once per bucket, not once per count.
+
+Errors: argument problems raise ``ValueError`` naming the problem before anything is traced;
+ids are range-checked (and destinations checked for duplicates) when they are host values
+(numpy arrays, lists); device arrays are not pulled to the host for checking.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas import reference
 
+__all__ = ["IMPLS", "bucket_size", "copy_blocks", "swap_blocks", "write_kv"]
 
-def write_kv(k_pages, v_pages, k, v, slot_mapping, **kw):  # noqa: D103
-    return reference.write_kv_reference(k_pages, v_pages, k, v, slot_mapping)
+logger = logging.getLogger(__name__)
+
+IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
+
+#: ``impl="auto"`` on a GPU uses the Mosaic GPU kernels only when this is True (see module doc).
+GPU_KERNELS_BY_DEFAULT = False
+
+_HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-def copy_blocks(k_pages, v_pages, src, dst, **kw):  # noqa: D103
-    return reference.copy_blocks_reference(k_pages, v_pages, src, dst)
+# --------------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------------
 
 
-def swap_blocks(src_pages, dst_pages, src_ids, dst_ids, **kw):  # noqa: D103
-    return reference.swap_blocks_reference(src_pages, dst_pages, src_ids, dst_ids)
+def _dtype_of(x: Any) -> np.dtype:
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _is_int(x: Any) -> bool:
+    return jnp.issubdtype(_dtype_of(x), jnp.integer)
+
+
+def _host_value(x: Any) -> np.ndarray | None:
+    """``x`` as numpy when it is a host value (numpy / list / tuple / int), else None."""
+    if isinstance(x, (np.ndarray, list, tuple, int, np.integer)):
+        return np.asarray(x)
+    return None
+
+
+def _check_ids(name: str, what: str, ids: Any, length: int | None) -> int:
+    shape = np.shape(ids)
+    if len(shape) != 1:
+        raise ValueError(f"{name}: {what} must be a 1-D integer array, got shape {shape}")
+    if not _is_int(ids):
+        raise ValueError(f"{name}: {what} must be integer, got dtype {_dtype_of(ids)}")
+    if length is not None and shape[0] != length:
+        raise ValueError(f"{name}: {what} has length {shape[0]}, expected {length}")
+    return shape[0]
+
+
+def _check_range(name: str, what: str, ids: Any, limit: int, limit_desc: str) -> None:
+    host = _host_value(ids)
+    if host is None or host.size == 0:
+        return
+    if int(host.max()) >= limit:
+        raise ValueError(
+            f"{name}: {what} contains {int(host.max())}, out of range for {limit_desc}={limit} "
+            "(use a negative id to skip an entry)"
+        )
+
+
+def _check_distinct_dst(name: str, src: Any, dst: Any, *, dst_not_src: bool) -> None:
+    hs, hd = _host_value(src), _host_value(dst)
+    if hs is None or hd is None:
+        return
+    live = (hs >= 0) & (hd >= 0)
+    d = hd[live]
+    if np.unique(d).size != d.size:
+        raise ValueError(f"{name}: destination ids must be distinct, got {d.tolist()}")
+    if dst_not_src and np.intersect1d(d, hs[live]).size:
+        raise ValueError(
+            f"{name}: a destination is also a source ({np.intersect1d(d, hs[live]).tolist()}); "
+            "in-place block copies need destinations disjoint from sources"
+        )
+
+
+def _check_pages_pair(name: str, k_pages: Any, v_pages: Any) -> None:
+    if k_pages.ndim not in (4, 5):
+        raise ValueError(
+            f"{name}: k_pages must have rank 4 [K, N, S, D] or 5 [L, K, N, S, D], "
+            f"got shape {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"{name}: k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}"
+        )
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"{name}: k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}"
+        )
+
+
+def _check_layer(name: str, pages: Any, layer: Any) -> None:
+    if pages.ndim == 5:
+        if layer is None:
+            raise ValueError(f"{name}: pages of rank 5 [L, K, N, S, D] need layer= (int or i32)")
+        if isinstance(layer, (int, np.integer)):
+            if not 0 <= int(layer) < pages.shape[0]:
+                raise ValueError(
+                    f"{name}: layer={int(layer)} out of range for {pages.shape[0]} layers"
+                )
+        elif np.ndim(layer) != 0 or not _is_int(layer):
+            raise ValueError(f"{name}: layer must be an integer scalar, got {layer!r}")
+    elif layer is not None:
+        raise ValueError(
+            f"{name}: layer= given but pages have rank 4 {pages.shape}; pass stacked "
+            "[L, K, N, S, D] pages to select a layer"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_family(name: str, impl: str, interpret: bool) -> str:
+    """Map ``impl`` + backend to one of ``"reference"``, ``"tpu"``, ``"gpu"``."""
+    if impl not in IMPLS:
+        raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl == "reference":
+        return "reference"
+    if impl == "auto":
+        if backend == "tpu":
+            return "tpu"
+        if backend == "gpu" and GPU_KERNELS_BY_DEFAULT:
+            return "gpu"
+        return "reference"
+    family = ("gpu" if backend == "gpu" else "tpu") if impl == "pallas" else impl[7:]
+    if family == "tpu" and backend != "tpu" and not interpret:
+        raise ValueError(
+            f"{name}: impl={impl!r} runs the Mosaic TPU kernel, which needs a TPU backend or "
+            f"interpret=True (backend is {backend!r})"
+        )
+    if family == "gpu" and backend != "gpu" and not interpret:
+        raise ValueError(
+            f"{name}: impl={impl!r} runs the Mosaic GPU kernel, which needs a GPU backend or "
+            f"interpret=True (backend is {backend!r})"
+        )
+    return family
+
+
+def _kernels(family: str):
+    return importlib.import_module(f"kernels_pallas.{family}.kv_ops")
+
+
+# --------------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------------
+
+
+def _write_xla(pages: jax.Array, new: jax.Array, slots: jax.Array, layer: Any) -> jax.Array:
+    """In-place-able scatter of ``new [T, K, D]`` into ``pages`` at flat slot indices."""
+    n, s, d = pages.shape[-3:]
+    kh = pages.shape[-4]
+    slots = jnp.where(slots < 0, n * s, slots)  # out of range -> dropped
+    new = new.astype(pages.dtype)
+    if pages.ndim == 4:
+        flat = pages.reshape(kh, n * s, d)
+        flat = flat.at[:, slots].set(jnp.swapaxes(new, 0, 1), mode="drop")
+    else:
+        flat = pages.reshape(pages.shape[0], kh, n * s, d)
+        # Advanced indices (layer, slots) split by a slice: the indexed shape is [T, K, D].
+        layer = jnp.asarray(layer, jnp.int32)
+        flat = flat.at[layer, :, slots].set(new, mode="drop")
+    return flat.reshape(pages.shape)
+
+
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter T new tokens' K and V into their slots.
+
+    Args:
+      k_pages, v_pages: ``[K, N, S, D]``, or stacked ``[L, K, N, S, D]`` with ``layer``.
+      k, v: ``[T, K, D]`` in the pages' dtype (cast before calling).
+      slot_mapping: ``i32[T]``: ``block * S + offset``; negative = padding, skipped. Live
+        slots must be distinct.
+      layer: layer to write in stacked pages (Python int or traced ``i32`` scalar).
+      impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"``.
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+
+    Returns:
+      The updated ``(k_pages, v_pages)`` (in place when the inputs are donated under jit).
+
+    Raises:
+      ValueError: bad ranks, shapes, dtypes, layer, impl, or (host values) out-of-range or
+        duplicate slots.
+    """
+    name = "write_kv"
+    _check_pages_pair(name, k_pages, v_pages)
+    _check_layer(name, k_pages, layer)
+    kh, n, s, d = k_pages.shape[-4:]
+    if k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"{name}: k and v must both be [T, K, D] with the same shape, got {k.shape} and "
+            f"{v.shape}"
+        )
+    if k.shape[1:] != (kh, d):
+        raise ValueError(
+            f"{name}: k/v are [T, K, D] = {k.shape} but pages have K={kh}, D={d} "
+            f"(pages {k_pages.shape})"
+        )
+    if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
+        raise ValueError(
+            f"{name}: dtype mismatch: k/v are {k.dtype}/{v.dtype}, pages are {k_pages.dtype}; "
+            "cast the new K/V to the cache dtype first"
+        )
+    t = _check_ids(name, "slot_mapping", slot_mapping, k.shape[0])
+    _check_range(name, "slot_mapping", slot_mapping, n * s, "N * S")
+    host = _host_value(slot_mapping)
+    if host is not None:
+        live = host[host >= 0]
+        if np.unique(live).size != live.size:
+            raise ValueError(f"{name}: slot_mapping has duplicate live slots")
+    family = _resolve_family(name, impl, interpret)
+    slots = jnp.asarray(slot_mapping, jnp.int32)
+    if t == 0:
+        return k_pages, v_pages
+    if family == "reference":
+        return _write_xla(k_pages, k, slots, layer), _write_xla(v_pages, v, slots, layer)
+    fn = _kernels(family).write_kv_tpu if family == "tpu" else _kernels(family).write_kv_gpu
+    return fn(k_pages, v_pages, k, v, slots, 0 if layer is None else layer, interpret=interpret)
+
+
+# --------------------------------------------------------------------------------------------
+# copy_blocks
+# --------------------------------------------------------------------------------------------
+
+
+def copy_blocks(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    src: jax.Array,
+    dst: jax.Array,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Copy whole blocks ``src[i] -> dst[i]`` in K and V pages (every layer when stacked).
+
+    Args:
+      k_pages, v_pages: ``[K, N, S, D]`` or ``[L, K, N, S, D]``.
+      src, dst: ``i32[P]`` block ids; a pair with a negative id is skipped. Destinations must
+        be distinct and must not also be sources (copy-on-write targets fresh blocks); all
+        reads see the pages as they were before the call.
+      impl, interpret: as in :func:`write_kv`.
+
+    Returns:
+      The updated ``(k_pages, v_pages)``.
+
+    Raises:
+      ValueError: bad ranks/shapes/dtypes, mismatched id lengths, (host values) ids out of
+        range, duplicate destinations or a destination that is also a source.
+    """
+    name = "copy_blocks"
+    _check_pages_pair(name, k_pages, v_pages)
+    p = _check_ids(name, "src", src, None)
+    _check_ids(name, "dst", dst, p)
+    n = k_pages.shape[-3]
+    _check_range(name, "src", src, n, "num_blocks N")
+    _check_range(name, "dst", dst, n, "num_blocks N")
+    _check_distinct_dst(name, src, dst, dst_not_src=True)
+    family = _resolve_family(name, impl, interpret)
+    if p == 0:
+        return k_pages, v_pages
+    src = jnp.asarray(src, jnp.int32)
+    dst = jnp.asarray(dst, jnp.int32)
+    if family == "reference":
+        return reference.copy_blocks_reference(k_pages, v_pages, src, dst)
+    mod = _kernels(family)
+    fn = mod.copy_blocks_tpu if family == "tpu" else mod.copy_blocks_gpu
+    return fn(k_pages, v_pages, src, dst, interpret=interpret)
+
+
+# --------------------------------------------------------------------------------------------
+# swap_blocks
+# --------------------------------------------------------------------------------------------
+
+
+def bucket_size(p: int) -> int:
+    """Padded pair count for ``p`` pairs: the next power of two (at least 1)."""
+    return 1 if p <= 1 else 1 << (int(p) - 1).bit_length()
+
+
+def _memory_kind(x: Any) -> str | None:
+    """Memory kind of a concrete array (None for tracers / numpy)."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return None
+    return getattr(x.sharding, "memory_kind", None)
+
+
+def _pad_ids(ids: Any, size: int) -> jax.Array:
+    host = _host_value(ids)
+    if host is not None:
+        out = np.full((size,), -1, np.int32)
+        out[: host.shape[0]] = host
+        return jnp.asarray(out)
+    ids = jnp.asarray(ids, jnp.int32)
+    return jnp.pad(ids, (0, size - ids.shape[0]), constant_values=-1)
+
+
+def _gather(srcs: tuple[jax.Array, ...], s_idx: jax.Array) -> jax.Array:
+    """All sources' blocks stacked into one array ``[A, ..., P, S, D]`` (one transfer)."""
+    # Unsigned, pre-clamped indices with promise_in_bounds: no index-normalizing compares,
+    # whose constants would live in device memory and break a host-side (compute_on) gather.
+    idx = (Ellipsis, s_idx.astype(jnp.uint32), slice(None), slice(None))
+    return jnp.stack([x.at[idx].get(mode="promise_in_bounds") for x in srcs])
+
+
+def _scatter(dsts: tuple[jax.Array, ...], blocks: jax.Array, d_idx: jax.Array) -> tuple:
+    idx = (Ellipsis, d_idx, slice(None), slice(None))
+    return tuple(x.at[idx].set(blocks[i].astype(x.dtype), mode="drop") for i, x in enumerate(dsts))
+
+
+@functools.lru_cache(maxsize=64)
+def _swap_program(
+    src_host: bool, dst_host: bool, dst_shardings: tuple, use_tpu: bool, donate: bool
+):
+    """One jitted program: gather on the source side, one transfer, scatter on the dest side."""
+    from jax.experimental.compute_on import compute_on
+
+    def program(srcs, dsts, src_ids, dst_ids):
+        n_dst = dsts[0].shape[-3]
+        skip = (src_ids < 0) | (dst_ids < 0)
+        s_idx = jnp.clip(jnp.where(skip, 0, src_ids), 0, srcs[0].shape[-3] - 1)
+        d_idx = jnp.where(skip, n_dst, dst_ids)
+        if use_tpu:
+            from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
+
+            return swap_blocks_tpu(
+                srcs, dsts, src_ids, dst_ids, src_host=src_host, dst_host=dst_host
+            )
+        host = jax.memory.Space.Host
+        if src_host:
+            s_idx = jax.device_put(s_idx, host)
+            blocks = compute_on("device_host")(jax.jit(_gather))(srcs, s_idx)
+        else:
+            blocks = _gather(srcs, s_idx)
+        space = host if dst_host else jax.memory.Space.Device
+        blocks = jax.device_put(blocks, space)  # the one transfer
+        if dst_host:
+            d_idx = jax.device_put(d_idx, host)
+            return compute_on("device_host")(jax.jit(_scatter))(dsts, blocks, d_idx)
+        return _scatter(dsts, blocks, d_idx)
+
+    return jax.jit(program, donate_argnums=(1,) if donate else (), out_shardings=dst_shardings)
+
+
+def swap_blocks(
+    src_pages: jax.Array | Sequence[jax.Array],
+    dst_pages: jax.Array | Sequence[jax.Array],
+    src_ids: Any,
+    dst_ids: Any,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    donate: bool = True,
+) -> jax.Array | tuple[jax.Array, ...]:
+    """Copy blocks ``src_pages[..., src_ids[i], :, :] -> dst_pages[..., dst_ids[i], :, :]``.
+
+    The two sides may live in different memory kinds (device and ``pinned_host``); the result
+    keeps ``dst_pages``' sharding and memory kind. A tuple of page arrays (e.g. ``(k, v)``)
+    moves all of them in one program and one transfer.
+
+    Called on concrete arrays (outside jit) it runs one cached jitted program per
+    (shapes, memory kinds, pair bucket) with ``dst_pages`` donated (so the destination is
+    updated in place and the passed ``dst_pages`` are consumed; pass ``donate=False`` to keep
+    them). Under a trace it is the pure reference math (memory placement is then the caller's
+    jit's business).
+
+    Args:
+      src_pages: ``[..., N_src, S, D]`` or a tuple of such arrays.
+      dst_pages: ``[..., N_dst, S, D]`` (same leading and trailing dims and dtype) or a tuple.
+      src_ids, dst_ids: ``i32[P]``; a pair with a negative id is skipped. Destinations must
+        be distinct.
+      impl: ``"auto"`` (Pallas DMA kernel on TPU, memory-kinds program elsewhere),
+        ``"reference"`` (memory-kinds program), ``"pallas"``/``"pallas_tpu"`` (TPU kernel;
+        with ``interpret=True`` on CPU, device arrays only), ``"pallas_gpu"`` (no GPU swap
+        kernel: same as ``"reference"``).
+      interpret: run the TPU kernel in interpret mode.
+      donate: donate ``dst_pages`` (in-place update).
+
+    Returns:
+      The updated destination pages (an array, or a tuple when tuples were given).
+
+    Raises:
+      ValueError: mismatched shapes/dtypes/structure, ids of different lengths, (host
+        values) ids out of range or duplicate destinations.
+    """
+    name = "swap_blocks"
+    single = not isinstance(src_pages, (tuple, list))
+    srcs = (src_pages,) if single else tuple(src_pages)
+    dsts = (dst_pages,) if not isinstance(dst_pages, (tuple, list)) else tuple(dst_pages)
+    if len(srcs) != len(dsts) or not srcs:
+        raise ValueError(
+            f"{name}: src_pages and dst_pages must be arrays or tuples of the same length, got "
+            f"{len(srcs)} and {len(dsts)}"
+        )
+    for a, b in zip(srcs, dsts, strict=True):
+        if a.ndim < 3 or a.ndim != b.ndim:
+            raise ValueError(
+                f"{name}: pages must be [..., N, S, D] of equal rank, got {a.shape} and {b.shape}"
+            )
+        if a.shape[:-3] != b.shape[:-3] or a.shape[-2:] != b.shape[-2:]:
+            raise ValueError(
+                f"{name}: src and dst pages differ outside the block axis: {a.shape} vs {b.shape}"
+            )
+        if a.dtype != b.dtype:
+            raise ValueError(f"{name}: dtype mismatch: src {a.dtype} vs dst {b.dtype}")
+        if a.shape != srcs[0].shape or b.shape != dsts[0].shape:
+            raise ValueError(f"{name}: all page arrays on one side must have the same shape")
+    p = _check_ids(name, "src_ids", src_ids, None)
+    _check_ids(name, "dst_ids", dst_ids, p)
+    _check_range(name, "src_ids", src_ids, srcs[0].shape[-3], "source blocks")
+    _check_range(name, "dst_ids", dst_ids, dsts[0].shape[-3], "destination blocks")
+    _check_distinct_dst(name, src_ids, dst_ids, dst_not_src=False)
+    family = _resolve_family(name, impl, interpret)
+
+    def ret(out: tuple) -> Any:
+        return out[0] if single else tuple(out)
+
+    if p == 0:
+        return ret(dsts)
+    traced = any(isinstance(x, jax.core.Tracer) for x in (*srcs, *dsts))
+    if traced:
+        s_ids = jnp.asarray(src_ids, jnp.int32)
+        d_ids = jnp.asarray(dst_ids, jnp.int32)
+        if family == "tpu":
+            from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
+
+            return ret(
+                swap_blocks_tpu(
+                    srcs, dsts, s_ids, d_ids, src_host=False, dst_host=False, interpret=interpret
+                )
+            )
+        return ret(
+            tuple(
+                reference.swap_blocks_reference(a, b, s_ids, d_ids)
+                for a, b in zip(srcs, dsts, strict=True)
+            )
+        )
+    size = bucket_size(p)
+    s_ids, d_ids = _pad_ids(src_ids, size), _pad_ids(dst_ids, size)
+    src_host = _memory_kind(srcs[0]) in _HOST_KINDS
+    dst_host = _memory_kind(dsts[0]) in _HOST_KINDS
+    shardings = tuple(x.sharding for x in dsts)
+    if family == "tpu" and interpret:
+        if src_host or dst_host:
+            raise ValueError(
+                f"{name}: the TPU interpreter (JAX {jax.__version__}) cannot take pinned_host "
+                "operands; interpret-test the TPU swap kernel with device arrays only"
+            )
+        return ret(_tpu_interpret_swap(donate)(srcs, dsts, s_ids, d_ids))
+    global _TPU_SWAP_FAILED
+    if family == "tpu" and not _TPU_SWAP_FAILED:
+        try:
+            fn = _swap_program(src_host, dst_host, shardings, True, donate)
+            return ret(fn(srcs, dsts, s_ids, d_ids))
+        except Exception as e:  # lowering/compile failure happens before donation
+            _TPU_SWAP_FAILED = True
+            logger.warning("TPU swap kernel failed (%s); using the memory-kinds program", e)
+    fn = _swap_program(src_host, dst_host, shardings, False, donate)
+    return ret(fn(srcs, dsts, s_ids, d_ids))
+
+
+_TPU_SWAP_FAILED = False
+
+
+@functools.lru_cache(maxsize=2)
+def _tpu_interpret_swap(donate: bool):
+    from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
+
+    return jax.jit(
+        functools.partial(swap_blocks_tpu, src_host=False, dst_host=False, interpret=True),
+        donate_argnums=(1,) if donate else (),
+    )

@@ -283,16 +283,18 @@ def copy_blocks_reference(
     All reads see the pages as they were before the call. Destinations must be distinct.
 
     Args:
-      k_pages, v_pages: ``[K, N, S, D]``.
+      k_pages, v_pages: ``[K, N, S, D]``, or any ``[..., N, S, D]`` such as stacked
+        ``[L, K, N, S, D]`` (the block is copied in every leading row, e.g. every layer).
       src, dst: ``i32[P]``.
     """
-    n = k_pages.shape[1]
+    n = k_pages.shape[-3]
     skip = (src < 0) | (dst < 0)
     d_idx = jnp.where(skip, n, dst)
     s_idx = jnp.maximum(src, 0)
 
     def cp(pages: jax.Array) -> jax.Array:
-        return pages.at[:, d_idx].set(pages[:, s_idx], mode="drop")
+        idx = (Ellipsis, d_idx, slice(None), slice(None))
+        return pages.at[idx].set(jnp.take(pages, s_idx, axis=-3), mode="drop")
 
     return cp(k_pages), cp(v_pages)
 
