@@ -1,0 +1,394 @@
+"""KVCache: the whole model's paged K/V on the device, plus a host pool for swapping.
+
+Layout. K and V pages are each ONE stacked array ``[L, K, N, S, D]`` (layers, kv heads,
+device blocks, block size, head dim) rather than a list of per-layer arrays, because:
+
+* the model runs its layers under ``lax.scan`` (compile time independent of depth); a scan
+  carries one array, and layer ``i`` is written in place with ``write_kv(..., layer=i)``
+  (a dynamic index into the stacked buffer, no per-layer copy) and read the same way by the
+  attention kernels (``layer=``);
+* the engine donates the cache across steps: two buffers to donate and alias, not ``2L``;
+* copy-on-write, fork and swap move a block in *every* layer: with stacked pages that is one
+  gather/scatter (or one DMA per block) over ``[L, K, S, D]`` instead of ``L`` of them.
+
+The host pool ``host_k``, ``host_v`` is ``[L, K, NH, S, D]`` with ``memory_kind="pinned_host"``
+(``None`` when ``num_host_blocks == 0``). Swapping uses :func:`kernels_pallas.swap_blocks`:
+gather on the source side, one transfer, scatter on the destination side (a Pallas DMA kernel
+on TPU).
+
+Every function returns a new ``KVCache``; the arrays they update are donated where the call
+runs its own program (``swap_out`` donates the host pool, ``swap_in`` the device pages), so
+always continue with the returned cache. ``write_layer`` and ``apply_copies`` are pure
+functions meant to run inside the engine's jitted step with the cache donated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding, SingleDeviceSharding
+
+import kernels_pallas as kp
+
+__all__ = [
+    "KVCache",
+    "apply_copies",
+    "bytes_per_block",
+    "host_memory_kind",
+    "num_blocks_for_budget",
+    "swap_in",
+    "swap_out",
+    "write_layer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def host_memory_kind(device: jax.Device | None = None) -> str:
+    """The host memory kind used for the swap pool: ``pinned_host`` when the device has it."""
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" in kinds:
+        return "pinned_host"
+    if "unpinned_host" in kinds:
+        logger.warning("device %s has no pinned_host memory; using unpinned_host", device)
+        return "unpinned_host"
+    raise ValueError(f"device {device} has no host memory kind (has {sorted(kinds)})")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Paged K/V for every layer, on the device, plus an optional host pool.
+
+    Attributes:
+      k: ``[L, K, N, S, D]`` key pages on the device.
+      v: ``[L, K, N, S, D]`` value pages on the device.
+      host_k: ``[L, K, NH, S, D]`` key blocks in ``pinned_host`` memory, or None (NH = 0).
+      host_v: ``[L, K, NH, S, D]`` value blocks in ``pinned_host`` memory, or None.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    host_k: jax.Array | None = None
+    host_v: jax.Array | None = None
+
+    # ---- shape accessors -----------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[4]
+
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self.host_k is None else self.host_k.shape[2]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.k.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes in K and V over all layers."""
+        return bytes_per_block(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+        )
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: Any = jnp.bfloat16,
+        num_host_blocks: int = 0,
+        sharding: Sharding | None = None,
+        *,
+        fill_value: float = 0.0,
+    ) -> KVCache:
+        """Allocate the cache.
+
+        Args:
+          num_layers, num_kv_heads, head_dim, num_blocks, block_size: L, K, D, N, S.
+          dtype: page dtype (e.g. ``jnp.bfloat16``).
+          num_host_blocks: NH blocks in the host pool (0 = no pool, no swapping).
+          sharding: sharding of the device pages (rank 5; e.g. a ``NamedSharding`` splitting
+            kv heads over a ``tp`` axis). The host pool uses the same sharding with the host
+            memory kind. Default: the first device.
+          fill_value: initial value of every page; tests use ``float("nan")`` to prove nothing
+            unwritten is ever read.
+
+        Raises:
+          ValueError: a non-positive dimension or negative ``num_host_blocks``.
+        """
+        dims = dict(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+        )
+        for name, val in dims.items():
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"KVCache.create: {name} must be a positive int, got {val!r}")
+        if (
+            isinstance(num_host_blocks, bool)
+            or not isinstance(num_host_blocks, (int, np.integer))
+            or num_host_blocks < 0
+        ):
+            raise ValueError(
+                f"KVCache.create: num_host_blocks must be an int >= 0, got {num_host_blocks!r}"
+            )
+        if num_blocks * block_size >= 2**31:
+            raise ValueError("KVCache.create: num_blocks * block_size must fit in int32")
+        dtype = jnp.dtype(dtype)
+        if sharding is None:
+            sharding = SingleDeviceSharding(jax.devices()[0])
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+
+        def fill() -> jax.Array:
+            return jnp.full(shape, fill_value, dtype)
+
+        make = jax.jit(fill, out_shardings=sharding)
+        k, v = make(), make()
+        host_k = host_v = None
+        if num_host_blocks:
+            device = next(iter(sharding.device_set))
+            host_sharding = sharding.with_memory_kind(host_memory_kind(device))
+            hshape = (num_layers, num_kv_heads, num_host_blocks, block_size, head_dim)
+            # Built from numpy on the host: the pool never has to fit in device memory.
+            host_k = jax.device_put(np.full(hshape, fill_value, dtype), host_sharding)
+            host_v = jax.device_put(np.full(hshape, fill_value, dtype), host_sharding)
+        return cls(k=k, v=v, host_k=host_k, host_v=host_v)
+
+    # ---- method forms of the module functions --------------------------------------------
+    def write_layer(self, layer, k, v, slot_mapping, **kw) -> KVCache:
+        return write_layer(self, layer, k, v, slot_mapping, **kw)
+
+    def apply_copies(self, src, dst, **kw) -> KVCache:
+        return apply_copies(self, src, dst, **kw)
+
+    def swap_out(self, plan_src, plan_dst, num=None, **kw) -> KVCache:
+        return swap_out(self, plan_src, plan_dst, num, **kw)
+
+    def swap_in(self, plan_src, plan_dst, num=None, **kw) -> KVCache:
+        return swap_in(self, plan_src, plan_dst, num, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Operations
+# --------------------------------------------------------------------------------------------
+
+
+def write_layer(
+    cache: KVCache,
+    layer: int | jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> KVCache:
+    """Write T new tokens' K/V of one layer into their slots (in place under donation).
+
+    Args:
+      cache: the cache.
+      layer: layer index (Python int or traced ``i32`` scalar, e.g. inside ``lax.scan``).
+      k, v: ``[T, K, D]`` in the cache dtype.
+      slot_mapping: ``i32[T]``, ``block * S + offset``; negative = padding, skipped.
+      impl, interpret: see :func:`kernels_pallas.write_kv`.
+    """
+    new_k, new_v = kp.write_kv(
+        cache.k, cache.v, k, v, slot_mapping, layer=layer, impl=impl, interpret=interpret
+    )
+    return cache.replace(k=new_k, v=new_v)
+
+
+def apply_copies(
+    cache: KVCache,
+    src: jax.Array,
+    dst: jax.Array,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> KVCache:
+    """Apply copy-on-write / fork pairs ``src[i] -> dst[i]`` to every layer's K and V.
+
+    Args:
+      cache: the cache.
+      src, dst: ``i32[P]`` device block ids padded with -1 (e.g. the allocator's
+        ``copy_src`` / ``copy_dst``).
+    """
+    new_k, new_v = kp.copy_blocks(cache.k, cache.v, src, dst, impl=impl, interpret=interpret)
+    return cache.replace(k=new_k, v=new_v)
+
+
+def _plan_ids(src: Any, dst: Any, num: Any) -> tuple[Any, Any]:
+    """Trim a padded plan to its first ``num`` pairs (host values; None keeps the padding)."""
+    if num is None:
+        return src, dst
+    n = int(num)
+    src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
+    if not 0 <= n <= src.shape[0]:
+        raise ValueError(f"swap plan num={n} out of range for a plan of length {src.shape[0]}")
+    return src[:n], dst[:n]
+
+
+def _need_host(cache: KVCache, name: str) -> None:
+    if cache.host_k is None:
+        raise ValueError(f"{name}: the cache has no host pool (num_host_blocks=0)")
+
+
+def swap_out(
+    cache: KVCache,
+    plan_src: Any,
+    plan_dst: Any,
+    num: Any = None,
+    *,
+    impl: str = "auto",
+) -> KVCache:
+    """Copy device blocks ``plan_src[i]`` to host blocks ``plan_dst[i]`` (K and V, all layers).
+
+    One program: gather on the device, one device -> host transfer, scatter into the host
+    pool (donated: the passed cache's host arrays are consumed; use the returned cache).
+
+    Args:
+      cache: the cache (with a host pool).
+      plan_src: ``i32[P]`` device block ids, -1 padded (allocator ``SwapPlan.src``).
+      plan_dst: ``i32[P]`` host block ids, -1 padded (``SwapPlan.dst``).
+      num: optional number of valid leading pairs (``SwapPlan.num``); when given, only those
+        are moved (pulls the plan to the host), otherwise the whole padded plan runs.
+      impl: see :func:`kernels_pallas.swap_blocks`.
+    """
+    _need_host(cache, "swap_out")
+    src, dst = _plan_ids(plan_src, plan_dst, num)
+    host_k, host_v = kp.swap_blocks(
+        (cache.k, cache.v), (cache.host_k, cache.host_v), src, dst, impl=impl
+    )
+    return cache.replace(host_k=host_k, host_v=host_v)
+
+
+def swap_in(
+    cache: KVCache,
+    plan_src: Any,
+    plan_dst: Any,
+    num: Any = None,
+    *,
+    impl: str = "auto",
+) -> KVCache:
+    """Copy host blocks ``plan_src[i]`` to device blocks ``plan_dst[i]`` (K and V, all layers).
+
+    One program: gather in the host pool, one host -> device transfer, scatter into the
+    device pages (donated: use the returned cache).
+
+    Args:
+      cache: the cache (with a host pool).
+      plan_src: ``i32[P]`` host block ids, -1 padded (allocator ``SwapPlan.src``).
+      plan_dst: ``i32[P]`` device block ids, -1 padded (``SwapPlan.dst``).
+      num: optional number of valid leading pairs, as in :func:`swap_out`.
+      impl: see :func:`kernels_pallas.swap_blocks`.
+    """
+    _need_host(cache, "swap_in")
+    src, dst = _plan_ids(plan_src, plan_dst, num)
+    new_k, new_v = kp.swap_blocks(
+        (cache.host_k, cache.host_v), (cache.k, cache.v), src, dst, impl=impl
+    )
+    return cache.replace(k=new_k, v=new_v)
+
+
+# --------------------------------------------------------------------------------------------
+# Sizing
+# --------------------------------------------------------------------------------------------
+
+
+def bytes_per_block(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: Any
+) -> int:
+    """Bytes of one block: K and V, every layer: ``2 * L * K * S * D * itemsize``."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def num_blocks_for_budget(
+    bytes_or_fraction: int | float,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: Any,
+    device: jax.Device | None = None,
+) -> tuple[int, int]:
+    """How many blocks fit in a memory budget.
+
+    Args:
+      bytes_or_fraction: an ``int`` is a budget in bytes. A ``float`` in ``(0, 1]`` is a
+        fraction of the device's *free* memory, ``bytes_limit - bytes_in_use`` from
+        ``device.memory_stats()`` (like vLLM's ``gpu_memory_utilization``, but measured
+        against what is free now, so call it after the weights are loaded). Backends without
+        memory stats (the CPU) need an explicit byte budget.
+      num_layers, num_kv_heads, head_dim, block_size, dtype: the model's KV dimensions
+        (``num_kv_heads`` per device when heads are sharded).
+      device: the device to size for (default: the first device).
+
+    Returns:
+      ``(num_blocks, bytes_per_block)``.
+
+    Raises:
+      ValueError: a bad budget, a fraction on a device without memory stats, or a budget too
+        small for one block.
+    """
+    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+    if isinstance(bytes_or_fraction, bool):
+        raise ValueError(
+            f"budget must be bytes (int) or a fraction (float), got {bytes_or_fraction!r}"
+        )
+    if isinstance(bytes_or_fraction, (int, np.integer)):
+        budget = int(bytes_or_fraction)
+        if budget <= 0:
+            raise ValueError(f"byte budget must be positive, got {budget}")
+    elif isinstance(bytes_or_fraction, (float, np.floating)):
+        frac = float(bytes_or_fraction)
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"memory fraction must be in (0, 1], got {frac}")
+        device = device or jax.devices()[0]
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError(
+                f"device {device} reports no memory stats; pass the KV budget in bytes (int) "
+                "instead of a fraction"
+            )
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        budget = int(frac * max(free, 0))
+    else:
+        raise ValueError(
+            f"budget must be bytes (int) or a fraction (float), got {bytes_or_fraction!r}"
+        )
+    n = budget // per_block
+    if n < 1:
+        raise ValueError(
+            f"KV budget of {budget} bytes holds no block of {per_block} bytes "
+            f"(L={num_layers}, K={num_kv_heads}, D={head_dim}, S={block_size}, {jnp.dtype(dtype)})"
+        )
+    return int(n), per_block
