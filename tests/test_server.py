@@ -1,0 +1,634 @@
+"""Tests for the OpenAI-compatible server (paxcache/server.py, scripts/serve.py).
+
+Two layers:
+- In-process: the app around a small fake engine, served by uvicorn in a thread on a free
+  loopback port (fast; covers the protocol, validation, backpressure, faults, disconnects).
+- Subprocess: the real ``scripts/serve.py`` with the bundled tiny model and the real engine,
+  driven by the official ``openai`` client (skipped while the engine is not importable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from paxcache.errors import DuplicateSequenceError, SequenceTooLongError
+from paxcache.models.tokenizer import ByteTokenizer
+from paxcache.outputs import CompletionOutput, RequestOutput
+from paxcache.sampling import SamplingParams
+from paxcache.server import create_app
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# A fake engine with the Engine interface
+
+
+class FakeEngine:
+    """Deterministic stand-in for ``paxcache.Engine``: one token per request per step.
+
+    Greedy completions spell ``"hello world, "`` repeatedly (shifted by the prompt length);
+    sampled ones draw lowercase letters from ``random.Random((seed, index, step))``. Every
+    request holds ``ceil((prompt + generated) / block_size)`` blocks while alive.
+    """
+
+    model_name = "fake-model"
+
+    def __init__(
+        self,
+        *,
+        step_delay: float = 0.0,
+        max_model_len: int = 256,
+        num_blocks: int = 4096,
+        block_size: int = 16,
+        max_num_seqs: int = 8,
+    ) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.reqs: dict[str, dict] = {}
+        self.fail_steps = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.generated = 0
+        self.warmed_up = False
+        self.aborted: list[str] = []
+        self.lock = threading.Lock()  # proves single-thread ownership: never contended
+
+    def warmup(self) -> None:
+        self.warmed_up = True
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+        if request_id in self.reqs:
+            raise DuplicateSequenceError(request_id)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise SequenceTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self.reqs[request_id] = {
+            "prompt": prompt if isinstance(prompt, str) else None,
+            "ids": ids,
+            "params": params,
+            "seed": seed,
+            "outs": [
+                CompletionOutput(index=j, logprobs=[] if params.logprobs is not None else None)
+                for j in range(params.n)
+            ],
+            "order": len(self.reqs) + len(self.aborted) + self.generated,
+        }
+
+    def _next_token(self, r: dict, j: int, step: int) -> int:
+        p: SamplingParams = r["params"]
+        if p.greedy:
+            text = "hello world, "
+            return ord(text[(len(r["ids"]) + step) % len(text)])
+        rng = random.Random(hash((r["seed"], j, step)))
+        return ord(rng.choice("abcdefghijklmnopqrstuvwxyz "))
+
+    def step(self) -> list[RequestOutput]:
+        assert self.lock.acquire(blocking=False), "engine used from two threads at once"
+        try:
+            self.gate.wait()
+            if self.step_delay:
+                time.sleep(self.step_delay)
+            if self.fail_steps:
+                self.fail_steps -= 1
+                raise RuntimeError("injected engine failure")
+            results = []
+            for rid in list(self.reqs)[: self.max_num_seqs]:
+                r = self.reqs[rid]
+                p: SamplingParams = r["params"]
+                for c in r["outs"]:
+                    c.new_token_ids, c.new_text = [], ""
+                    if c.finish_reason is not None:
+                        continue
+                    tok = self._next_token(r, c.index, len(c.token_ids))
+                    c.token_ids.append(tok)
+                    self.generated += 1
+                    c.new_token_ids = [tok]
+                    if c.logprobs is not None:
+                        c.logprobs.append(
+                            {
+                                "token_id": tok,
+                                "logprob": -0.25,
+                                "top": [(tok, -0.25), (32, -2.0)][: p.logprobs],
+                            }
+                        )
+                    text = self.tokenizer.decode(c.token_ids)
+                    if tok in p.stop_token_ids:
+                        c.finish_reason = "stop"
+                    for s in p.stop:
+                        if s in text:
+                            text = text[: text.index(s)]
+                            c.finish_reason = "stop"
+                    c.new_text = text[len(c.text) :]
+                    c.text = text
+                    if c.finish_reason is None and len(c.token_ids) >= p.max_tokens:
+                        c.finish_reason = "length"
+                finished = all(c.finish_reason is not None for c in r["outs"])
+                results.append(
+                    RequestOutput(
+                        request_id=rid,
+                        prompt=r["prompt"],
+                        prompt_token_ids=list(r["ids"]),
+                        outputs=[CompletionOutput(**vars(c)) for c in r["outs"]],
+                        finished=finished,
+                    )
+                )
+                if finished:
+                    del self.reqs[rid]
+            return results
+        finally:
+            self.lock.release()
+
+    def abort(self, request_id: str) -> None:
+        if self.reqs.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def stats(self) -> dict:
+        used = sum(
+            -(-(len(r["ids"]) + max(len(c.token_ids) for c in r["outs"])) // self.block_size)
+            for r in self.reqs.values()
+        )
+        running = min(len(self.reqs), self.max_num_seqs)
+        return {
+            "num_total_blocks": self.num_blocks,
+            "num_free_blocks": self.num_blocks - used,
+            "kv_usage": used / self.num_blocks,
+            "prefix_cache_hit_rate": 0.0,
+            "num_preemptions": 0,
+            "num_swaps": 0,
+            "num_compilations": 3,
+            "num_running": running,
+            "num_waiting": len(self.reqs) - running,
+            "num_swapped": 0,
+            "num_generated_tokens": self.generated,
+            "block_size": self.block_size,
+            "device": "cpu",
+            "kv_cache_bytes": 0,
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Serving an app in-process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def _wait_idle(base: str, engine: FakeEngine | None = None, timeout: float = 10.0) -> str:
+    """Waits until /metrics reports nothing running and no blocks used; returns the text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{base}/metrics").text
+        vals = _metric_values(text)
+        if (
+            vals.get("paxcache_requests_running") == 0
+            and vals.get("paxcache_kv_blocks_used") == 0
+            and vals.get("paxcache_requests_inflight") == 0
+        ):
+            return text
+        assert time.monotonic() < deadline, f"server not idle: {vals}"
+        time.sleep(0.05)
+
+
+def _metric_values(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            out[name] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake():
+    engine = FakeEngine(step_delay=0.002)
+    app = create_app(engine, max_queue=64)
+    with serve_in_thread(app) as base:
+        yield base, engine
+
+
+def _client(base: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{base}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=30, **kw
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process tests (fake engine)
+
+
+def test_health_models_and_warmup(fake):
+    base, engine = fake
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert engine.warmed_up
+    models = _client(base).models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+
+
+def test_health_is_503_until_warmup_done():
+    engine = FakeEngine()
+    release = threading.Event()
+    engine.warmup = lambda: release.wait(10)  # type: ignore[method-assign]
+    with serve_in_thread(create_app(engine)) as base:
+        r = httpx.get(f"{base}/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming up"
+        release.set()
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{base}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+def test_openai_client_completion_greedy_is_deterministic(fake):
+    base, _ = fake
+    client = _client(base)
+    a = client.completions.create(model="fake-model", prompt="Hi", max_tokens=7, temperature=0)
+    b = client.completions.create(model="fake-model", prompt="Hi", max_tokens=7, temperature=0)
+    assert a.choices[0].text == b.choices[0].text == "lo worl"  # prompt = BOS + 2 bytes
+    assert a.choices[0].finish_reason == "length"
+    assert a.usage.prompt_tokens == 3 and a.usage.completion_tokens == 7
+    assert a.object == "text_completion" and a.model == "fake-model"
+
+
+def test_openai_client_streaming_completion_matches_non_streaming(fake):
+    base, _ = fake
+    client = _client(base)
+    full = client.completions.create(model="fake-model", prompt="abc", max_tokens=9, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="fake-model",
+            prompt="abc",
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert chunks[-1].usage.completion_tokens == 9 and not chunks[-1].choices
+
+
+def test_openai_client_chat_streaming_and_not(fake):
+    base, _ = fake
+    client = _client(base)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    full = client.chat.completions.create(
+        model="fake-model", messages=msgs, max_tokens=6, temperature=0
+    )
+    assert full.choices[0].message.role == "assistant"
+    assert len(full.choices[0].message.content) == 6
+    stream = client.chat.completions.create(
+        model="fake-model", messages=msgs, max_tokens=6, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_default_max_tokens_fills_the_context(fake):
+    base, _ = fake
+    r = _client(base).chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "x"}], temperature=0
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens <= 256
+
+
+def test_seeded_sampling_reproduces_and_n_gives_distinct_indices(fake):
+    base, _ = fake
+    client = _client(base)
+    kw = dict(model="fake-model", prompt="x", max_tokens=8, temperature=1.0, seed=5, n=3)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert len({c.text for c in a.choices}) > 1
+
+
+def test_batch_prompts_and_token_id_prompts(fake):
+    base, _ = fake
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"prompt": ["a", "bb"], "max_tokens": 3, "temperature": 0, "n": 2},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 12
+    r = httpx.post(
+        f"{base}/v1/completions", json={"prompt": [104, 105], "max_tokens": 2, "temperature": 0}
+    )
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
+
+
+def test_stop_strings_and_logprobs(fake):
+    base, _ = fake
+    client = _client(base)
+    r = client.completions.create(
+        model="fake-model", prompt="Hi", max_tokens=12, temperature=0, stop=[" w"], logprobs=2
+    )
+    assert r.choices[0].text == "lo" and r.choices[0].finish_reason == "stop"
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] == -0.25 and len(lp.top_logprobs[0]) == 2
+    c = client.chat.completions.create(
+        model="fake-model",
+        max_tokens=3,
+        temperature=0,
+        messages=[{"role": "user", "content": "q"}],
+        logprobs=True,
+        top_logprobs=1,
+    )
+    entry = c.choices[0].logprobs.content[0]
+    assert entry.logprob == -0.25 and len(entry.top_logprobs) == 1
+
+
+BAD_INPUTS = [
+    # (path, body or raw bytes, expected status, expected param or None)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[]", 400, None),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * 300, "max_tokens": 4}, 400, None),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "model": "nope"},
+        404,
+        "model",
+    ),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_INPUTS)
+def test_bad_input_gets_openai_style_error_and_server_keeps_serving(
+    fake, path, body, status, param
+):
+    base, _ = fake
+    if isinstance(body, bytes):
+        r = httpx.post(f"{base}{path}", content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(f"{base}{path}", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    ok = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_openai_client_raises_its_typed_errors(fake):
+    base, _ = fake
+    client = _client(base)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="fake-model", prompt="x", temperature=9)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+def test_body_size_limit_413_declared_and_chunked():
+    app = create_app(FakeEngine(), max_body_bytes=1000)
+    with serve_in_thread(app) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 2000})
+        assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
+
+        def chunks():
+            for _ in range(20):
+                yield b" " * 100
+
+        r = httpx.post(
+            f"{base}/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 413
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200
+
+
+def test_api_key_required_on_v1_routes_only():
+    app = create_app(FakeEngine(), api_key="sekret")
+    with serve_in_thread(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/metrics").status_code == 200
+        r = httpx.get(f"{base}/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": "x"},
+            headers={"Authorization": "Bearer wrong"},
+        )
+        assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            _client(base, api_key="wrong").completions.create(model="fake-model", prompt="x")
+        r = _client(base, api_key="sekret").completions.create(
+            model="fake-model", prompt="x", max_tokens=2
+        )
+        assert len(r.choices[0].text) == 2
+
+
+def test_full_queue_gets_429_at_once():
+    engine = FakeEngine()
+    app = create_app(engine, max_queue=2)
+    with serve_in_thread(app) as base:
+        engine.gate.clear()  # the engine thread blocks in step(): requests stay in flight
+        results: list[int] = []
+
+        def post() -> None:
+            results.append(
+                httpx.post(
+                    f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
+                ).status_code
+            )
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while app.state.runner.num_inflight < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 429 and time.monotonic() - t0 < 2
+        assert r.json()["error"]["code"] == "queue_full"
+        engine.gate.set()
+        for t in threads:
+            t.join(10)
+        assert results == [200, 200]
+        assert "paxcache_requests_rejected_total 1.0" in httpx.get(f"{base}/metrics").text
+
+
+def test_engine_failure_fails_only_inflight_requests_and_server_recovers():
+    engine = FakeEngine()
+    app = create_app(engine)
+    with serve_in_thread(app) as base:
+        engine.fail_steps = 1
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "engine_error"
+        # Streaming: the failure arrives as an SSE error event, then [DONE].
+        engine.fail_steps = 1
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}
+        ) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert r.status_code == 200
+        assert "paxcache_engine_errors_total 2.0" in httpx.get(f"{base}/metrics").text
+        _wait_idle(base)
+
+
+def test_concurrent_streams_with_disconnects_free_everything(fake):
+    base, engine = fake
+    n_total, n_drop = 40, 12
+    texts: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            drop = i < n_drop
+            with httpx.stream(
+                "POST",
+                f"{base}/v1/completions",
+                timeout=30,
+                json={
+                    "prompt": f"req {i}",
+                    "max_tokens": 40 if drop else 12,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            ) as s:
+                got = ""
+                for line in s.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    got += json.loads(line[6:])["choices"][0]["text"]
+                    if drop and len(got) >= 3:
+                        return  # closes the connection mid-stream
+                texts[i] = got
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    aborted_before = len(engine.aborted)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_total)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert len(texts) == n_total - n_drop and all(len(t) == 12 for t in texts.values())
+    metrics = _wait_idle(base, engine)
+    assert len(engine.aborted) - aborted_before == n_drop
+    vals = _metric_values(metrics)
+    assert vals["paxcache_requests_waiting"] == 0
+    assert vals["paxcache_time_to_first_token_seconds_count"] >= n_total
+
+
+def test_non_streaming_disconnect_aborts_the_request():
+    engine = FakeEngine(step_delay=0.02)
+    app = create_app(engine)
+    with serve_in_thread(app) as base:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 200}, timeout=0.3
+            )
+        deadline = time.monotonic() + 5
+        while not engine.aborted:
+            assert time.monotonic() < deadline, "request was not aborted"
+            time.sleep(0.02)
+        _wait_idle(base)
+
+
+def test_metrics_expose_required_names(fake):
+    base, _ = fake
+    text = httpx.get(f"{base}/metrics").text
+    for name in (
+        "paxcache_requests_running",
+        "paxcache_requests_waiting",
+        "paxcache_requests_swapped",
+        "paxcache_kv_blocks_used",
+        "paxcache_kv_blocks_total",
+        "paxcache_prefix_cache_hit_rate",
+        "paxcache_generated_tokens_total",
+        "paxcache_preemptions_total",
+        "paxcache_compilations_total",
+        "paxcache_time_to_first_token_seconds_bucket",
+    ):
+        assert f"\n{name}" in text, name
+    assert _metric_values(text)["paxcache_kv_blocks_total"] == 4096
