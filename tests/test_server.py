@@ -13,6 +13,7 @@ import contextlib
 import json
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -632,3 +633,17 @@ def test_metrics_expose_required_names(fake):
     ):
         assert f"\n{name}" in text, name
     assert _metric_values(text)["paxcache_kv_blocks_total"] == 4096
+
+
+def test_bench_http_drives_a_server_and_reports_percentiles(fake):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_http import format_result, run_http_benchmark
+    finally:
+        sys.path.pop(0)
+    base, _ = fake
+    res = run_http_benchmark(base, num_requests=8, concurrency=4, max_tokens=(4, 8), seed=1)
+    assert res.completed == 8 and res.errors == 0
+    assert 32 <= res.total_output_tokens <= 64
+    assert res.ttft_s["p50"] > 0 and res.tpot_s["p99"] > 0
+    assert "output tok/s" in format_result(res)
