@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Serve a model over an OpenAI-compatible HTTP API.
+
+    python scripts/serve.py                       # bundled tiny model on 127.0.0.1:8000 (CPU ok)
+    python scripts/serve.py --model /ckpt/llama --port 8080 --api-key "$KEY"
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (``"stream": true`` for SSE),
+GET /v1/models, GET /health (503 until warmed up), GET /metrics (Prometheus).
+
+Start-up prints one line with the address, model, devices, KV blocks and KV memory, then
+compiles every shape bucket before /health reports ready. SIGINT/SIGTERM stop accepting
+connections, let in-flight requests finish (up to ``--shutdown-timeout`` seconds) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+logger = logging.getLogger("paxcache.serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="OpenAI-compatible server for paxcache",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="device KV blocks (default: from free memory)"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--host-blocks", type=int, default=0, help="host (pinned) KV blocks for swap")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (KV heads split)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAXCACHE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAXCACHE_API_KEY)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences running at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=256, help="token budget per engine step"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights/activations dtype; auto = float32 on CPU, bfloat16 on TPU/GPU",
+    )
+    p.add_argument(
+        "--preemption-mode",
+        default=None,
+        choices=["swap", "recompute"],
+        help="default: swap when --host-blocks > 0, else recompute",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--served-model-name", default=None, help="model id shown to clients")
+    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let in-flight requests finish on SIGINT/SIGTERM",
+    )
+    p.add_argument(
+        "--multihost", action="store_true", help="call jax.distributed.initialize() first"
+    )
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def _describe_devices(jax) -> str:  # noqa: ANN001
+    devs = jax.devices()
+    kinds = sorted({d.device_kind for d in devs})
+    return f"{devs[0].platform} x{len(devs)} ({', '.join(kinds)})"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning(
+            "binding %s without --api-key: anyone who can reach it can use it", args.host
+        )
+
+    import jax
+
+    if args.multihost:
+        jax.distributed.initialize()
+    import jax.numpy as jnp
+    import uvicorn
+
+    from paxcache.engine import Engine
+    from paxcache.server import create_app
+
+    platform = jax.devices()[0].platform
+    dtype_name = args.dtype
+    if dtype_name == "auto":
+        dtype_name = "float32" if platform == "cpu" else "bfloat16"
+    preemption = args.preemption_mode or ("swap" if args.host_blocks > 0 else "recompute")
+
+    t0 = time.monotonic()
+    print(f"paxcache: loading {args.model} ({dtype_name}) ...", file=sys.stderr, flush=True)
+    engine = Engine.from_pretrained(
+        args.model,
+        dtype=getattr(jnp, dtype_name),
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_host_blocks=args.host_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=preemption,
+        tp=args.tp,
+        max_model_len=args.max_model_len,
+    )
+    stats = engine.stats()
+    name = args.served_model_name or engine.model_name
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        served_model_name=name,
+        max_body_bytes=args.max_body_bytes,
+        warmup=True,
+    )
+    print(
+        f"paxcache serving {name} on http://{args.host}:{args.port} | "
+        f"devices {_describe_devices(jax)} | KV {stats.get('num_total_blocks')} blocks x "
+        f"{stats.get('block_size', args.block_size)} tokens, "
+        f"{_fmt_bytes(float(stats.get('kv_cache_bytes', 0)))} | max_model_len "
+        f"{engine.max_model_len} | loaded in {time.monotonic() - t0:.1f}s, warming up "
+        f"(/health 503 until ready)",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level in ("debug", "info"),
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGINT/SIGTERM gracefully, then re-raises the signal under the handlers
+    # that were installed before it started; make those no-ops so a graceful stop exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
