@@ -1,0 +1,298 @@
+"""Mosaic GPU (Hopper) paged attention kernels against the oracles in kernels_pallas.reference.
+
+On a GPU backend every case runs the compiled kernel; elsewhere it runs the same kernel body in
+Mosaic GPU's interpret mode. Unwritten page slots are NaN so any read past a length shows up.
+"""
+
+from __future__ import annotations
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import kernels_pallas as kp
+from kernels_pallas import reference
+from kernels_pallas.gpu import attention as ga
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _tol(dtype) -> dict:
+    t = TOL[jnp.dtype(dtype).type]
+    return dict(atol=t, rtol=t)
+
+
+def _pages_and_tables(rng, *, kv_heads, d, s, n, m, kv_lens, dtype, layers=0):
+    """Random distinct block tables (not identity), -1 past each sequence; NaN where unwritten."""
+    b = len(kv_lens)
+    tables = np.full((b, m), -1, np.int32)
+    written = np.zeros((n, s), bool)
+    perm = rng.permutation(n)
+    nxt = 0
+    for i, length in enumerate(kv_lens):
+        nb = -(-int(length) // s)
+        assert nb <= m and nxt + nb <= n, "test case does not fit"
+        tables[i, :nb] = perm[nxt : nxt + nb]
+        for j in range(nb):
+            written[perm[nxt + j], : min(s, int(length) - j * s)] = True
+        nxt += nb
+    shape = (kv_heads, n, s, d) if not layers else (layers, kv_heads, n, s, d)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[..., ~written, :] = np.nan
+    v[..., ~written, :] = np.nan
+    return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables)
+
+
+def _decode_case(seed, *, g, kv_heads=2, d=64, s=16, m=6, lengths, dtype=jnp.float32, layers=0):
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int32)
+    n = max(8, int(sum(-(-int(x) // s) for x in lengths)) + 3)
+    k, v, tables = _pages_and_tables(
+        rng, kv_heads=kv_heads, d=d, s=s, n=n, m=m, kv_lens=lengths, dtype=dtype, layers=layers
+    )
+    q = jnp.asarray(rng.standard_normal((len(lengths), kv_heads * g, d)), dtype)
+    return q, k, v, jnp.asarray(lengths), tables
+
+
+def _ragged_case(seed, *, g, kv_heads=2, d=64, s=16, m=5, rows, pad_rows, num_pad_seqs=1,
+                 dtype=jnp.float32):  # fmt: skip
+    """``rows``: list of (q_len, kv_len) for real sequences; padded sequences and rows added."""
+    rng = np.random.default_rng(seed)
+    q_lens = [ql for ql, _ in rows] + [2] * num_pad_seqs
+    kv_lens = np.asarray([kl for _, kl in rows] + [3] * num_pad_seqs, np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[len(rows)]) + pad_rows
+    cu = np.minimum(cu, t)  # padded sequences may claim rows past T: they do not count anyway
+    n = int(sum(-(-int(x) // s) for x in kv_lens)) + 3
+    k, v, tables = _pages_and_tables(
+        rng, kv_heads=kv_heads, d=d, s=s, n=n, m=m, kv_lens=kv_lens, dtype=dtype
+    )
+    q = jnp.asarray(rng.standard_normal((t, kv_heads * g, d)), dtype)
+    return q, k, v, jnp.asarray(kv_lens), tables, jnp.asarray(cu), jnp.int32(len(rows))
+
+
+def _check(out, want, dtype):
+    chex.assert_shape(out, want.shape)
+    out32 = np.asarray(out, np.float32)
+    assert np.isfinite(out32).all(), "NaN/inf leaked into the output"
+    chex.assert_trees_all_close(out32, np.asarray(want, np.float32), **_tol(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+
+DECODE_FAST = [
+    # g, d, s, dtype, soft_cap, window, num_splits
+    pytest.param(1, 64, 16, jnp.float32, None, None, 1, id="mha-d64-s16-f32"),
+    # D = 256: two-stage pipeline, output stored in two 128-column chunks
+    pytest.param(4, 256, 8, jnp.bfloat16, None, None, 2, id="gqa4-d256-s8-bf16-split2"),
+    pytest.param(8, 64, 32, jnp.float32, 30.0, None, 3, id="gqa8-d64-s32-f32-softcap-split3"),
+    pytest.param(4, 64, 64, jnp.float32, None, 20, 2, id="gqa4-d64-s64-f32-window-split2"),
+]
+
+
+@pytest.mark.parametrize("g,d,s,dtype,soft_cap,window,splits", DECODE_FAST)
+def test_decode_matches_oracle_despite_nan_pages(g, d, s, dtype, soft_cap, window, splits):
+    m = max(2, 128 // s)
+    cap = m * s
+    lengths = [1, 0, s, cap, 2 * s + 3][: 4 if s == 64 else 5]
+    q, k, v, lengths, tables = _decode_case(0, g=g, d=d, s=s, m=m, lengths=lengths, dtype=dtype)
+    kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap, sliding_window=window)
+    out = ga.paged_attention_gpu(
+        q, k, v, lengths, tables, interpret=INTERPRET, num_splits=splits, **kw
+    )
+    want = reference.paged_attention_reference(q, k, v, lengths, tables, **kw)
+    _check(out, want, dtype)
+    np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)  # length 0 -> zeros
+
+
+def test_decode_reads_the_requested_layer_of_stacked_pages():
+    q, k, v, lengths, tables = _decode_case(3, g=4, d=128, s=16, m=4, lengths=[50, 17], layers=3)
+    out = ga.paged_attention_gpu(
+        q, k, v, lengths, tables, sm_scale=0.125, interpret=INTERPRET, layer=jnp.int32(2)
+    )
+    want = reference.paged_attention_reference(q, k[2], v[2], lengths, tables, sm_scale=0.125)
+    _check(out, want, jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ragged
+# ---------------------------------------------------------------------------------------------
+
+# (q_len, kv_len): decode, whole prefill, chunked prefill, prefix hit, length-1 prefill.
+# With G = 4 a tile holds 16 tokens, so the 20-token prefill spans two tiles.
+MIXED_ROWS = [(1, 37), (20, 20), (9, 48), (3, 19), (1, 1)]
+
+
+@pytest.mark.parametrize(
+    "g,dtype,soft_cap,window",
+    [
+        pytest.param(1, jnp.float32, None, None, id="mha-f32"),
+        pytest.param(4, jnp.bfloat16, 20.0, 11, id="gqa4-bf16-softcap-window"),
+    ],
+)
+def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window):
+    q, k, v, kv_lens, tables, cu, nseq = _ragged_case(
+        4, g=g, rows=MIXED_ROWS, pad_rows=3, dtype=dtype
+    )
+    kw = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=window)
+    out = ga.ragged_paged_attention_gpu(
+        q, k, v, kv_lens, tables, cu, nseq, interpret=INTERPRET, num_splits=2, **kw
+    )
+    want = reference.ragged_paged_attention_reference(q, k, v, kv_lens, tables, cu, nseq, **kw)
+    _check(out, want, dtype)
+    np.testing.assert_array_equal(np.asarray(out[int(cu[nseq]) :], np.float32), 0.0)
+
+
+def test_public_dispatch_runs_the_gpu_kernel():
+    q, k, v, kv_lens, tables, cu, nseq = _ragged_case(6, g=2, rows=[(1, 30), (4, 4)], pad_rows=1)
+    direct = ga.ragged_paged_attention_gpu(
+        q, k, v, kv_lens, tables, cu, nseq, sm_scale=0.125, interpret=INTERPRET
+    )
+    out = kp.ragged_paged_attention(
+        q, k, v, kv_lens, tables, cu, nseq, impl="pallas_gpu", interpret=INTERPRET
+    )
+    want = reference.ragged_paged_attention_reference(q, k, v, kv_lens, tables, cu, nseq)
+    _check(direct, want, jnp.float32)
+    chex.assert_trees_all_equal(out, direct)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side logic (pure XLA: work lists, split combine, support checks)
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    q_lens=st.lists(st.integers(0, 13), min_size=4, max_size=4),
+    extra=st.lists(st.integers(0, 20), min_size=4, max_size=4),
+    num_seqs=st.integers(0, 4),
+    tpt=st.sampled_from([1, 4, 8]),
+    window=st.sampled_from([None, 5]),
+)
+def test_ragged_work_tiles_cover_every_real_row_exactly_once(q_lens, extra, num_seqs, tpt, window):
+    t = 40
+    q_lens = np.asarray(q_lens, np.int32)
+    cu = np.minimum(np.concatenate([[0], np.cumsum(q_lens)]), t).astype(np.int32)
+    kv_lens = (q_lens + np.asarray(extra, np.int32)).astype(np.int32)
+    meta, tile_of_row, slot_of_row = _ragged_work_jit(
+        jnp.asarray(kv_lens), jnp.asarray(cu), jnp.int32(num_seqs), t, tpt, window
+    )
+    meta, tile_of_row, slot_of_row = map(np.asarray, (meta, tile_of_row, slot_of_row))
+    _, pos, valid = map(
+        np.asarray,
+        reference.ragged_row_info(jnp.asarray(cu), jnp.asarray(kv_lens), num_seqs, t),
+    )
+    covered = np.zeros(t, int)
+    for _seq, row0, nq, pos0, lo, hi, *_ in meta:
+        assert 0 <= nq <= tpt and lo <= hi
+        for j in range(nq):
+            r = row0 + j
+            covered[r] += 1
+            assert pos[r] == pos0 + j
+            lo_r = 0 if window is None else max(pos[r] - window + 1, 0)
+            assert lo <= lo_r and pos[r] + 1 <= hi  # the tile's key range covers every row's
+    real = np.arange(t) < cu[num_seqs]
+    np.testing.assert_array_equal(covered, real.astype(int))
+    for r in np.flatnonzero(valid):
+        w = tile_of_row[r]
+        assert meta[w, 1] + slot_of_row[r] == r and slot_of_row[r] < meta[w, 2]
+
+
+_ragged_work_jit = jax.jit(ga.ragged_work, static_argnums=(3, 4, 5))
+
+
+def test_combine_of_split_partials_equals_one_softmax_and_empty_splits_count_zero():
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((3, 12)).astype(np.float32)  # 3 rows, 12 keys
+    vals = rng.standard_normal((12, 5)).astype(np.float32)
+    bounds = [0, 5, 5, 12]  # the middle split is empty
+    os_, lses = [], []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if a == b:
+            os_.append(np.zeros((3, 5), np.float32))
+            lses.append(np.full((3,), -np.inf, np.float32))
+            continue
+        lg = logits[:, a:b]
+        mx = lg.max(1, keepdims=True)
+        p = np.exp(lg - mx)
+        os_.append((p / p.sum(1, keepdims=True)) @ vals[a:b])
+        lses.append(mx[:, 0] + np.log(p.sum(1)))
+    o = jnp.asarray(np.stack(os_))[None, :, None]  # [W=1, P=3, K=1, R=3, D]
+    lse = jnp.pad(jnp.asarray(np.stack(lses))[None, :, None], ((0, 0),) * 3 + ((0, 61),))
+    got = ga._combine(o, lse)[0, 0]
+    want = jax.nn.softmax(jnp.asarray(logits), axis=-1) @ vals
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+    all_empty = ga._combine(jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf))
+    np.testing.assert_array_equal(np.asarray(all_empty), 0.0)
+
+
+def test_default_num_splits_fills_the_gpu_for_small_batches_only():
+    assert ga.default_num_splits(num_tiles=256, kv_heads=8, max_kv_steps=128) == 1
+    assert ga.default_num_splits(num_tiles=8, kv_heads=8, max_kv_steps=128) == 5
+    assert ga.default_num_splits(num_tiles=1, kv_heads=1, max_kv_steps=3) == 3
+
+
+def test_compiled_support_reports_hardware_minimums():
+    assert ga.check_compiled_support(128, 16, jnp.bfloat16) is None
+    assert "dtype" in ga.check_compiled_support(128, 16, jnp.float32)
+    assert "head_dim" in ga.check_compiled_support(96, 16, jnp.bfloat16)
+    assert "block_size" in ga.check_compiled_support(128, 24, jnp.bfloat16)
+
+
+def test_unsupported_geometry_raises_value_error_before_tracing():
+    q, k, v, lengths, tables = _decode_case(8, g=1, s=8, m=2, lengths=[3])
+    k12 = jnp.zeros((2, 8, 12, 64), jnp.float32)
+    with pytest.raises(ValueError, match="block_size=12"):
+        ga.paged_attention_gpu(q, k12, k12, lengths, tables, sm_scale=1.0, interpret=True)
+    q3 = jnp.zeros((1, 6, 64), jnp.float32)  # G = 3 does not divide 64
+    with pytest.raises(ValueError, match="divide"):
+        ga.paged_attention_gpu(q3, k, v, lengths, tables, sm_scale=1.0, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wide grid (slow)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("s", [8, 16, 32, 64])
+def test_decode_wide_grid(dtype, g, d, s):
+    m = max(2, 128 // s)
+    lengths = [1, 0, s, m * s, min(m * s, 2 * s + 5)]
+    q, k, v, lengths, tables = _decode_case(
+        11, g=g, kv_heads=1, d=d, s=s, m=m, lengths=lengths, dtype=dtype
+    )
+    for soft_cap, window in [(None, None), (25.0, s + 3)]:
+        kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap, sliding_window=window)
+        out = ga.paged_attention_gpu(q, k, v, lengths, tables, interpret=INTERPRET, **kw)
+        want = reference.paged_attention_reference(q, k, v, lengths, tables, **kw)
+        _check(out, want, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("s", [8, 32])
+@pytest.mark.parametrize("window", [None, 7])
+def test_ragged_wide_grid(dtype, g, s, window):
+    q, k, v, kv_lens, tables, cu, nseq = _ragged_case(
+        12, g=g, s=s, m=-(-64 // s), rows=MIXED_ROWS + [(12, 64)], pad_rows=2, dtype=dtype
+    )
+    kw = dict(sm_scale=0.125, soft_cap=30.0, sliding_window=window)
+    out = ga.ragged_paged_attention_gpu(
+        q, k, v, kv_lens, tables, cu, nseq, interpret=INTERPRET, **kw
+    )
+    want = reference.ragged_paged_attention_reference(q, k, v, kv_lens, tables, cu, nseq, **kw)
+    _check(out, want, dtype)
