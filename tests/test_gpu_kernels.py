@@ -123,6 +123,23 @@ def test_decode_reads_the_requested_layer_of_stacked_pages():
     _check(out, want, jnp.float32)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the race detector is part of the CPU interpreter")
+def test_pipeline_has_no_smem_races_when_stages_are_reused():
+    """5 KV steps through 3 stages: every TMA write is ordered before its reads and reuse."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interp
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    q, k, v, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 70])
+    out = ga.paged_attention_gpu(
+        q, k, v, lengths, tables, sm_scale=0.125, num_splits=1,
+        interpret=InterpretGPUParams(detect_races=True),
+    )  # fmt: skip
+    jax.block_until_ready(out)
+    assert not gpu_interp.get_races().races_found
+    want = reference.paged_attention_reference(q, k, v, lengths, tables, sm_scale=0.125)
+    _check(out, want, jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Ragged
 # ---------------------------------------------------------------------------------------------
@@ -154,15 +171,11 @@ def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window):
 
 def test_public_dispatch_runs_the_gpu_kernel():
     q, k, v, kv_lens, tables, cu, nseq = _ragged_case(6, g=2, rows=[(1, 30), (4, 4)], pad_rows=1)
-    direct = ga.ragged_paged_attention_gpu(
-        q, k, v, kv_lens, tables, cu, nseq, sm_scale=0.125, interpret=INTERPRET
-    )
     out = kp.ragged_paged_attention(
         q, k, v, kv_lens, tables, cu, nseq, impl="pallas_gpu", interpret=INTERPRET
     )
     want = reference.ragged_paged_attention_reference(q, k, v, kv_lens, tables, cu, nseq)
-    _check(direct, want, jnp.float32)
-    chex.assert_trees_all_equal(out, direct)
+    _check(out, want, jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +183,7 @@ def test_public_dispatch_runs_the_gpu_kernel():
 # ---------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     q_lens=st.lists(st.integers(0, 13), min_size=4, max_size=4),
     extra=st.lists(st.integers(0, 20), min_size=4, max_size=4),

@@ -117,6 +117,7 @@ class _Cfg:
     window: int | None
     stacked: bool  # pages are [L, K, N, S, D]
     interpret: bool
+    interpret_params: object = None  # an InterpretGPUParams, or None for the defaults
 
     @property
     def block_kv(self) -> int:
@@ -159,7 +160,10 @@ def default_num_splits(num_tiles: int, kv_heads: int, max_kv_steps: int) -> int:
     return int(max(1, min(want, max_kv_steps, 32)))
 
 
-def _interpret_params():
+def _interpret_params(given=None):
+    """Mosaic GPU interpret-mode parameters (private JAX module: imported only when used)."""
+    if given is not None:
+        return given
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
@@ -219,9 +223,9 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
     bkv, s, pps = cfg.block_kv, cfg.s, cfg.pages_per_step
 
     # This split's share of the KV steps covering [lo, hi).
-    step_lo = lo // bkv
-    n_steps_all = jnp.maximum((hi + bkv - 1) // bkv - step_lo, 0)
-    per_split = (n_steps_all + cfg.num_splits - 1) // cfg.num_splits
+    step_lo = lax.div(lo, bkv)  # lo, hi >= 0
+    n_steps_all = jnp.maximum(lax.div(hi + bkv - 1, bkv) - step_lo, 0)
+    per_split = lax.div(n_steps_all + cfg.num_splits - 1, cfg.num_splits)
     first = step_lo + jnp.minimum(sp * per_split, n_steps_all)
     n_steps = jnp.clip(n_steps_all - sp * per_split, 0, per_split)
 
@@ -260,11 +264,11 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
             prefetch(i)
 
         # Row r of the tile is token r // G of the tile, head r % G of the group.
-        tok = _iota((_ROWS, bkv), 0, cfg) // cfg.g
+        tok = lax.shift_right_logical(_iota((_ROWS, bkv), 0, cfg), cfg.g.bit_length() - 1)
         col = _iota((_ROWS, bkv), 1, cfg)
         qpos = pos0 + tok
         row_ok = tok < nq
-        vrow = lax.broadcasted_iota(jnp.int32, (bkv, cfg.d), 0)
+        vrow = _iota((bkv, cfg.d), 0, cfg)
 
         m_i = _layout_cast(jnp.full((_ROWS,), _NEG_INF, jnp.float32), _reduce_layout(), cfg)
         l_i = _layout_cast(jnp.zeros((_ROWS,), jnp.float32), _reduce_layout(), cfg)
@@ -297,8 +301,9 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
             @pl.when((start < lo) | (start + bkv > hi))
             def _scrub_v():  # zero V rows outside [lo, hi): stale SMEM or unwritten slots
                 stage = v_smem.at[slot]
+                vals = stage[...]
                 keep = (start + vrow >= lo) & (start + vrow < hi)
-                stage[...] = jnp.where(keep, stage[...], jnp.zeros_like(stage[...]))
+                stage[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
                 plgpu.commit_smem()
 
             pv = _mma_pv(p, v_smem.at[slot], cfg)
@@ -322,7 +327,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
         for c in range(cfg.d // cols):
             if c:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[...] = acc[:, c * cols : (c + 1) * cols]
+            o_smem[...] = acc if cols == cfg.d else acc[:, c * cols : (c + 1) * cols]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 o_smem.at[pl.ds(0, cfg.out_rows)],
@@ -370,7 +375,7 @@ def _run_kernel(meta, tables, q_rows, k_pages, v_pages, cfg: _Cfg):
         out_type=out_type,
         grid=(w, cfg.num_splits, cfg.kv_heads),
         grid_names=("w", "p", "k"),
-        interpret=_interpret_params() if cfg.interpret else None,
+        interpret=_interpret_params(cfg.interpret_params) if cfg.interpret else None,
         compiler_params=None if cfg.interpret else plgpu.CompilerParams(approx_math=True),
     )
     return fn(meta, tables, q_rows, k_pages, v_pages)
@@ -495,6 +500,7 @@ def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, i
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window),
         stacked=stacked, interpret=bool(interpret),
+        interpret_params=None if isinstance(interpret, bool) else interpret,
     )  # fmt: skip
 
 
@@ -529,7 +535,7 @@ def paged_attention_gpu(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    interpret: bool = False,
+    interpret: bool | object = False,
     num_splits: int | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
@@ -545,7 +551,8 @@ def paged_attention_gpu(
       sm_scale: logit scale.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)`` if set.
       sliding_window: keys in ``(pos - window, pos]`` only, if set.
-      interpret: run in Mosaic GPU interpret mode (CPU).
+      interpret: run in Mosaic GPU interpret mode (CPU); ``True`` or an
+        ``InterpretGPUParams`` (e.g. ``detect_races=True``).
       num_splits: KV splits per sequence (flash-decoding); default fills the GPU.
       layer: layer index into stacked ``[L, ...]`` pages (read in the kernel, no copy).
 
@@ -589,7 +596,7 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    interpret: bool = False,
+    interpret: bool | object = False,
     num_splits: int | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
