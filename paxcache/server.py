@@ -656,6 +656,23 @@ def _render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
 
 
+def _merge(prev: RequestOutput | None, new: RequestOutput) -> RequestOutput:
+    """Folds a step's output into the request's latest state, completion by completion (a step
+    may report only the completions that progressed)."""
+    if prev is None:
+        return new
+    by_index = {c.index: c for c in prev.outputs}
+    by_index.update({c.index: c for c in new.outputs})
+    return RequestOutput(
+        request_id=new.request_id,
+        prompt=new.prompt if new.prompt is not None else prev.prompt,
+        prompt_token_ids=new.prompt_token_ids or prev.prompt_token_ids,
+        outputs=[by_index[i] for i in sorted(by_index)],
+        finished=new.finished,
+        error=new.error or prev.error,
+    )
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -856,6 +873,7 @@ def create_app(
     ) -> list[RequestOutput]:
         """Waits for every engine request to finish; aborts them if the client disconnects."""
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
 
         async def watch() -> None:
             while True:
@@ -874,8 +892,10 @@ def create_app(
                 if isinstance(ev, _Failed):
                     runner.abort(ids)
                     raise APIError(ev.status, ev.message, type=ev.type)
-                if isinstance(ev, RequestOutput) and ev.finished:
-                    finals[tag] = ev
+                if isinstance(ev, RequestOutput):
+                    latest[tag] = _merge(latest.get(tag), ev)
+                    if ev.finished:
+                        finals[tag] = latest[tag]
         except asyncio.CancelledError:
             runner.abort(ids)
             raise
@@ -955,6 +975,7 @@ def create_app(
         usage_chunk: Callable[[dict[str, int]], dict] | None,
     ) -> AsyncIterator[str]:
         finished: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
         sent_text: dict[int, str] = {}
         sent_lp: dict[int, int] = {}
         reported: set[int] = set()
@@ -983,9 +1004,10 @@ def create_app(
                         if fr is not None:
                             reported.add(idx)
                         yield _sse(make_chunk(idx, c, delta, lp))
+                latest[tag] = _merge(latest.get(tag), ev)
                 if ev.finished:
-                    finished[tag] = ev
-                    if ev.error and not any(c.finish_reason for c in ev.outputs):
+                    finished[tag] = latest[tag]
+                    if ev.error:
                         yield _sse(APIError(400, ev.error).body())
             else:
                 if usage_chunk is not None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -55,7 +58,9 @@ class FakeEngine:
         num_blocks: int = 4096,
         block_size: int = 16,
         max_num_seqs: int = 8,
+        partial_outputs: bool = False,
     ) -> None:
+        self.partial_outputs = partial_outputs
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
         self.step_delay = step_delay
@@ -117,10 +122,12 @@ class FakeEngine:
             for rid in list(self.reqs)[: self.max_num_seqs]:
                 r = self.reqs[rid]
                 p: SamplingParams = r["params"]
+                progressed = []
                 for c in r["outs"]:
                     c.new_token_ids, c.new_text = [], ""
                     if c.finish_reason is not None:
                         continue
+                    progressed.append(c)
                     tok = self._next_token(r, c.index, len(c.token_ids))
                     c.token_ids.append(tok)
                     self.generated += 1
@@ -150,7 +157,10 @@ class FakeEngine:
                         request_id=rid,
                         prompt=r["prompt"],
                         prompt_token_ids=list(r["ids"]),
-                        outputs=[CompletionOutput(**vars(c)) for c in r["outs"]],
+                        outputs=[
+                            CompletionOutput(**vars(c))
+                            for c in (progressed if self.partial_outputs else r["outs"])
+                        ],
                         finished=finished,
                     )
                 )
@@ -647,3 +657,277 @@ def test_bench_http_drives_a_server_and_reports_percentiles(fake):
     assert 32 <= res.total_output_tokens <= 64
     assert res.ttft_s["p50"] > 0 and res.tpot_s["p99"] > 0
     assert "output tok/s" in format_result(res)
+
+
+# ----------------------------------------------------------------------------------------------
+# The real server: scripts/serve.py with the bundled tiny model, in a subprocess
+
+
+def _real_skip_reason() -> str | None:
+    try:
+        from paxcache.engine import Engine  # noqa: F401
+        from paxcache.models import TINY_DIR
+    except Exception as e:  # noqa: BLE001
+        return f"paxcache.engine not importable yet: {e}"
+    if not (Path(TINY_DIR) / "config.json").is_file():
+        return "bundled tiny model not present"
+    return None
+
+
+API_KEY = "test-key"
+
+
+class ServerProcess:
+    """``scripts/serve.py`` in a subprocess on a free port; output collected by a thread."""
+
+    def __init__(self, *extra: str, startup_timeout: float = 300.0) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            str(REPO / "scripts" / "serve.py"),
+            "--port",
+            str(self.port),
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            *extra,
+        ]
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited early:\n{self.output}")
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(f"{self.base}/health", timeout=2)
+                if r.status_code == 200:
+                    break
+                if r.json().get("status") == "error":
+                    self.close()
+                    raise AssertionError(f"server warm-up failed: {r.text}\n{self.output}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise AssertionError(f"server not healthy after {startup_timeout}s:\n{self.output}")
+            time.sleep(0.2)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return _client(self.base, api_key=api_key)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def real():
+    reason = _real_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    server = ServerProcess("--api-key", API_KEY)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_real_server_prints_one_startup_line_and_serves_models(real):
+    banner = [ln for ln in real.lines if ln.startswith("paxcache serving")]
+    assert len(banner) == 1, real.output
+    assert f"http://127.0.0.1:{real.port}" in banner[0] and "KV" in banner[0]
+    assert "cpu" in banner[0]
+    models = real.client().models.list()
+    assert len(models.data) == 1
+
+
+def test_real_completions_and_chat_via_openai_client(real):
+    client = real.client()
+    model = client.models.list().data[0].id
+    kw = dict(model=model, prompt="def add(a, b):", max_tokens=12, temperature=0)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text  # greedy is deterministic
+    assert a.usage.completion_tokens <= 12 and a.choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices
+    )
+    assert streamed == a.choices[0].text
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        chat.choices[0].message.content
+    )
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+REAL_BAD_INPUTS = [
+    ({"prompt": "x", "max_tokens": 10**6}, 400),
+    ({"prompt": "x" * 100_000, "max_tokens": 4}, 400),  # longer than the model's context
+    ({"prompt": "x", "n": 10_000}, 400),
+    ({"prompt": "x", "temperature": 7}, 400),
+    ({"prompt": "x", "top_p": -1}, 400),
+    ({"prompt": "x", "max_tokens": 0}, 400),
+    ({"max_tokens": 4}, 400),
+    ({"prompt": "x", "model": "no-such-model"}, 404),
+]
+
+
+def test_real_bad_inputs_get_clear_errors_and_server_keeps_serving(real):
+    for body, status in REAL_BAD_INPUTS:
+        r = httpx.post(f"{real.base}/v1/completions", json=body, headers=real.headers(), timeout=30)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(
+        f"{real.base}/v1/completions",
+        content=b"{oops",
+        headers={**real.headers(), "content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert httpx.post(f"{real.base}/v1/completions", json={"prompt": "x"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        real.client(api_key="wrong").models.list()
+    ok = real.client().completions.create(
+        model=real.client().models.list().data[0].id, prompt="x", max_tokens=2
+    )
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_real_40_concurrent_streams_some_disconnect_then_nothing_held(real):
+    n_total, n_drop = 40, 10
+    done: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        drop = i % 4 == 0
+        try:
+            with httpx.stream(
+                "POST",
+                f"{real.base}/v1/completions",
+                headers=real.headers(),
+                timeout=120,
+                json={
+                    "prompt": f"# request {i}\n",
+                    "max_tokens": 64 if drop else 8,
+                    "ignore_eos": drop,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            ) as s:
+                assert s.status_code == 200, s.read()
+                text = ""
+                for line in s.iter_lines():
+                    if line == "data: [DONE]":
+                        done[i] = text
+                    elif line.startswith("data: "):
+                        ev = json.loads(line[6:])
+                        assert "error" not in ev, ev
+                        text += ev["choices"][0]["text"]
+                        if drop:
+                            return  # disconnect after the first chunk
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_total)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not errors, errors[:3]
+    assert len(done) == n_total - n_drop
+    vals = _metric_values(_wait_idle(real.base, timeout=60))
+    assert vals["paxcache_kv_blocks_total"] > 0
+    assert vals["paxcache_requests_waiting"] == 0 and vals["paxcache_requests_swapped"] == 0
+
+
+def test_real_sigterm_finishes_inflight_request_and_exits_zero(real):
+    # Runs last in this module: it shuts the module's server down.
+    with httpx.stream(
+        "POST",
+        f"{real.base}/v1/completions",
+        headers=real.headers(),
+        timeout=60,
+        json={
+            "prompt": "x",
+            "max_tokens": 48,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        },
+    ) as s:
+        lines = s.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: "))
+        assert "text" in first
+        real.proc.send_signal(signal.SIGTERM)
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+    assert real.proc.wait(60) == 0, real.output
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{real.base}/health", timeout=2)
+
+
+def test_completions_that_finish_at_different_steps_are_all_reported():
+    # This engine reports only the completions that progressed in a step.
+    app = create_app(FakeEngine(partial_outputs=True))
+    with serve_in_thread(app) as base:
+        body = {
+            "prompt": "x",
+            "max_tokens": 30,
+            "temperature": 1.0,
+            "seed": 3,
+            "n": 4,
+            "stop": ["e", "a"],
+        }
+        r = httpx.post(f"{base}/v1/completions", json=body).json()
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+        lengths = {len(c["text"]) for c in r["choices"]}
+        assert len(lengths) > 1  # they did finish at different steps
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as s:
+            events = [
+                json.loads(ln[6:])
+                for ln in s.iter_lines()
+                if ln.startswith("data: ") and ln != "data: [DONE]"
+            ]
+        texts = ["", "", "", ""]
+        for ev in events[:-1]:
+            texts[ev["choices"][0]["index"]] += ev["choices"][0]["text"]
+        assert texts == [c["text"] for c in r["choices"]]
+        assert events[-1]["usage"] == r["usage"]
