@@ -656,6 +656,18 @@ def _render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
 
 
+def _chat_token_ids(tokenizer: Any, text: str) -> list[int]:
+    """Tokenizes a rendered chat prompt with special tokens (BOS where the tokenizer adds one),
+    dropping the duplicate BOS when the template already wrote one."""
+    ids = list(tokenizer.encode(text))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        ids = ids[1:]
+    if not ids:
+        raise APIError(400, "the rendered chat prompt is empty", param="messages")
+    return ids
+
+
 def _merge(prev: RequestOutput | None, new: RequestOutput) -> RequestOutput:
     """Folds a step's output into the request's latest state, completion by completion (a step
     may report only the completions that progressed)."""
@@ -671,6 +683,82 @@ def _merge(prev: RequestOutput | None, new: RequestOutput) -> RequestOutput:
         finished=new.finished,
         error=new.error or prev.error,
     )
+
+
+def _usage(outs: Sequence[RequestOutput]) -> dict[str, int]:
+    """OpenAI ``usage`` over requests (prompt tokens counted once per prompt)."""
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _check_error(outs: Sequence[RequestOutput]) -> None:
+    for o in outs:
+        if o.error or any(c.finish_reason == "error" for c in o.outputs):
+            raise APIError(
+                400,
+                o.error or "the engine could not complete this request",
+                type="invalid_request_error",
+            )
+
+
+def _token_str(tokenizer: Any, tid: int) -> str:
+    try:
+        return tokenizer.decode([tid])
+    except Exception:  # noqa: BLE001
+        return f"<{tid}>"
+
+
+def _completion_logprobs(
+    tokenizer: Any, entries: Sequence[dict], offset: int = 0
+) -> dict[str, list]:
+    """Legacy completions ``logprobs`` object from the engine's per-token entries
+    (``{"token_id", "logprob", "top": [(id, logprob), ...]}``)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        s = _token_str(tokenizer, int(e.get("token_id", -1)))
+        tokens.append(s)
+        lps.append(float(e.get("logprob", 0.0)))
+        top = e.get("top") or []
+        tops.append({_token_str(tokenizer, int(t)): float(lp) for t, lp in top} if top else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tokenizer: Any, entries: Sequence[dict]) -> dict[str, list]:
+    """Chat ``logprobs`` object (``{"content": [{"token", "logprob", "bytes", ...}]}``)."""
+    content = []
+    for e in entries:
+        s = _token_str(tokenizer, int(e.get("token_id", -1)))
+        top = [
+            {
+                "token": _token_str(tokenizer, int(t)),
+                "logprob": float(lp),
+                "bytes": list(_token_str(tokenizer, int(t)).encode()),
+            }
+            for t, lp in (e.get("top") or [])
+        ]
+        content.append(
+            {
+                "token": s,
+                "logprob": float(e.get("logprob", 0.0)),
+                "bytes": list(s.encode()),
+                "top_logprobs": top,
+            }
+        )
+    return {"content": content}
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    """OpenAI finish reasons: an aborted completion (server shutdown) reports "stop"."""
+    r = c.finish_reason
+    return "stop" if r == "abort" else r
 
 
 def _sse(obj: Any) -> str:
@@ -903,69 +991,6 @@ def create_app(
             watcher.cancel()
         return [finals[i] for i in range(len(ids))]
 
-    def usage(outs: Sequence[RequestOutput]) -> dict[str, int]:
-        p = sum(len(o.prompt_token_ids) for o in outs)
-        c = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def check_error(outs: Sequence[RequestOutput]) -> None:
-        for o in outs:
-            if o.error or any(c.finish_reason == "error" for c in o.outputs):
-                raise APIError(
-                    400,
-                    o.error or "the engine could not complete this request",
-                    type="invalid_request_error",
-                )
-
-    def token_str(tid: int) -> str:
-        try:
-            return tokenizer.decode([tid])
-        except Exception:  # noqa: BLE001
-            return f"<{tid}>"
-
-    def completion_logprobs(entries: Sequence[dict], offset: int) -> dict[str, list]:
-        tokens, lps, tops, offsets = [], [], [], []
-        for e in entries:
-            s = token_str(int(e.get("token_id", -1)))
-            tokens.append(s)
-            lps.append(float(e.get("logprob", 0.0)))
-            top = e.get("top") or []
-            tops.append({token_str(int(t)): float(lp) for t, lp in top} if top else None)
-            offsets.append(offset)
-            offset += len(s)
-        return {
-            "tokens": tokens,
-            "token_logprobs": lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def chat_logprobs(entries: Sequence[dict]) -> dict[str, list]:
-        content = []
-        for e in entries:
-            s = token_str(int(e.get("token_id", -1)))
-            top = [
-                {
-                    "token": token_str(int(t)),
-                    "logprob": float(lp),
-                    "bytes": list(token_str(int(t)).encode()),
-                }
-                for t, lp in (e.get("top") or [])
-            ]
-            content.append(
-                {
-                    "token": s,
-                    "logprob": float(e.get("logprob", 0.0)),
-                    "bytes": list(s.encode()),
-                    "top_logprobs": top,
-                }
-            )
-        return {"content": content}
-
-    def finish_reason(c: CompletionOutput) -> str | None:
-        r = c.finish_reason
-        return "stop" if r == "abort" else r
-
     async def stream_events(
         ids: list[str],
         queue: asyncio.Queue,
@@ -999,7 +1024,7 @@ def create_app(
                     if c.logprobs is not None:
                         lp = c.logprobs[sent_lp.get(idx, 0) :]
                         sent_lp[idx] = len(c.logprobs)
-                    fr = finish_reason(c)
+                    fr = _finish_reason(c)
                     if delta or lp or (fr is not None and idx not in reported):
                         if fr is not None:
                             reported.add(idx)
@@ -1011,7 +1036,7 @@ def create_app(
                         yield _sse(APIError(400, ev.error).body())
             else:
                 if usage_chunk is not None:
-                    yield _sse(usage_chunk(usage(list(finished.values()))))
+                    yield _sse(usage_chunk(_usage(list(finished.values()))))
             yield "data: [DONE]\n\n"
         finally:
             # Client gone (the task was cancelled) or a failure: abort what is still running.
@@ -1100,8 +1125,10 @@ def create_app(
                         {
                             "index": idx,
                             "text": delta,
-                            "logprobs": completion_logprobs(lp or [], 0) if want_lp else None,
-                            "finish_reason": finish_reason(c),
+                            "logprobs": _completion_logprobs(tokenizer, lp or [])
+                            if want_lp
+                            else None,
+                            "finish_reason": _finish_reason(c),
                         }
                     ],
                 }
@@ -1128,7 +1155,7 @@ def create_app(
             )
 
         outs = await collect(request, ids, queue)
-        check_error(outs)
+        _check_error(outs)
         choices = []
         for tag, out in enumerate(outs):
             for c in out.outputs:
@@ -1136,8 +1163,10 @@ def create_app(
                     {
                         "index": tag * body.n + c.index,
                         "text": c.text,
-                        "logprobs": completion_logprobs(c.logprobs or [], 0) if want_lp else None,
-                        "finish_reason": finish_reason(c),
+                        "logprobs": _completion_logprobs(tokenizer, c.logprobs or [])
+                        if want_lp
+                        else None,
+                        "finish_reason": _finish_reason(c),
                     }
                 )
         choices.sort(key=lambda ch: ch["index"])
@@ -1148,7 +1177,7 @@ def create_app(
                 "created": now,
                 "model": model_name,
                 "choices": choices,
-                "usage": usage(outs),
+                "usage": _usage(outs),
                 "system_fingerprint": None,
             }
         )
@@ -1159,12 +1188,12 @@ def create_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError(400, "this engine has no tokenizer; chat is unavailable")
-        prompt = _render_chat(tokenizer, body.messages)
+        prompt_ids = _chat_token_ids(tokenizer, _render_chat(tokenizer, body.messages))
         max_tokens = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(max_tokens, param)
         if max_tokens is None:
-            n_prompt = len(tokenizer.encode(prompt))  # the tokenizer adds BOS by default
+            n_prompt = len(prompt_ids)
             if max_model_len is not None:
                 max_tokens = max_model_len - n_prompt
                 if max_tokens < 1:
@@ -1182,7 +1211,7 @@ def create_app(
         params = _sampling_params(
             body, max_tokens=max_tokens, logprobs=lp, logprobs_param="top_logprobs"
         )
-        rid, ids, queue = await submit([prompt], params, "chatcmpl")
+        rid, ids, queue = await submit([prompt_ids], params, "chatcmpl")
         now = int(time.time())
 
         if body.stream:
@@ -1207,8 +1236,8 @@ def create_app(
                 return chunk(
                     idx,
                     {"content": delta} if delta else {},
-                    finish_reason(c),
-                    chat_logprobs(lps or []) if lp is not None else None,
+                    _finish_reason(c),
+                    _chat_logprobs(tokenizer, lps or []) if lp is not None else None,
                 )
 
             def usage_chunk(u: dict[str, int]) -> dict:
@@ -1233,13 +1262,13 @@ def create_app(
             )
 
         outs = await collect(request, ids, queue)
-        check_error(outs)
+        _check_error(outs)
         choices = [
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs or []) if lp is not None else None,
-                "finish_reason": finish_reason(c),
+                "logprobs": _chat_logprobs(tokenizer, c.logprobs or []) if lp is not None else None,
+                "finish_reason": _finish_reason(c),
             }
             for c in outs[0].outputs
         ]
@@ -1251,7 +1280,7 @@ def create_app(
                 "created": now,
                 "model": model_name,
                 "choices": choices,
-                "usage": usage(outs),
+                "usage": _usage(outs),
                 "system_fingerprint": None,
             }
         )

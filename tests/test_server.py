@@ -931,3 +931,16 @@ def test_completions_that_finish_at_different_steps_are_all_reported():
             texts[ev["choices"][0]["index"]] += ev["choices"][0]["text"]
         assert texts == [c["text"] for c in r["choices"]]
         assert events[-1]["usage"] == r["usage"]
+
+
+def test_chat_prompt_drops_a_duplicate_bos_written_by_the_template():
+    from paxcache.server import _chat_token_ids
+
+    class TemplateWithBos(ByteTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            ids = super().encode(text.removeprefix("<s>"), add_special_tokens)
+            return [self.bos_token_id, *ids] if text.startswith("<s>") else ids
+
+    tok = TemplateWithBos()
+    assert _chat_token_ids(tok, "<s>hi") == [256, 104, 105]
+    assert _chat_token_ids(ByteTokenizer(), "hi") == [256, 104, 105]
