@@ -127,7 +127,7 @@ def metadata_from_state(
     tables = state.block_tables[slot_ids]
     if kv_lens is None:
         kv_lens = state.seq_lens[slot_ids]
-    return build_metadata(tables, kv_lens, q_lens, num_seqs, num_tokens, state.config.block_size)
+    return build_metadata(tables, kv_lens, q_lens, num_seqs, num_tokens, state.cfg.block_size)
 
 
 def paged_attention_op(
