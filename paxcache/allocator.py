@@ -236,11 +236,6 @@ def _i32(x: Any) -> jax.Array:
     return jnp.asarray(x, dtype=_I32)
 
 
-def _select_tree(pred: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where the scalar ``pred`` holds, else ``old`` (leaf-wise)."""
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
-
-
 def _hash_key(tokens: jax.Array, salt: jax.Array, parent: jax.Array, pgen: jax.Array) -> jax.Array:
     """u32[...] hash of a cache key; ``tokens`` i32[..., S], the others broadcast to [...]."""
     h = jnp.full(tokens.shape[:-1], 2166136261, _U32)
@@ -449,10 +444,13 @@ def init(cfg: CacheConfig) -> BlockState:
         cfg.max_blocks_per_seq,
         cfg.num_host_blocks,
     )
-    zeros_n = jnp.zeros((n,), _I32)
+
+    def zeros_n() -> jax.Array:  # distinct buffers, so the state can be donated
+        return jnp.zeros((n,), _I32)
+
     return BlockState(
         cfg=cfg,
-        ref_counts=zeros_n,
+        ref_counts=zeros_n(),
         # Reversed so that the first pops hand out 0, 1, 2, ...
         free_stack=jnp.arange(n - 1, -1, -1, dtype=_I32),
         num_free=_i32(n),
@@ -461,11 +459,11 @@ def init(cfg: CacheConfig) -> BlockState:
         block_tokens=jnp.zeros((n, s), _I32),
         key_hash=jnp.zeros((n,), _U32),
         parent_block=jnp.full((n,), -1, _I32),
-        parent_gen=zeros_n,
-        gen=zeros_n,
-        block_salt=zeros_n,
-        block_pos=zeros_n,
-        last_access=zeros_n,
+        parent_gen=zeros_n(),
+        gen=zeros_n(),
+        block_salt=zeros_n(),
+        block_pos=zeros_n(),
+        last_access=zeros_n(),
         block_tables=jnp.full((b, m), -1, _I32),
         seq_lens=jnp.zeros((b,), _I32),
         active=jnp.zeros((b,), bool),
@@ -586,40 +584,47 @@ def allocate(
     avail_after = num_free_blocks(state) - num_revived - needed
     ok = valid & (avail_after >= cfg.watermark_blocks) & (avail_after >= 0)
 
+    # Every update below is masked by `ok` (scatters go out of bounds and are dropped), so a
+    # refused call returns the old state bitwise without an O(state) select.
+    oki = ok.astype(_I32)
     new = state
     # Revive / reference the hit blocks first so that eviction cannot pick them.
-    hit_tgt = jnp.where(hit_valid, hit_ids, n)
+    hit_tgt = jnp.where(hit_valid & ok, hit_ids, n)
     new = new.replace(
         ref_counts=new.ref_counts.at[hit_tgt].add(1, mode="drop"),
         last_access=new.last_access.at[hit_tgt].set(new.clock, mode="drop"),
-        num_evictable=new.num_evictable - num_revived,
+        num_evictable=new.num_evictable - num_revived * oki,
     )
-    new = _ensure_free(new, jnp.where(ok, needed, 0))
-    fresh_mask = (cols >= num_hit) & (cols < nblk)
+    new = _ensure_free(new, needed * oki)
+    fresh_mask = ok & (cols >= num_hit) & (cols < nblk)
     fresh_ids = jnp.where(fresh_mask, _pop_at(new, cols - num_hit), -1)
     row = jnp.where(hit_valid, hit_ids, fresh_ids)
     fresh_tgt = jnp.where(fresh_mask, fresh_ids, n)
+    tslot = jnp.where(ok, safe_slot, b)
+
+    def put(arr: jax.Array, val: Any) -> jax.Array:
+        return arr.at[tslot].set(val, mode="drop")
+
     new = new.replace(
         ref_counts=new.ref_counts.at[fresh_tgt].set(1, mode="drop"),
-        num_free=new.num_free - needed,
-        block_tables=new.block_tables.at[safe_slot].set(row),
-        seq_lens=new.seq_lens.at[safe_slot].set(num_tokens),
-        active=new.active.at[safe_slot].set(True),
-        swapped=new.swapped.at[safe_slot].set(False),
-        slot_salt=new.slot_salt.at[safe_slot].set(salt),
-        num_registered=new.num_registered.at[safe_slot].set(num_hit),
-        num_known_tokens=new.num_known_tokens.at[safe_slot].set(num_tokens),
+        num_free=new.num_free - needed * oki,
+        block_tables=put(new.block_tables, row),
+        seq_lens=put(new.seq_lens, num_tokens),
+        active=put(new.active, True),
+        swapped=put(new.swapped, False),
+        slot_salt=put(new.slot_salt, salt),
+        num_registered=put(new.num_registered, num_hit),
+        num_known_tokens=put(new.num_known_tokens, num_tokens),
     )
     if cfg.enable_prefix_caching:
         new = new.replace(
             block_tokens=new.block_tokens.at[fresh_tgt].set(blocks, mode="drop"),
-            prefix_queries=new.prefix_queries + num_tokens,
-            prefix_hits=new.prefix_hits + num_hit * s,
+            prefix_queries=new.prefix_queries + num_tokens * oki,
+            prefix_hits=new.prefix_hits + num_hit * s * oki,
         )
         if commit:
-            new = _register(new, safe_slot[None], jnp.ones((1,), bool), (num_tokens // s)[None], m)
-    new = _tick(new)
-    out = _select_tree(ok, new, state)
+            new = _register(new, safe_slot[None], ok[None], (num_tokens // s)[None], m)
+    out = new.replace(clock=new.clock + oki)
     return out, AllocateResult(ok=ok, num_cached_tokens=jnp.where(ok, num_hit * s, 0))
 
 
@@ -676,45 +681,58 @@ def append(
 
     new = _ensure_free(state, total)
     cow_g = cow & granted
-    cow_dst = jnp.where(cow_g, _pop_at(new, rank0), -1)
     first_rank = rank0 + cow_g.astype(_I32)
 
-    def one_block(tables: jax.Array) -> jax.Array:
-        ids = jnp.where(granted & (new_blocks == 1), _pop_at(new, first_rank), -1)
-        col = jnp.where(ids >= 0, jnp.clip(nb_old, 0, m - 1), m)
-        return tables.at[rows, col].set(ids, mode="drop")
+    # First new block of every slot: a [B] scatter outside any cond (the decode hot path;
+    # XLA copies operands that a cond branch updates in place).
+    ids = jnp.where(granted & (new_blocks >= 1), _pop_at(new, first_rank), -1)
+    col = jnp.where(ids >= 0, jnp.clip(nb_old, 0, m - 1), m)
+    ref = new.ref_counts.at[jnp.where(ids >= 0, ids, n)].set(1, mode="drop")
+    tables = new.block_tables.at[rows, col].set(ids, mode="drop")
 
-    def many_blocks(tables: jax.Array) -> jax.Array:
+    def more_blocks(args):  # appends that cross several block boundaries (prompt chunks)
+        tables, ref = args
         cols = jnp.arange(m, dtype=_I32)[None, :]
-        sel = granted[:, None] & (cols >= nb_old[:, None]) & (cols < nb_new[:, None])
+        sel = granted[:, None] & (cols > nb_old[:, None]) & (cols < nb_new[:, None])
         ids = _pop_at(new, first_rank[:, None] + cols - nb_old[:, None])
-        return jnp.where(sel, ids, tables)
+        ref = ref.at[jnp.where(sel, ids, n).reshape(-1)].set(1, mode="drop")
+        return jnp.where(sel, ids, tables), ref
 
-    tables = new.block_tables
     if m > 1:
-        tables = lax.cond(jnp.max(new_blocks) <= 1, one_block, many_blocks, tables)
-    else:
-        tables = one_block(tables)
-    # Fresh blocks (CoW destinations included) start with one reference.
-    fresh = (tables != new.block_tables) & (tables >= 0)
-    cow_col = jnp.where(cow_g, last_col, m)
-    tables = tables.at[rows, cow_col].set(cow_dst, mode="drop")
-    ref = new.ref_counts.at[jnp.where(fresh, tables, n).reshape(-1)].set(1, mode="drop")
-    ref = ref.at[jnp.where(cow_g, cow_dst, n)].set(1, mode="drop")
+        tables, ref = lax.cond(jnp.max(new_blocks) > 1, more_blocks, lambda a: a, (tables, ref))
     new = new.replace(
         ref_counts=ref,
-        num_free=new.num_free - total,
         block_tables=tables,
         seq_lens=jnp.where(granted, new_len, length),
     )
-    cow_src = jnp.where(cow_g, last_blk, -1)
-    if cfg.enable_prefix_caching:
+
+    def copy_on_write(new: BlockState):
+        cow_dst = jnp.where(cow_g, _pop_at(new, rank0), -1)
+        cow_src = jnp.where(cow_g, last_blk, -1)
+        dst_tgt = jnp.where(cow_g, cow_dst, n)
         new = new.replace(
-            block_tokens=new.block_tokens.at[jnp.where(cow_g, cow_dst, n)].set(
-                new.block_tokens[jnp.clip(last_blk, 0, n - 1)], mode="drop"
-            )
+            block_tables=new.block_tables.at[rows, jnp.where(cow_g, last_col, m)].set(
+                cow_dst, mode="drop"
+            ),
+            ref_counts=new.ref_counts.at[dst_tgt].set(1, mode="drop"),
         )
-    new = _release(new, cow_src)
+        if cfg.enable_prefix_caching:
+            src_tokens = new.block_tokens[jnp.clip(last_blk, 0, n - 1)]
+            tokens = new.block_tokens.at[dst_tgt].set(src_tokens, mode="drop")
+            new = new.replace(block_tokens=tokens)
+        # The source loses one reference per copier; num_free must already be final here.
+        new = _release(new.replace(num_free=new.num_free - total), cow_src)
+        cm = cow_g.astype(_I32)
+        cpos = jnp.where(cow_g, jnp.cumsum(cm) - cm, b)
+        copy_src = jnp.full((b,), -1, _I32).at[cpos].set(cow_src, mode="drop")
+        copy_dst = jnp.full((b,), -1, _I32).at[cpos].set(cow_dst, mode="drop")
+        return new, copy_src, copy_dst, cow_dst
+
+    def no_copy(new: BlockState):
+        none = jnp.full((b,), -1, _I32)
+        return new.replace(num_free=new.num_free - total), none, none, none
+
+    new, copy_src, copy_dst, cow_dst = lax.cond(jnp.any(cow_g), copy_on_write, no_copy, new)
 
     if cfg.sliding_window is not None:
         start = jnp.maximum(length - cfg.sliding_window + 1, 0) // s  # first kept column
@@ -744,16 +762,11 @@ def append(
             if commit:
                 new = _register_batch(new, granted, known // s)
     new = _tick(new)
-
-    cm = cow_g.astype(_I32)
-    cpos = jnp.where(cow_g, jnp.cumsum(cm) - cm, b)
-    copy_src = jnp.full((b,), -1, _I32).at[cpos].set(cow_src, mode="drop")
-    copy_dst = jnp.full((b,), -1, _I32).at[cpos].set(cow_dst, mode="drop")
     return new, AppendResult(
         ok=ok,
         copy_src=copy_src,
         copy_dst=copy_dst,
-        num_copies=jnp.sum(cm),
+        num_copies=jnp.sum(cow_g.astype(_I32)),
         slot_copy_dst=cow_dst,
     )
 
@@ -804,18 +817,23 @@ def fork(
         & ~state.active[sc]
     )
     row = state.block_tables[sp]
+    tc = jnp.where(ok, sc, b)
+
+    def put(arr: jax.Array, val: Any) -> jax.Array:
+        return arr.at[tc].set(val, mode="drop")
+
     new = state.replace(
-        ref_counts=state.ref_counts.at[jnp.where(row >= 0, row, n)].add(1, mode="drop"),
-        block_tables=state.block_tables.at[sc].set(row),
-        seq_lens=state.seq_lens.at[sc].set(state.seq_lens[sp]),
-        active=state.active.at[sc].set(True),
-        swapped=state.swapped.at[sc].set(False),
-        slot_salt=state.slot_salt.at[sc].set(state.slot_salt[sp]),
-        num_registered=state.num_registered.at[sc].set(state.num_registered[sp]),
-        num_known_tokens=state.num_known_tokens.at[sc].set(state.num_known_tokens[sp]),
+        ref_counts=state.ref_counts.at[jnp.where(ok & (row >= 0), row, n)].add(1, mode="drop"),
+        block_tables=put(state.block_tables, row),
+        seq_lens=put(state.seq_lens, state.seq_lens[sp]),
+        active=put(state.active, True),
+        swapped=put(state.swapped, False),
+        slot_salt=put(state.slot_salt, state.slot_salt[sp]),
+        num_registered=put(state.num_registered, state.num_registered[sp]),
+        num_known_tokens=put(state.num_known_tokens, state.num_known_tokens[sp]),
+        clock=state.clock + ok.astype(_I32),
     )
-    new = _tick(new)
-    return _select_tree(ok, new, state), ForkResult(ok=ok)
+    return new, ForkResult(ok=ok)
 
 
 def free(state: BlockState, slot_mask: jax.Array) -> BlockState:
