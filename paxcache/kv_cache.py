@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
-import kernels_pallas as kp
+from kernels_pallas import kv_ops as kp
 
 __all__ = [
     "KVCache",

@@ -228,8 +228,8 @@ def test_swap_program_scatters_in_place_and_moves_only_gathered_blocks(to_host):
     compiled = program.lower(src, dst, ids, ids).compile()
     mem = compiled.memory_analysis()
     assert mem.alias_size_in_bytes == 2 * dst[0].nbytes  # both destinations updated in place
-    block_bytes = dst[0].nbytes // dst[0].shape[2]  # one block, all layers
-    assert mem.temp_size_in_bytes <= 2 * 4 * block_bytes + 1024  # only the gathered K/V blocks
+    # Only the gathered K/V blocks (4 of 128) are temporaries, never a pool-sized copy.
+    assert mem.temp_size_in_bytes < dst[0].nbytes // 8
     full = "f32[" + ",".join(map(str, dst[0].shape)) + "]"
     assert not [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and full in ln]
 
