@@ -17,9 +17,11 @@ shape ``[B]`` are accepted too.
 Filter semantics (as in vLLM): temperature scales the logits first; then top-k keeps the ``k``
 largest; top-p keeps the smallest prefix of the sorted distribution (renormalized after top-k)
 whose mass reaches ``p``; min-p keeps tokens whose probability is at least ``min_p`` times the
-most likely token's. A row with ``temperature <= GREEDY_EPS`` is greedy (argmax of the raw
-logits, lowest id on ties). Reported log-probabilities are the log-softmax of the *raw* logits
-(before temperature and filters), as vLLM reports them.
+most likely token's; tokens tied with the last one a filter keeps are kept too. The filters are
+per-row thresholds found by bisection (no sort over the vocabulary), and they are skipped when
+no row in the batch uses them. A row with ``temperature <= GREEDY_EPS`` is greedy (argmax of
+the raw logits, lowest id on ties). Reported log-probabilities are the log-softmax of the *raw*
+logits (before temperature and filters), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -280,10 +282,77 @@ def _as_typed_keys(keys: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(keys.astype(jnp.uint32), impl="threefry2x32")
 
 
+def _order_key(x: jax.Array) -> jax.Array:
+    """f32 -> u32 with the same order (``a < b`` iff ``key(a) < key(b)``, NaN aside)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    flipped = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))  # negatives: reverse their order
+    return jax.lax.bitcast_convert_type(flipped, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _largest_threshold(
+    lo: jax.Array, hi: jax.Array, ok: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+    """Per row, the largest ``t`` in ``[lo, hi]`` with ``ok(t)``, by bisection on u32 keys.
+
+    ``ok(t)`` (bool[B] for t u32[B]) must be monotone (true up to some t*, false after) and
+    true at ``lo``. 32 halvings of a u32 interval are exact.
+    """
+
+    def body(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        gap = hi - lo
+        mid = lo + gap // 2 + gap % 2  # ceil((lo + hi) / 2) without u32 overflow
+        good = ok(mid)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, jnp.maximum(lo, hi)))
+    return lo
+
+
 def _filtered_sample(
     scaled: jax.Array, gumbel: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
 ) -> jax.Array:
-    """Samples with top-k / top-p / min-p filters. scaled, gumbel: f32[B, V] -> i32[B]."""
+    """Samples with top-k / top-p / min-p filters. scaled, gumbel: f32[B, V] -> i32[B].
+
+    Sort-free: each filter becomes a per-row threshold on the logits, found by bisection over
+    their order-preserving u32 keys (a few dozen masked reductions over ``[B, V]`` instead of a
+    sort; ties at a threshold are all kept). Same semantics as ``_filtered_sample_sorted``.
+    """
+    v = scaled.shape[-1]
+    key = _order_key(scaled)  # u32[B, V]
+    k_min = jnp.min(key, axis=-1)
+    k_max = jnp.max(key, axis=-1)
+    # top-k: the largest t with #{key >= t} >= k.
+    k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v))
+    t_k = _largest_threshold(k_min, k_max, lambda t: jnp.sum(key >= t[:, None], axis=-1) >= k)
+    # top-p over the distribution renormalized after top-k: the largest t whose kept mass
+    # reaches top_p of the top-k mass (the smallest most-likely set with that mass).
+    probs = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    mass_k = jnp.sum(jnp.where(key >= t_k[:, None], probs, 0.0), axis=-1)
+    target = top_p * mass_k
+    t_p = _largest_threshold(
+        t_k,
+        k_max,
+        lambda t: jnp.sum(jnp.where(key >= t[:, None], probs, 0.0), axis=-1) >= target,
+    )
+    t = jnp.where(top_p >= 1.0, t_k, t_p)
+    keep = key >= t[:, None]
+    # min-p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p). Ratios are unchanged
+    # by renormalization, so the order of filters does not matter for this one.
+    log_min_p = jnp.log(jnp.maximum(min_p, 0.0))[:, None]  # log(0) = -inf: keeps everything
+    keep &= (scaled - jnp.max(scaled, axis=-1, keepdims=True)) >= log_min_p
+    # Gumbel noise is indexed by token id, as in the unfiltered path, so a row whose filters
+    # keep everything samples the same token on either path.
+    return jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+def _filtered_sample_sorted(
+    scaled: jax.Array, gumbel: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
+    """Oracle for ``_filtered_sample``: the same filters by a full sort (O(V log V) per row).
+
+    Kept for tests; ``sample`` uses the sort-free threshold search.
+    """
     v = scaled.shape[-1]
     order = jnp.argsort(-scaled, axis=-1, stable=True)  # i32[B, V], most likely first
     s_logits = jnp.take_along_axis(scaled, order, axis=-1)

@@ -319,3 +319,29 @@ def test_sample_always_returns_a_kept_token(temperature, top_k, top_p, min_p, se
     # min-p over temperature-scaled probabilities.
     scaled = np.asarray(logits[0], np.float64) / temperature
     assert scaled[tok] - scaled.max() >= np.log(max(min_p, 1e-30)) - 1e-4
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), temperature=st.sampled_from([0.3, 1.0, 2.0]))
+def test_threshold_filters_match_the_sorting_oracle(seed, temperature):
+    from paxcache.sampling import _filtered_sample, _filtered_sample_sorted
+
+    b, v = 16, 50
+    rng = np.random.default_rng(seed)
+    scaled = jnp.asarray(rng.normal(size=(b, v)) * 3 / temperature, jnp.float32)
+    scaled = scaled.at[0, 10:].set(-jnp.inf)  # a row with masked vocabulary
+    gumbel = jax.random.gumbel(jax.random.key(seed), (b, v), jnp.float32)
+    top_k = jnp.asarray(rng.choice([0, 1, 2, 5, 49, 50, 80], size=b), jnp.int32)
+    top_p = jnp.asarray(rng.choice([1.0, 0.99, 0.9, 0.5, 0.1, 1e-6], size=b), jnp.float32)
+    min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.05, 0.3, 1.0], size=b), jnp.float32)
+    fast = _filtered_sample(scaled, gumbel, top_k, top_p, min_p)
+    oracle = _filtered_sample_sorted(scaled, gumbel, top_k, top_p, min_p)
+    np.testing.assert_array_equal(fast, oracle)
+
+
+def test_order_key_preserves_float_order():
+    from paxcache.sampling import _order_key
+
+    x = jnp.asarray([-jnp.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, 7.5e30, jnp.inf], jnp.float32)
+    k = np.asarray(_order_key(x)).astype(np.int64)
+    assert np.all(np.diff(k) >= 0) and k[0] < k[1] < k[2] and k[-2] < k[-1]
