@@ -1,0 +1,864 @@
+"""The continuous-batching engine: one fused, jit-compiled device step per scheduling round.
+
+Each :meth:`Engine.step`:
+
+1. the host :class:`~paxcache.scheduler.Scheduler` picks which sequences run and how many
+   tokens each feeds (decodes, prefill chunks, resumed and newly admitted sequences), within
+   ``max_num_batched_tokens`` and ``max_num_seqs``, preempting when blocks run short;
+2. one compiled device function (per token-count bucket) runs, on the device and without
+   returning to Python in between: the allocator's batched ``append`` → copy-on-write block
+   copies → attention metadata → model forward (K/V writes + ragged paged attention in every
+   layer, under ``lax.scan``) → sampling → prefix-cache ``commit``. The ``BlockState`` and the
+   ``KVCache`` are donated and stay on the device; the host gets back only the sampled tokens
+   (and their log-probabilities), per-row ok flags and the free-block count;
+3. the host appends the tokens, detokenizes, applies stop conditions and frees finished
+   sequences.
+
+Token counts are padded to power-of-two buckets (and the batch to ``max_num_seqs`` rows), so
+the step compiles once per bucket; :meth:`Engine.warmup` compiles them all up front and
+``stats()["num_compilations"]`` counts every trace, so a warmed-up engine provably never
+compiles again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paxcache import allocator, kv_cache
+from paxcache.attention import metadata_from_state, paged_attention_op
+from paxcache.config import CacheConfig
+from paxcache.errors import DuplicateSequenceError, SequenceTooLongError
+from paxcache.outputs import CompletionOutput, RequestOutput
+from paxcache.sampling import SamplingParams, request_keys, sample
+from paxcache.scheduler import Scheduler, SeqState
+from paxcache.scheduler import Sequence as Seq
+
+__all__ = ["Engine", "RequestOutput", "CompletionOutput"]
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # top log-probabilities computed every step (static shape)
+
+
+def _token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    buckets = []
+    b = min(smallest, max_tokens)
+    while b < max_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_tokens)
+    return tuple(buckets)
+
+
+class _Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seqs: list[Seq],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_ids
+        self.params = params
+        self.seqs = seqs
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.aborted = False
+
+
+class Engine:
+    """A paged-KV LLM engine with continuous batching (vLLM-style API).
+
+    Args:
+      model: a :class:`~paxcache.models.LlamaForCausalLM` (or any NNX module with the same
+        ``forward_paged`` / ``config`` interface).
+      tokenizer: its tokenizer (``encode``, ``decode``, ``eos_token_id``).
+      model_name: the name reported by ``stats`` and the server.
+      num_blocks: device KV blocks; default: enough for ``max_num_seqs`` full-length
+        sequences, capped by ``kv_memory_bytes`` (or 1 GiB on CPU, 90% of free memory on
+        accelerators).
+      block_size: tokens per block.
+      max_num_seqs: most sequences running (and rows in one step).
+      max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+      num_host_blocks: host (pinned memory) blocks for swap preemption.
+      enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
+      preemption_mode: ``"swap"`` (needs host blocks) or ``"recompute"``.
+      policy: scheduling policy, ``"fifo"`` or ``"prefill_first"``.
+      tp: tensor-parallel degree (shards KV heads and weights over a ``tp`` mesh axis).
+      max_model_len: longest sequence (prompt + output); default the model's
+        ``max_position_embeddings``.
+      kv_memory_bytes: KV cache budget in bytes (alternative to ``num_blocks``).
+      watermark: fraction of blocks kept free at admission.
+      impl: kernel implementation (``"auto"``: Pallas on TPU/GPU, XLA on CPU).
+      seed: seed for requests that do not set one.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_name: str = "model",
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 256,
+        num_host_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        policy: str = "fifo",
+        tp: int = 1,
+        max_model_len: int | None = None,
+        kv_memory_bytes: int | None = None,
+        watermark: float = 0.01,
+        impl: str = "auto",
+        interpret: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        cfg = model.config
+        if preemption_mode not in ("swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}"
+            )
+        if preemption_mode == "swap" and num_host_blocks <= 0:
+            raise ValueError("preemption_mode='swap' needs num_host_blocks > 0")
+        for name, val in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("block_size", block_size),
+        ):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        windows = set(cfg.layer_windows())
+        if len(windows) > 1:
+            raise ValueError(
+                "layers with different sliding windows are not supported by the paged engine "
+                f"(got {sorted(windows, key=str)})"
+            )
+        self.sliding_window = next(iter(windows))
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.impl = impl
+        self.interpret = interpret
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tp = tp
+        self._rng = np.random.default_rng(seed)
+
+        model_max = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.max_model_len = int(max_model_len or model_max)
+        if self.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_max}"
+            )
+        max_blocks_per_seq = -(-self.max_model_len // block_size)
+        kv_dtype = model.dtype
+        bytes_per_block = (
+            2
+            * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * block_size
+            * cfg.head_dim
+            * jnp.dtype(kv_dtype).itemsize
+        )
+        if num_blocks is None:
+            if kv_memory_bytes is None and jax.default_backend() != "cpu":
+                num_blocks, _ = kv_cache.num_blocks_for_budget(
+                    0.9,
+                    cfg.num_hidden_layers,
+                    cfg.num_key_value_heads,
+                    cfg.head_dim,
+                    block_size,
+                    kv_dtype,
+                )
+            else:
+                budget = kv_memory_bytes if kv_memory_bytes is not None else 1 << 30
+                num_blocks = min(max_num_seqs * max_blocks_per_seq, budget // bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        # Swapped sequences keep their slot while parked on the host, so swap mode gets a
+        # second bank of slots; running sequences never exceed max_num_seqs.
+        num_slots = max_num_seqs * (2 if num_host_blocks > 0 else 1)
+        self.cache_config = CacheConfig(
+            num_blocks=int(num_blocks),
+            block_size=block_size,
+            max_seqs=num_slots,
+            max_blocks_per_seq=max_blocks_per_seq,
+            num_host_blocks=num_host_blocks,
+            watermark=watermark,
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=self.sliding_window,
+        )
+        self.bytes_per_block = bytes_per_block
+        self.buckets = _token_buckets(max_num_batched_tokens)
+        self._graphdef, self._params = nnx.split(model)
+        self.mesh = None
+        if tp > 1:
+            from paxcache import sharding
+
+            self.mesh, self._params = sharding.setup_tensor_parallel(model, self._params, tp)
+
+        self._state = allocator.init(self.cache_config)
+        self._kv = kv_cache.KVCache.create(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=int(num_blocks),
+            block_size=block_size,
+            dtype=kv_dtype,
+            num_host_blocks=num_host_blocks,
+            **({} if self.mesh is None else {"sharding": sharding.kv_sharding(self.mesh)}),
+        )
+        self._num_compilations = 0
+        self._jit_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
+        self._jit_allocate = jax.jit(self._count(allocator.allocate), static_argnames=("commit",))
+        self._jit_fork = jax.jit(self._count(allocator.fork))
+        self._jit_free = jax.jit(self._count(allocator.free))
+        self._jit_swap_out = jax.jit(self._count(allocator.swap_out))
+        self._jit_swap_in = jax.jit(self._count(allocator.swap_in))
+        self._jit_num_free = jax.jit(self._count(allocator.num_free_blocks))
+        self._jit_num_free_host = jax.jit(self._count(allocator.num_free_host_blocks))
+
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._computed = np.zeros(num_slots, np.int32)  # host mirror for commit
+        self._num_free_cache: int | None = None
+        self._salts: dict[Any, int] = {None: 0}
+        self._requests: dict[str, _Request] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._failed: list[Seq] = []
+        self._num_generated = 0
+        self._eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self._eos_ids.add(int(tokenizer.eos_token_id))
+        self.scheduler = Scheduler(
+            self,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode,
+            policy=policy,
+            on_finish=self._on_scheduler_finish,
+        )
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str = "tiny",
+        *,
+        dtype: Any = jnp.float32,
+        **kwargs: Any,
+    ) -> Engine:
+        """Loads ``"tiny"`` (the bundled model) or an HF-format directory and builds an engine.
+
+        Keyword arguments are those of :class:`Engine` (``num_blocks``, ``block_size``,
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``num_host_blocks``,
+        ``enable_prefix_caching``, ``preemption_mode``, ``tp``, ...).
+        """
+        from paxcache.models import load_pretrained
+
+        m, tok = load_pretrained(model, dtype=dtype)
+        name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
+        return cls(m, tok, model_name=name, **kwargs)
+
+    def _count(self, fn):
+        def counted(*args, **kwargs):
+            self._num_compilations += 1  # runs only while tracing
+            return fn(*args, **kwargs)
+
+        counted.__name__ = getattr(fn, "__name__", "fn")
+        return counted
+
+    # ------------------------------------------------------------------ device step
+
+    def _step_impl(
+        self,
+        state,
+        kv,
+        params,
+        tokens,
+        slot_ids,
+        q_lens,
+        kv_lens,
+        num_seqs,
+        append_counts,
+        append_tokens,
+        computed,
+        sample_rows,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        keys,
+    ):
+        """The fused step. Shapes: tokens i32[T]; slot_ids/q_lens/kv_lens i32[R];
+        append_counts/computed i32[B]; append_tokens i32[B, 1]; sample_rows i32[R];
+        sampling arrays [R]; keys u32[R, 2]. R = max_num_seqs, B = allocator slots."""
+        self._num_compilations += 1  # trace-time only: counts compilations
+        t = tokens.shape[0]
+        state, app = allocator.append(state, append_counts, append_tokens, commit=False)
+        kv = kv_cache.apply_copies(kv, app.copy_src, app.copy_dst)
+        md = metadata_from_state(state, slot_ids, q_lens, num_seqs, t, kv_lens)
+        live = jnp.arange(slot_ids.shape[0]) < num_seqs
+        row_ok = app.ok[slot_ids] & live  # bool[R]
+        md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
+        model = nnx.merge(self._graphdef, params)
+        window = self.sliding_window
+
+        def attn_fn(layer, q, k, v, k_pages, v_pages):
+            out, (k_pages, v_pages) = paged_attention_op(
+                q,
+                k,
+                v,
+                k_pages,
+                v_pages,
+                md,
+                layer=layer,
+                sliding_window=window,
+                impl=self.impl,
+                interpret=self.interpret,
+            )
+            return out, k_pages, v_pages
+
+        logits, (k_pages, v_pages) = model.forward_paged(
+            tokens, md.positions, (kv.k, kv.v), attn_fn, logits_indices=sample_rows
+        )
+        kv = kv.replace(k=k_pages, v=v_pages)
+        out = sample(logits, temperature, top_k, top_p, min_p, keys, num_logprobs=MAX_LOGPROBS)
+        b = computed.shape[0]
+        idx = jnp.where(row_ok, slot_ids, b)
+        computed = computed.at[idx].set(kv_lens, mode="drop")
+        state = allocator.commit(state, computed)
+        return state, kv, out, row_ok, allocator.num_free_blocks(state)
+
+    # ------------------------------------------------------------------ CacheOps (scheduler)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.cache_config.num_host_blocks
+
+    def num_free_blocks(self) -> int:
+        if self._num_free_cache is None:
+            self._num_free_cache = int(self._jit_num_free(self._state))
+        return self._num_free_cache
+
+    def num_free_host_blocks(self) -> int:
+        return int(self._jit_num_free_host(self._state))
+
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def blocks_held(self, seq: Seq) -> int:
+        return -(-seq.num_allocated // self.block_size)
+
+    def _changed(self) -> None:
+        self._num_free_cache = None
+
+    def admit(self, seqs: list[Seq]) -> bool:
+        lead = seqs[0]
+        slot = self._free_slots[-1]
+        n = len(lead.token_ids)
+        padded = np.zeros(self.cache_config.max_model_len, np.int32)
+        padded[:n] = lead.token_ids
+        new_state, res = self._jit_allocate(
+            self._state, np.int32(slot), padded, np.int32(n), np.int32(lead.salt), commit=False
+        )
+        if not bool(res.ok):
+            return False
+        self._free_slots.pop()
+        cached = int(res.num_cached_tokens)
+        lead.slot, lead.num_computed, lead.num_allocated = slot, cached, n
+        lead.shared_last = len(seqs) > 1
+        for f in seqs[1:]:
+            child = self._free_slots.pop()
+            new_state, fres = self._jit_fork(new_state, np.int32(slot), np.int32(child))
+            assert bool(fres.ok), "fork into a free slot cannot fail"
+            f.slot, f.num_computed, f.num_allocated = child, cached, n
+            f.shared_last = True
+            self._computed[child] = cached
+        self._state = new_state
+        self._computed[slot] = cached
+        self._changed()
+        return True
+
+    def release(self, seq: Seq) -> None:
+        if seq.slot < 0:
+            return
+        mask = np.zeros(self.cache_config.max_seqs, bool)
+        mask[seq.slot] = True
+        self._state = self._jit_free(self._state, mask)
+        self._computed[seq.slot] = 0
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
+        self._changed()
+
+    def swap_out(self, seq: Seq) -> bool:
+        mask = np.zeros(self.cache_config.max_seqs, bool)
+        mask[seq.slot] = True
+        new_state, plan = self._jit_swap_out(self._state, mask)
+        if not bool(plan.ok[seq.slot]):
+            return False
+        self._kv = kv_cache.swap_out(self._kv, plan.src, plan.dst, plan.num)
+        self._state = new_state
+        self._changed()
+        return True
+
+    def swap_in(self, seq: Seq) -> bool:
+        mask = np.zeros(self.cache_config.max_seqs, bool)
+        mask[seq.slot] = True
+        new_state, plan = self._jit_swap_in(self._state, mask)
+        if not bool(plan.ok[seq.slot]):
+            return False
+        self._kv = kv_cache.swap_in(self._kv, plan.src, plan.dst, plan.num)
+        self._state = new_state
+        self._changed()
+        return True
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: Any = None,
+    ) -> None:
+        """Queues a request.
+
+        Args:
+          request_id: unique id (a duplicate of a live request raises
+            :class:`~paxcache.errors.DuplicateSequenceError`).
+          prompt: text (tokenized with the engine's tokenizer) or token ids.
+          params: sampling parameters (default greedy, 64 tokens).
+          cache_salt: optional tenant key; prefix-cache blocks are shared only between
+            requests with equal salts.
+
+        Raises:
+          SequenceTooLongError: the prompt leaves no room to generate within
+            ``max_model_len``, or needs more blocks than the cache can ever admit.
+          ValueError: empty prompt or token ids outside the vocabulary.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise DuplicateSequenceError(f"request id {request_id!r} is already running")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            text = None
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise SequenceTooLongError(
+                f"prompt of {len(ids)} tokens leaves no room to generate: max_model_len is "
+                f"{self.max_model_len}"
+            )
+        cfg = self.cache_config
+        need = cfg.blocks_for(len(ids) + 1)
+        if need > cfg.num_blocks - cfg.watermark_blocks:
+            raise SequenceTooLongError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache can admit at "
+                f"most {cfg.num_blocks - cfg.watermark_blocks}"
+            )
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        salt = self._salts.setdefault(cache_salt, len(self._salts))
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
+        seqs = [
+            Seq(
+                request_id=request_id,
+                index=j,
+                token_ids=list(ids),
+                num_prompt=len(ids),
+                params=params,
+                seed=seed,
+                salt=salt,
+            )
+            for j in range(params.n)
+        ]
+        for s in seqs:
+            s.logprobs = [] if params.logprobs is not None else None
+            s.decoder = _make_decoder(self.tokenizer)
+        lead = seqs[0]
+        lead.followers = seqs[1:]
+        for f in seqs[1:]:
+            f.leader = lead
+            f.arrival = lead.arrival
+        self._requests[request_id] = _Request(request_id, text, list(ids), params, seqs)
+        self.scheduler.add(seqs)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request now and frees its blocks; unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.remove(req.seqs)
+        for s in req.seqs:
+            self.release(s)
+            if not s.is_finished:
+                s.state = SeqState.FINISHED
+                s.finish_reason = "abort"
+        req.aborted = True
+        self._pending_outputs.append(self._output(req, finished=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def _on_scheduler_finish(self, seq: Seq) -> None:
+        self.release(seq)
+        self._failed.append(seq)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling round and device step.
+
+        Returns:
+          One :class:`RequestOutput` per request that progressed (or finished) in this step,
+          with cumulative ``token_ids``/``text`` and this step's deltas in
+          ``new_token_ids``/``new_text``.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        plan = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        # Sequences the scheduler had to fail (they cannot fit) report now.
+        for seq in self._failed:
+            if seq.request_id in self._requests:
+                touched[seq.request_id] = self._requests[seq.request_id]
+        self._failed = []
+        if plan.rows:
+            self._run(plan, touched)
+        for req in touched.values():
+            finished = all(s.is_finished for s in req.seqs)
+            outputs.append(self._output(req, finished=finished))
+            if finished:
+                self._requests.pop(req.request_id, None)
+        for req in touched.values():
+            for s in req.seqs:
+                s.new_ids = []
+        return outputs
+
+    def _run(self, plan, touched: dict[str, _Request]) -> None:
+        r = self.max_num_seqs
+        b = self.cache_config.max_seqs
+        total = plan.num_tokens
+        t = next(x for x in self.buckets if x >= total)
+        tokens = np.zeros(t, np.int32)
+        slot_ids = np.zeros(r, np.int32)
+        q_lens = np.zeros(r, np.int32)
+        kv_lens = np.zeros(r, np.int32)
+        append_counts = np.zeros(b, np.int32)
+        append_tokens = np.zeros((b, 1), np.int32)
+        off = 0
+        row_end = []
+        for i, (seq, q) in enumerate(plan.rows):
+            c = seq.num_computed
+            tokens[off : off + q] = seq.token_ids[c : c + q]
+            off += q
+            row_end.append(off - 1)
+            slot_ids[i], q_lens[i], kv_lens[i] = seq.slot, q, c + q
+            extra = c + q - seq.num_allocated
+            if extra > 0:
+                assert extra == 1, "at most one new token per step beyond the allocation"
+                append_counts[seq.slot] = 1
+                append_tokens[seq.slot, 0] = seq.token_ids[seq.num_allocated]
+        sample_rows = np.zeros(r, np.int32)
+        seeds = np.zeros(r, np.uint64)
+        steps = np.zeros(r, np.int64)
+        index = np.zeros(r, np.int64)
+        temperature = np.zeros(r, np.float32)
+        top_k = np.zeros(r, np.int32)
+        top_p = np.ones(r, np.float32)
+        min_p = np.zeros(r, np.float32)
+        for j, (seq, row) in enumerate(plan.samples):
+            p = seq.params
+            sample_rows[j] = row_end[row]
+            seeds[j], steps[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
+            temperature[j], top_k[j], top_p[j], min_p[j] = p.temperature, p.top_k, p.top_p, p.min_p
+        keys = request_keys(seeds, steps, index)
+        self._state, self._kv, out, row_ok, num_free = self._jit_step(
+            self._state,
+            self._kv,
+            self._params,
+            tokens,
+            slot_ids,
+            q_lens,
+            kv_lens,
+            np.int32(len(plan.rows)),
+            append_counts,
+            append_tokens,
+            self._computed.copy(),
+            sample_rows,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            keys,
+        )
+        toks = np.asarray(out.tokens)
+        row_ok = np.asarray(row_ok)
+        self._num_free_cache = int(num_free)
+        need_lp = any(s.params.logprobs is not None for s, _ in plan.samples)
+        if need_lp:
+            lps = np.asarray(out.logprob)
+            top_ids = np.asarray(out.top_ids)
+            top_lps = np.asarray(out.top_logprobs)
+        # Advance the rows that ran.
+        done_before = {}
+        for i, (seq, q) in enumerate(plan.rows):
+            if not row_ok[i]:
+                continue
+            done_before[id(seq)] = seq.num_computed + q
+            seq.num_computed += q
+            if seq.num_computed > seq.num_allocated:
+                seq.num_allocated = seq.num_computed
+                seq.shared_last = False
+            self._computed[seq.slot] = seq.num_computed
+        finished: list[Seq] = []
+        now = time.monotonic()
+        for j, (seq, row) in enumerate(plan.samples):
+            if not row_ok[row]:
+                continue
+            lead = plan.rows[row][0]
+            if seq is not lead:  # a follower samples from its leader's last row
+                seq.token_ids = lead.token_ids[: lead.num_computed]
+                seq.num_computed = lead.num_computed
+                seq.num_allocated = lead.num_allocated
+                seq.leader = None
+                seq.shared_last = True
+                self._computed[seq.slot] = seq.num_computed
+            tok = int(toks[j])
+            seq.token_ids.append(tok)
+            seq.new_ids.append(tok)
+            self._num_generated += 1
+            req = self._requests[seq.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if seq.logprobs is not None:
+                k = seq.params.logprobs
+                seq.logprobs.append(
+                    {
+                        "token_id": tok,
+                        "logprob": float(lps[j]),
+                        "top": [(int(top_ids[j, i]), float(top_lps[j, i])) for i in range(k)],
+                    }
+                )
+            self._check_stop(seq, tok)
+            touched[seq.request_id] = req
+            if seq.is_finished:
+                finished.append(seq)
+        for seq in finished:
+            self.scheduler.remove([seq])
+            self.release(seq)
+
+    def _check_stop(self, seq: Seq, tok: int) -> None:
+        p = seq.params
+        is_eos = tok in self._eos_ids and not p.ignore_eos
+        is_stop_tok = tok in (p.stop_token_ids or ())
+        if not (is_eos or is_stop_tok):
+            seq.text += seq.decoder.push(tok)
+        reason = None
+        stops = p.stop or ()
+        if stops:
+            window_start = max(0, seq.emitted - max(len(s) for s in stops))
+            hits = [(seq.text.find(s, window_start), s) for s in stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, _ = min(hits)
+                seq.text = seq.text[:i]
+                reason = "stop"
+        if reason is None:
+            if is_eos or is_stop_tok:
+                reason = "stop"
+            elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            seq.state = SeqState.FINISHED
+            seq.finish_reason = reason
+            if reason == "length" and not stops:
+                seq.text += seq.decoder.flush()
+
+    def _output(self, req: _Request, *, finished: bool) -> RequestOutput:
+        comps = []
+        stops = req.params.stop or ()
+        hold = max((len(s) for s in stops), default=1) - 1
+        for s in req.seqs:
+            visible = len(s.text) if s.is_finished else max(s.emitted, len(s.text) - hold)
+            new_text = s.text[s.emitted : visible]
+            s.emitted = visible
+            comps.append(
+                CompletionOutput(
+                    index=s.index,
+                    token_ids=list(s.token_ids[s.num_prompt :]) if s.num_generated > 0 else [],
+                    text=s.text[:visible],
+                    finish_reason=s.finish_reason,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    new_token_ids=list(s.new_ids),
+                    new_text=new_text,
+                )
+            )
+        error = next((s.error for s in req.seqs if s.error), None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=comps,
+            finished=finished,
+            error=error,
+        )
+
+    # ------------------------------------------------------------------ conveniences
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs prompts to completion; results come back in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        for p, sp in zip(prompts, params, strict=True):
+            rid = f"gen-{next(_gen_ids)}"
+            self.add_request(rid, p, sp)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while wanted - final.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields one request's outputs step by step (other queued requests progress too)."""
+        rid = f"stream-{next(_gen_ids)}"
+        self.add_request(rid, prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def warmup(self) -> None:
+        """Compiles every shape bucket and allocator function, so serving never compiles."""
+        t0 = time.perf_counter()
+        r, b = self.max_num_seqs, self.cache_config.max_seqs
+        z = np.zeros
+        for t in self.buckets:
+            self._state, self._kv, out, _, nf = self._jit_step(
+                self._state,
+                self._kv,
+                self._params,
+                z(t, np.int32),
+                z(r, np.int32),
+                z(r, np.int32),
+                z(r, np.int32),
+                np.int32(0),
+                z(b, np.int32),
+                z((b, 1), np.int32),
+                self._computed.copy(),
+                z(r, np.int32),
+                z(r, np.float32),
+                z(r, np.int32),
+                np.ones(r, np.float32),
+                z(r, np.float32),
+                z((r, 2), np.uint32),
+            )
+        jax.block_until_ready(out.tokens)
+        # Refused / empty calls compile the allocator functions without changing the state.
+        padded = z(self.cache_config.max_model_len, np.int32)
+        self._jit_allocate(
+            self._state, np.int32(-1), padded, np.int32(1), np.int32(0), commit=False
+        )
+        self._jit_fork(self._state, np.int32(-1), np.int32(-1))
+        self._jit_free(self._state, z(b, bool))
+        if self.num_host_blocks > 0:
+            self._jit_swap_out(self._state, z(b, bool))
+            self._jit_swap_in(self._state, z(b, bool))
+        self.num_free_blocks()
+        self.num_free_host_blocks()
+        logger.info(
+            "warm-up compiled %d functions in %.1fs",
+            self._num_compilations,
+            time.perf_counter() - t0,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges (see DESIGN.md); cheap enough to poll every second."""
+        st = self._state
+        total = self.cache_config.num_blocks
+        free = self.num_free_blocks()
+        queries = int(st.prefix_queries)
+        hits = int(st.prefix_hits)
+        return {
+            "num_total_blocks": total,
+            "num_free_blocks": free,
+            "kv_usage": 1.0 - free / total,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_swaps": self.scheduler.num_swaps,
+            "num_compilations": self._num_compilations,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": self.scheduler.num_waiting,
+            "num_swapped": len(self.scheduler.swapped),
+            "num_generated_tokens": self._num_generated,
+            "num_free_host_blocks": self.num_free_host_blocks(),
+            "num_total_host_blocks": self.num_host_blocks,
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block,
+            "kv_cache_bytes": self.bytes_per_block * total,
+            "device": ", ".join(str(d) for d in jax.devices()[: max(1, self.tp)]),
+            "max_model_len": self.max_model_len,
+        }
+
+
+def _make_decoder(tokenizer: Any) -> Any:
+    from paxcache.models.tokenizer import IncrementalDecoder
+
+    return IncrementalDecoder(tokenizer)
+
+
+def _counter() -> Iterator[int]:
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+_gen_ids = _counter()
