@@ -27,12 +27,15 @@ so ``"auto"`` on a GPU uses the XLA scatter, which XLA already performs in place
 buffers; set ``kernels_pallas.kv_ops.GPU_KERNELS_BY_DEFAULT = True`` to make ``"auto"`` pick
 them once they are checked on a GPU.
 
-swap_blocks outside the TPU kernel (GPU, CPU, or ``impl="reference"``): one jitted program
+swap_blocks outside the TPU kernel (GPU, or ``impl="reference"``): one jitted program
 gathers the blocks on the source side into one array, moves it with ONE transfer (a
 ``device_put`` to the destination memory kind inside the jit), and scatters it on the
 destination side (host-side gather/scatter run under ``compute_on("device_host")``); the
-destination is donated so the scatter is in place. The number of pairs is padded with -1 up to
-a power of two, so swapping 3, 4, 5 ... blocks compiles once per bucket, not once per count.
+destination is donated so the scatter is in place. On the CPU backend, where "device" and
+``pinned_host`` are the same RAM and XLA elides memory-kind moves, the program instead copies
+block to block in place (one pass over the moved bytes instead of three). The number of
+pairs is padded with -1 up to a power of two, so swapping 3, 4, 5 ... blocks compiles once
+per bucket, not once per count.
 
 Errors: argument problems raise ``ValueError`` naming the problem before anything is traced;
 ids are range-checked (and destinations checked for duplicates) when they are host values
@@ -426,12 +429,43 @@ def _scatter(dsts: tuple[jax.Array, ...], blocks: jax.Array, d_idx: jax.Array) -
     return tuple(_set_blocks(x, blocks[i].astype(x.dtype), d_idx) for i, x in enumerate(dsts))
 
 
+def _copy_between(dsts: tuple, srcs: tuple, s_idx: jax.Array, d_idx: jax.Array) -> tuple:
+    """Block-by-block update-slices ``src -> dst`` (no gathered temporary); skip d < 0."""
+
+    def one(dst: jax.Array, src: jax.Array) -> jax.Array:
+        axis, n = dst.ndim - 3, dst.shape[-3]
+
+        def body(i, x):
+            ok = d_idx[i] >= 0
+            dc = jnp.clip(d_idx[i], 0, n - 1)
+            new = jax.lax.dynamic_slice_in_dim(src, s_idx[i], 1, axis=axis).astype(x.dtype)
+            old = jax.lax.dynamic_slice_in_dim(x, dc, 1, axis=axis)
+            return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(ok, new, old), dc, axis=axis)
+
+        return jax.lax.fori_loop(0, d_idx.shape[0], body, dst)
+
+    return tuple(one(d, s) for d, s in zip(dsts, srcs, strict=True))
+
+
 @functools.lru_cache(maxsize=64)
 def _swap_program(
-    src_host: bool, dst_host: bool, dst_shardings: tuple, use_tpu: bool, donate: bool
+    src_host: bool,
+    dst_host: bool,
+    dst_shardings: tuple,
+    use_tpu: bool,
+    donate: bool,
+    direct: bool = False,
 ):
-    """One jitted program: gather on the source side, one transfer, scatter on the dest side."""
+    """One jitted program moving blocks between memory kinds (see :func:`swap_blocks`).
+
+    ``use_tpu``: the Pallas DMA kernel. ``direct``: block-to-block copies after a whole-pool
+    memory-kind move, only for the CPU backend, where device and host memory are the same RAM
+    and XLA elides that move. Otherwise: gather on the source side, one transfer of the
+    gathered blocks, scatter on the destination side.
+    """
     from jax.experimental.compute_on import compute_on
+
+    host = jax.memory.Space.Host
 
     def program(srcs, dsts, src_ids, dst_ids):
         skip = (src_ids < 0) | (dst_ids < 0)
@@ -443,7 +477,13 @@ def _swap_program(
             return swap_blocks_tpu(
                 srcs, dsts, src_ids, dst_ids, src_host=src_host, dst_host=dst_host
             )
-        host = jax.memory.Space.Host
+        if direct:
+            if src_host != dst_host:
+                srcs = jax.device_put(srcs, host if dst_host else jax.memory.Space.Device)
+            if dst_host:
+                s_idx, d_idx = jax.device_put((s_idx, d_idx), host)
+                return compute_on("device_host")(jax.jit(_copy_between))(dsts, srcs, s_idx, d_idx)
+            return _copy_between(dsts, srcs, s_idx, d_idx)
         if src_host:
             s_idx = jax.device_put(s_idx, host)
             blocks = compute_on("device_host")(jax.jit(_gather))(srcs, s_idx)
@@ -572,8 +612,14 @@ def swap_blocks(
         except Exception as e:  # lowering/compile failure happens before donation
             _TPU_SWAP_FAILED = True
             logger.warning("TPU swap kernel failed (%s); using the memory-kinds program", e)
-    fn = _swap_program(src_host, dst_host, shardings, False, donate)
+    direct = jax.default_backend() == "cpu" if _CPU_DIRECT_SWAP is None else _CPU_DIRECT_SWAP
+    fn = _swap_program(src_host, dst_host, shardings, False, donate, direct)
     return ret(fn(srcs, dsts, s_ids, d_ids))
+
+
+#: CPU swaps copy block to block (device and pinned_host are the same RAM there). None = auto
+#: (direct on the CPU backend only); tests set False to run the gather/transfer/scatter program.
+_CPU_DIRECT_SWAP: bool | None = None
 
 
 _TPU_SWAP_FAILED = False

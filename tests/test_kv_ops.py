@@ -171,8 +171,15 @@ def test_copy_blocks_single_layer_pages_match_numpy(impl, interpret, geom):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=[True, False], ids=["cpu-direct", "gather-transfer-scatter"])
+def swap_program_kind(request, monkeypatch):
+    """Run swaps through both programs: the CPU block-to-block one and the generic one."""
+    monkeypatch.setattr(kv_ops, "_CPU_DIRECT_SWAP", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swap_to_pinned_host_and_back_is_bit_exact(dtype):
+def test_swap_to_pinned_host_and_back_is_bit_exact(dtype, swap_program_kind):
     layers, kh, n, nh, s, d = 2, 2, 16, 8, 4, 16
     rng = np.random.default_rng(3)
     dev_k = _pages(rng, (layers, kh, n, s, d), dtype)
@@ -213,17 +220,20 @@ def test_swap_pads_pair_counts_to_power_of_two_buckets():
     for p in (3, 4):  # both in the bucket of 4: one program, one compilation
         host = kp.swap_blocks(dev, host, np.arange(p), np.arange(p) + 8)
     assert kv_ops._swap_program.cache_info().currsize == 1
-    program = kv_ops._swap_program(False, True, (host.sharding,), False, True)
+    program = kv_ops._swap_program(False, True, (host.sharding,), False, True, True)
     assert program._cache_size() == 1
     np.testing.assert_array_equal(np.asarray(host[:, :, 8:12]), np.asarray(dev[:, :, 0:4]))
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["cpu-direct", "gather-transfer-scatter"])
 @pytest.mark.parametrize("to_host", [True, False], ids=["device->host", "host->device"])
-def test_swap_program_scatters_in_place_and_moves_only_gathered_blocks(to_host):
+def test_swap_program_scatters_in_place_and_moves_only_gathered_blocks(to_host, direct):
     dev = jnp.zeros((2, 2, 256, 4, 8), jnp.float32)
     host = _pinned(jnp.zeros((2, 2, 128, 4, 8), jnp.float32))
     src, dst = ((dev, dev), (host, host)) if to_host else ((host, host), (dev, dev))
-    program = kv_ops._swap_program(not to_host, to_host, (dst[0].sharding,) * 2, False, True)
+    program = kv_ops._swap_program(
+        not to_host, to_host, (dst[0].sharding,) * 2, False, True, direct
+    )
     ids = jnp.arange(4, dtype=jnp.int32)
     compiled = program.lower(src, dst, ids, ids).compile()
     mem = compiled.memory_analysis()
