@@ -183,6 +183,13 @@ def _iota(shape: tuple[int, int], dim: int, cfg: _Cfg) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
 
 
+def _load_wgmma(ref, cfg: _Cfg) -> jax.Array:
+    """Load a swizzled SMEM tile into registers in the WGMMA layout (plain read in interpret)."""
+    if cfg.interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+
 def _mma_qk(q_smem, k_stage, cfg: _Cfg) -> jax.Array:
     """f32[64, BKV] = Q @ K^T (wgmma; jnp.dot in interpret mode)."""
     if cfg.interpret:
@@ -301,7 +308,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
             @pl.when((start < lo) | (start + bkv > hi))
             def _scrub_v():  # zero V rows outside [lo, hi): stale SMEM or unwritten slots
                 stage = v_smem.at[slot]
-                vals = stage[...]
+                vals = _load_wgmma(stage, cfg)
                 keep = (start + vrow >= lo) & (start + vrow < hi)
                 stage[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
                 plgpu.commit_smem()
@@ -467,13 +474,18 @@ def ragged_work(
     return meta, tile_of_row, local % tpt
 
 
-def _q_rows(q: jax.Array, kv_heads: int, pad_tokens: int) -> jax.Array:
-    """``[T, H, D] -> [K, (T + pad) * G, D]``: each kv head's query rows, token-major."""
+def _q_rows(q: jax.Array, kv_heads: int) -> jax.Array:
+    """``[T, H, D] -> [K, R_pad, D]``: each kv head's query rows, token-major.
+
+    Padded so that a 64-row tile starting at any real token stays in bounds and the row count
+    is a multiple of 64 (TMA wants whole (8, 64) tiles).
+    """
     t, h, d = q.shape
     g = h // kv_heads
+    rows = -(-(t * g + _ROWS) // _ROWS) * _ROWS
     qg = q.reshape(t, kv_heads, g, d).transpose(1, 0, 2, 3)
-    qg = jnp.pad(qg, ((0, 0), (0, pad_tokens), (0, 0), (0, 0)))
-    return qg.reshape(kv_heads, (t + pad_tokens) * g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, rows // g - t), (0, 0), (0, 0)))
+    return qg.reshape(kv_heads, rows, d)
 
 
 def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, interpret,
@@ -574,7 +586,7 @@ def paged_attention_gpu(
         out_rows=g, num_tiles=b,
     )  # fmt: skip
     meta = decode_work(lengths, sliding_window, layer)
-    q_rows = _q_rows(q, kv_heads, pad_tokens=_ROWS // g)
+    q_rows = _q_rows(q, kv_heads)
     o, lse = _run_kernel(meta, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
     out = _combine(o, lse)  # [B, K, G, D]
     return out.reshape(b, h, d).astype(q.dtype)
@@ -638,7 +650,7 @@ def ragged_paged_attention_gpu(
         sliding_window=sliding_window, interpret=interpret, num_splits=num_splits,
         out_rows=_ROWS, num_tiles=meta.shape[0],
     )  # fmt: skip
-    q_rows = _q_rows(q, kv_heads, pad_tokens=tpt)
+    q_rows = _q_rows(q, kv_heads)
     o, lse = _run_kernel(meta, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
     out = _combine(o, lse)  # [W, K, 64, D]
     out = out.reshape(out.shape[0], kv_heads, tpt, g, d)
