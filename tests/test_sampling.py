@@ -20,6 +20,14 @@ from paxcache.sampling import (
 )
 
 V = 32
+MANY = 2048  # rows for distribution tests; tests share a few batch shapes to share compilations
+
+
+def _pad_vocab(row: np.ndarray) -> np.ndarray:
+    """A short vocabulary padded with -inf up to V (masked entries)."""
+    out = np.full((V,), -np.inf, np.float32)
+    out[: len(row)] = row
+    return out
 
 
 def _row_args(b: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -123,7 +131,7 @@ def test_request_key_is_deterministic_and_distinct():
 class SampleVariantsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_greedy_rows_take_argmax_and_report_logprobs(self):
-        b = 5
+        b = 8
         logits = _logits(b)
         f = self.variant(lambda *a: sample(*a, num_logprobs=3))
         out = f(logits, *_row_args(b), _keys(b))
@@ -161,7 +169,7 @@ def test_min_p_one_equals_greedy_and_min_p_drops_unlikely_tokens():
     # Two likely tokens (equal), the rest far below min_p * p_max: only those two are ever drawn.
     row = np.full((V,), -5.0, np.float32)
     row[[4, 9]] = 5.0
-    many = 256
+    many = MANY
     logits = jnp.asarray(np.tile(row, (many, 1)))
     out = sample(logits, *_row_args(many, temperature=1.0, min_p=0.1), _keys(many, seed=100))
     toks = set(np.asarray(out.tokens).tolist())
@@ -173,7 +181,7 @@ def test_min_p_one_equals_greedy_and_min_p_drops_unlikely_tokens():
 
 
 def test_top_k_restricts_draws_to_k_most_likely():
-    many = 512
+    many = MANY
     logits = _logits(1, seed=4)
     top3 = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
     out = sample(
@@ -185,8 +193,8 @@ def test_top_k_restricts_draws_to_k_most_likely():
 def test_top_p_keeps_smallest_prefix_reaching_p():
     # probs 0.5, 0.3, 0.15, 0.05: top_p = 0.7 keeps {0, 1}; top_p = 0.85 keeps {0, 1, 2}.
     probs = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
-    many = 1024
-    logits = jnp.asarray(np.tile(np.log(probs), (many, 1)))
+    many = MANY
+    logits = jnp.asarray(np.tile(_pad_vocab(np.log(probs)), (many, 1)))
     out = sample(logits, *_row_args(many, temperature=1.0, top_p=0.7), _keys(many, seed=6))
     assert set(np.asarray(out.tokens).tolist()) == {0, 1}
     out = sample(logits, *_row_args(many, temperature=1.0, top_p=0.85), _keys(many, seed=6))
@@ -194,15 +202,17 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
 
 
 def test_temperature_one_matches_softmax_distribution_chi_square():
-    # 8-token vocab, 4000 independent rows (one draw each, distinct keys), fixed seeds.
+    # 8-token vocab, MANY independent rows (one draw each, distinct keys), fixed seeds.
     rng = np.random.default_rng(0)
     row = rng.normal(size=8).astype(np.float32)
     probs = np.exp(row - row.max())
     probs /= probs.sum()
-    many = 4000
-    logits = jnp.asarray(np.tile(row, (many, 1)))
+    many = MANY
+    logits = jnp.asarray(np.tile(_pad_vocab(row), (many, 1)))
     out = sample(logits, *_row_args(many, temperature=1.0), _keys(many, seed=1234))
-    counts = np.bincount(np.asarray(out.tokens), minlength=8)
+    counts = np.bincount(np.asarray(out.tokens), minlength=V)
+    assert counts[8:].sum() == 0
+    counts = counts[:8]
     expected = probs * many
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     # 7 degrees of freedom: the 99.9% quantile is 24.3.
@@ -216,10 +226,10 @@ def test_filtered_distribution_is_renormalized_top_k():
     probs = np.zeros(10)
     probs[keep] = np.exp(row[keep] - row.max())
     probs /= probs.sum()
-    many = 4000
-    logits = jnp.asarray(np.tile(row, (many, 1)))
+    many = MANY
+    logits = jnp.asarray(np.tile(_pad_vocab(row), (many, 1)))
     out = sample(logits, *_row_args(many, temperature=1.0, top_k=4), _keys(many, seed=99))
-    counts = np.bincount(np.asarray(out.tokens), minlength=10)
+    counts = np.bincount(np.asarray(out.tokens), minlength=V)[:10]
     assert counts[probs == 0].sum() == 0
     expected = probs[keep] * many
     chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
@@ -231,14 +241,14 @@ def test_same_key_same_token_regardless_of_batch_position_and_companions():
     key = request_key(42, 5, 0)
     # Alone, sampled at T=1.
     alone = sample(logits[None], *_row_args(1, temperature=1.0), key[None]).tokens[0]
-    # At position 3 of 6, with companions that are greedy, filtered, and sampled with other keys.
-    b = 6
+    # At position 3 of 8, with companions that are greedy, filtered, and sampled with other keys.
+    b = 8
     batch_logits = _logits(b, seed=8).at[3].set(logits)
-    temperature = jnp.array([0.0, 0.7, 1.0, 1.0, 2.0, 1.0], jnp.float32)
-    top_k = jnp.array([0, 2, 0, 0, 5, 0], jnp.int32)
-    top_p = jnp.array([1.0, 1.0, 0.5, 1.0, 1.0, 1.0], jnp.float32)
-    min_p = jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.2], jnp.float32)
-    keys = request_keys([1, 2, 3, 42, 5, 6], [0, 0, 0, 5, 0, 0], [0] * 6)
+    temperature = jnp.array([0.0, 0.7, 1.0, 1.0, 2.0, 1.0, 0.0, 1.0], jnp.float32)
+    top_k = jnp.array([0, 2, 0, 0, 5, 0, 0, 3], jnp.int32)
+    top_p = jnp.array([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.9], jnp.float32)
+    min_p = jnp.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0, 0.0], jnp.float32)
+    keys = request_keys([1, 2, 3, 42, 5, 6, 7, 8], [0, 0, 0, 5, 0, 0, 0, 0], [0] * 8)
     mixed = sample(batch_logits, temperature, top_k, top_p, min_p, keys).tokens[3]
     assert int(alone) == int(mixed)
     # And a different step gives (for at least one of several steps) a different token.
@@ -254,7 +264,7 @@ def test_same_key_same_token_regardless_of_batch_position_and_companions():
 
 
 def test_typed_keys_are_accepted_and_equal_raw_keys():
-    b = 4
+    b = 8
     logits = _logits(b, seed=9)
     raw = _keys(b, seed=3)
     typed = jax.random.wrap_key_data(jnp.asarray(raw), impl="threefry2x32")
@@ -264,9 +274,9 @@ def test_typed_keys_are_accepted_and_equal_raw_keys():
 
 
 def test_mixed_greedy_and_sampled_rows():
-    b = 6
+    b = 8
     logits = _logits(b, seed=10)
-    temperature = jnp.array([0.0, 1.0, 0.0, 1.0, 0.0, 1e-7], jnp.float32)
+    temperature = jnp.array([0.0, 1.0, 0.0, 1.0, 0.0, 1e-7, 1.0, 1.0], jnp.float32)
     out = sample(logits, temperature, *_row_args(b)[1:], _keys(b))
     greedy = np.argmax(np.asarray(logits), -1)
     for i in (0, 2, 4, 5):
@@ -274,7 +284,7 @@ def test_mixed_greedy_and_sampled_rows():
 
 
 def test_masked_vocab_entries_are_never_sampled():
-    b = 64
+    b = MANY
     logits = _logits(b, seed=11).at[:, V // 2 :].set(-jnp.inf)
     for kw in ({}, {"top_p": 0.9}, {"top_k": 40}):
         out = sample(logits, *_row_args(b, temperature=2.0, **kw), _keys(b))
@@ -321,6 +331,13 @@ def test_sample_always_returns_a_kept_token(temperature, top_k, top_p, min_p, se
     assert scaled[tok] - scaled.max() >= np.log(max(min_p, 1e-30)) - 1e-4
 
 
+_JITTED: dict = {}
+
+
+def _jitted(fn):
+    return _JITTED.setdefault(fn, jax.jit(fn))
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), temperature=st.sampled_from([0.3, 1.0, 2.0]))
 def test_threshold_filters_match_the_sorting_oracle(seed, temperature):
@@ -334,8 +351,8 @@ def test_threshold_filters_match_the_sorting_oracle(seed, temperature):
     top_k = jnp.asarray(rng.choice([0, 1, 2, 5, 49, 50, 80], size=b), jnp.int32)
     top_p = jnp.asarray(rng.choice([1.0, 0.99, 0.9, 0.5, 0.1, 1e-6], size=b), jnp.float32)
     min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.05, 0.3, 1.0], size=b), jnp.float32)
-    fast = _filtered_sample(scaled, gumbel, top_k, top_p, min_p)
-    oracle = _filtered_sample_sorted(scaled, gumbel, top_k, top_p, min_p)
+    fast = _jitted(_filtered_sample)(scaled, gumbel, top_k, top_p, min_p)
+    oracle = _jitted(_filtered_sample_sorted)(scaled, gumbel, top_k, top_p, min_p)
     np.testing.assert_array_equal(fast, oracle)
 
 
