@@ -401,6 +401,8 @@ def sample(
     Returns:
       ``SampleOutput(tokens i32[B], logprob f32[B], top_ids i32[B, k], top_logprobs f32[B, k])``.
     """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
     logits = logits.astype(jnp.float32)
     b, v = logits.shape
     temperature = jnp.asarray(temperature, jnp.float32).reshape(b)

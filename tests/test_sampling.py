@@ -302,9 +302,11 @@ def test_pack_params_pads_with_greedy_rows():
         pack_params([SamplingParams()] * 2, 1)
 
 
-def test_bad_key_shape_raises_value_error():
+def test_bad_shapes_raise_value_error_naming_the_argument():
     with pytest.raises(ValueError, match="keys"):
         sample(_logits(2), *_row_args(2), jnp.zeros((2, 3), jnp.uint32))
+    with pytest.raises(ValueError, match="logits"):
+        sample(_logits(2)[0], *_row_args(2), _keys(2))
 
 
 @settings(max_examples=15, deadline=None)
