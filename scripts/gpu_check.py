@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py                 # compile + check vs oracle + time (~3-5 min)
     python scripts/gpu_check.py --quick         # fewer cases, B/context grid trimmed
+    python scripts/gpu_check.py --full --sweep  # every g x d x S case + kv_stages/splits sweep
     python scripts/gpu_check.py --interpret     # CPU smoke run of this script (tiny sizes)
 
 1. Correctness: compiles ``kernels_pallas.gpu.attention`` for a grid of head configurations,
@@ -82,7 +83,7 @@ def timeit(fn, *args, iters=20):
 # ---------------------------------------------------------------------------------------------
 
 
-def correctness_cases(quick: bool, interpret: bool):
+def correctness_cases(quick: bool, interpret: bool, full: bool = False):
     cases = []
     gs = (1, 4, 8)
     ds = (64, 128, 256)
@@ -97,15 +98,14 @@ def correctness_cases(quick: bool, interpret: bool):
             dict(kind="ragged", g=8, d=64, s=32, dtype=jnp.bfloat16, cap=20.0, win=25),
             dict(kind="decode", g=4, d=128, s=16, dtype=jnp.float32, cap=None, win=None),
         ][: 3 if interpret else None]
-    for g in gs:
-        for d in ds:
-            for s in ss:
-                cases.append(dict(kind="decode", g=g, d=d, s=s, dtype=dtypes[(g + s) % 2],
-                                  cap=None, win=None))  # fmt: skip
+    for i, (g, d) in enumerate((g, d) for g in gs for d in ds):
+        for s in ss if full else (ss[i % len(ss)],):
+            cases.append(dict(kind="decode", g=g, d=d, s=s, dtype=dtypes[(g + s) % 2],
+                              cap=None, win=None))  # fmt: skip
     for g in gs:
         cases.append(dict(kind="decode", g=g, d=128, s=16, dtype=jnp.bfloat16, cap=30.0, win=100))
         for s in (8, 32):
-            for win in (None, 37):
+            for win in (None, 37) if full else ((None, 37)[s == 32],):
                 cases.append(dict(kind="ragged", g=g, d=128, s=s, dtype=jnp.bfloat16,
                                   cap=25.0 if win else None, win=win))  # fmt: skip
     cases.append(dict(kind="ragged", g=4, d=256, s=16, dtype=jnp.float16, cap=None, win=None))
@@ -149,9 +149,9 @@ def run_case(c, interpret: bool, seed: int = 0):
     return finite and err <= tol, err, finite
 
 
-def check_correctness(quick: bool, interpret: bool):
+def check_correctness(quick: bool, interpret: bool, full: bool = False):
     results = []
-    for c in correctness_cases(quick, interpret):
+    for c in correctness_cases(quick, interpret, full):
         name = (f"{c['kind']} g={c['g']} d={c['d']} s={c['s']} {jnp.dtype(c['dtype']).name}"
                 f" cap={c['cap']} win={c['win']}")  # fmt: skip
         t0 = time.perf_counter()
@@ -192,7 +192,7 @@ def bundled_paged_attention():
         return None
 
 
-def bench(quick: bool, interpret: bool, bw: float):
+def bench(quick: bool, interpret: bool, bw: float, do_sweep: bool = False):
     h, kvh, d, s = 32, 8, 128, 16
     dtype = jnp.bfloat16
     if interpret:
@@ -243,7 +243,40 @@ def bench(quick: bool, interpret: bool, bw: float):
     # 2 whole prefills of 512.
     if not interpret:
         rows.append(bench_ragged(h, kvh, d, s, dtype, bw, rng))
+        if do_sweep:
+            rows.extend(sweep(h, kvh, d, s, dtype, bw, rng, quick))
     return rows
+
+
+def sweep(h, kvh, d, s, dtype, bw, rng, quick):
+    """Tuning sweep of pipeline depth and KV splits (to choose the defaults on this GPU)."""
+    out = []
+    shapes = [(64, 2048)] if quick else [(64, 2048), (8, 8192)]
+    for b, ctx in shapes:
+        m = ctx // s
+        lens = np.full((b,), ctx, np.int32)
+        k, v, tables = make_pages(rng, kvh, b * m, s, d, lens, m, dtype, nan_fill=False)
+        q = jnp.asarray(rng.standard_normal((b, h, d)), dtype)
+        kv_bytes = 2 * b * ctx * kvh * d * jnp.dtype(dtype).itemsize
+        for stages in (2, 3):
+            for splits in (None, 1, 2, 4, 8):
+                fn = jax.jit(
+                    lambda q, k, v, ln, tb, st=stages, sp=splits: ga.paged_attention_gpu(
+                        q, k, v, ln, tb, sm_scale=d**-0.5, kv_stages=st, num_splits=sp
+                    )
+                )
+                row = dict(kind="sweep", B=b, context=ctx, kv_stages=stages, num_splits=splits)
+                try:
+                    t = timeit(fn, q, k, v, jnp.asarray(lens), tables)
+                    gbs = kv_bytes / t / 1e9
+                    row.update(ms=round(t * 1e3, 4), GBps=round(gbs, 1),
+                               pct_copy_bw=round(100 * gbs / bw, 1))  # fmt: skip
+                except Exception as e:
+                    row["error"] = str(e).splitlines()[0][:200]
+                print(json.dumps(row), flush=True)
+                out.append(row)
+        del k, v
+    return out
 
 
 def bench_ragged(h, kvh, d, s, dtype, bw, rng):
@@ -283,6 +316,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cases and sizes")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run (tiny sizes)")
+    ap.add_argument("--full", action="store_true", help="every g x d x block_size case")
+    ap.add_argument("--sweep", action="store_true", help="also sweep kv_stages x num_splits")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--out", default="bench/results", help="directory for the JSON report")
     args = ap.parse_args(argv)
@@ -300,12 +335,12 @@ def main(argv=None) -> int:
         interpret=args.interpret,
     )
     t0 = time.perf_counter()
-    report["correctness"] = check_correctness(args.quick, args.interpret)
+    report["correctness"] = check_correctness(args.quick, args.interpret, args.full)
     if not args.skip_bench:
         bw = copy_bandwidth(args.interpret)
         print(f"measured copy bandwidth: {bw:.1f} GB/s", flush=True)
         report["copy_bandwidth_GBps"] = round(bw, 1)
-        report["bench"] = bench(args.quick, args.interpret, bw)
+        report["bench"] = bench(args.quick, args.interpret, bw, args.sweep)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

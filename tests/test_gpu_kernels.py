@@ -294,6 +294,15 @@ def test_compiled_support_reports_hardware_minimums():
     assert "block_size" in ga.check_compiled_support(128, 24, jnp.bfloat16)
 
 
+def test_kv_stages_over_the_shared_memory_limit_raise_value_error():
+    assert ga.smem_bytes(256, jnp.bfloat16, ga.default_kv_stages(256)) <= ga.SMEM_LIMIT
+    assert ga.smem_bytes(128, jnp.bfloat16, ga.default_kv_stages(128)) <= ga.SMEM_LIMIT
+    q, k, v, lengths, tables = _decode_case(8, g=1, d=256, s=8, m=2, lengths=[3])
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    with pytest.raises(ValueError, match="shared memory"):
+        ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=1.0, kv_stages=3)
+
+
 def test_unsupported_geometry_raises_value_error_before_tracing():
     q, k, v, lengths, tables = _decode_case(8, g=1, s=8, m=2, lengths=[3])
     k12 = jnp.zeros((2, 8, 12, 64), jnp.float32)

@@ -21,8 +21,8 @@ Design (what one CUDA block does)
 * **Grid** ``(W, P, K)``: tile x KV split x kv head, one warpgroup per block.
 * **KV pipeline.** A KV step is ``64`` tokens = ``64 // S`` pages. Each page is one TMA copy
   ``k_pages[kh, block_table[seq, j]] -> smem`` (the block id is read from GMEM, clamped to
-  ``>= 0``); ``slots`` (3, or 2 for D = 256) stages of K and V buffers in 128B-swizzled SMEM
-  with one mbarrier per stage, so the TMA of steps ``i+1 .. i+slots-1`` overlaps the math of
+  ``>= 0``); ``kv_stages`` (3, or 2 at D = 256) stages of K and V buffers in 128B-swizzled SMEM
+  with one mbarrier per stage, so the TMA of steps ``i+1 .. i+stages-1`` overlaps the math of
   step ``i``. Pages wholly outside the tile's key range are not fetched (the barrier gets a
   plain arrive instead, so its arrival count stays ``64 // S``).
 * **Math.** ``S = Q K^T`` with ``wgmma`` (A = Q tile from SMEM, B = transposed K stage),
@@ -49,8 +49,10 @@ Hardware minimums of the compiled kernel (enforced by :func:`check_compiled_supp
 * ``head_dim`` a multiple of 64 (128-byte swizzle tiles of ``(8, 64)`` bf16): 64, 128, 256.
 * ``block_size`` a multiple of 8 that divides 64 (8, 16, 32, 64): a page must be whole
   ``(8, 64)`` tiles and a 64-token KV step must be whole pages.
-* SMEM: Q 64xD + ``slots`` x 2 x 64xD (input dtype) + a 64x128 float32 output stage:
-  ~113 KiB at D = 128 (3 slots), ~192 KiB at D = 256 (2 slots); Hopper allows 227 KiB.
+* SMEM (:func:`smem_bytes`): Q 64xD + ``kv_stages`` x 2 x 64xD (input dtype) + a 64x64
+  float32 output stage: 128 KiB at D = 128 (3 stages), 176 KiB at D = 256 (2 stages); Hopper
+  allows 227 KiB per block, so more stages than that raise ``ValueError``. ``kv_stages=2`` at
+  D <= 128 fits two blocks per SM; which is faster is for ``scripts/gpu_check.py`` to measure.
 
 Interpret mode (CPU tests)
 --------------------------
@@ -59,7 +61,12 @@ Interpret mode (CPU tests)
 and masking are all interpreted. Two things differ, because this JAX's interpreter lacks them:
 the two matmuls are computed with ``jnp.dot`` on the SMEM contents (its ``wgmma`` rejects a
 transposed operand and register A operands), and ``plgpu.layout_cast`` (no CPU rule) is
-skipped. Uninitialized SMEM is NaN in the interpreter, which the NaN tests rely on.
+skipped. Uninitialized SMEM is NaN in the interpreter, which the NaN tests rely on, and its
+barrier checks and race detector (``interpret=InterpretGPUParams(detect_races=True)``)
+validate the pipeline's synchronization. The compiled path itself is checked on any host by
+exporting for CUDA (``jax.export(..., platforms=["cuda"])``), which runs the full Mosaic GPU
+lowering (layouts, TMA descriptors, wgmma shapes) short of ptxas; on a GPU the tests and
+``scripts/gpu_check.sh`` compile and run it.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ __all__ = [
     "ragged_paged_attention_gpu",
     "check_compiled_support",
     "default_num_splits",
+    "default_kv_stages",
+    "smem_bytes",
     "NUM_SMS",
 ]
 
@@ -89,7 +98,8 @@ logger = logging.getLogger(__name__)
 NUM_SMS = 132  # H100 SXM / H200
 _ROWS = 64  # wgmma M: rows of one query tile (tokens x heads of a GQA group)
 _BLOCK_KV = 64  # tokens per KV pipeline step
-_OUT_COLS = 128  # columns per output store (keeps the float32 output stage at 32 KiB)
+_OUT_COLS = 64  # columns per output store (keeps the float32 output stage at 16 KiB)
+SMEM_LIMIT = 227 * 1024  # Hopper: max dynamic shared memory per block
 _NEG_INF = float("-inf")
 _COMPILED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -158,6 +168,20 @@ def default_num_splits(num_tiles: int, kv_heads: int, max_kv_steps: int) -> int:
     """
     want = -(-2 * NUM_SMS // max(1, num_tiles * kv_heads))
     return int(max(1, min(want, max_kv_steps, 32)))
+
+
+def default_kv_stages(head_dim: int) -> int:
+    """Pipeline depth: 3 stages of K+V up to D = 128 (~128 KiB SMEM), 2 at D = 256."""
+    return 3 if head_dim <= 128 else 2
+
+
+def smem_bytes(head_dim: int, dtype, kv_stages: int) -> int:
+    """Shared memory of one block: Q tile, K/V stages, output and LSE staging, barriers."""
+    item = jnp.dtype(dtype).itemsize
+    q = _ROWS * head_dim * item
+    kv = 2 * kv_stages * _BLOCK_KV * head_dim * item
+    out = _ROWS * min(head_dim, _OUT_COLS) * 4 + _ROWS * 4
+    return q + kv + out + 8 * (1 + 2 * kv_stages)
 
 
 def _interpret_params(given=None):
@@ -489,7 +513,7 @@ def _q_rows(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, interpret,
-              num_splits, out_rows, num_tiles) -> _Cfg:  # fmt: skip
+              num_splits, out_rows, num_tiles, kv_stages=None) -> _Cfg:  # fmt: skip
     stacked = k_pages.ndim == 5
     kv_heads, _, s, d = k_pages.shape[-4:]
     g = q.shape[1] // kv_heads
@@ -505,9 +529,15 @@ def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, i
         num_splits = default_num_splits(num_tiles, kv_heads, max_steps)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    stages = default_kv_stages(d) if kv_stages is None else int(kv_stages)
+    need = smem_bytes(d, q.dtype, stages)
+    if stages < 1 or (need > SMEM_LIMIT and not interpret):
+        raise ValueError(
+            f"kv_stages={stages} needs {need} bytes of shared memory (limit {SMEM_LIMIT})"
+        )
     return _Cfg(
         g=g, d=d, s=s, m=m, kv_heads=kv_heads, pages_per_step=pps,
-        slots=3 if d <= 128 else 2, num_splits=int(num_splits), out_rows=out_rows,
+        slots=stages, num_splits=int(num_splits), out_rows=out_rows,
         dtype=jnp.dtype(q.dtype), sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window),
@@ -535,7 +565,14 @@ def _select_layer(pages: jax.Array, layer) -> jax.Array:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "num_splits"),
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "interpret",
+        "num_splits",
+        "kv_stages",
+    ),
 )
 def paged_attention_gpu(
     q: jax.Array,
@@ -549,6 +586,7 @@ def paged_attention_gpu(
     sliding_window: int | None = None,
     interpret: bool | object = False,
     num_splits: int | None = None,
+    kv_stages: int | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Decode attention over paged KV on Hopper (one query token per sequence).
@@ -566,6 +604,7 @@ def paged_attention_gpu(
       interpret: run in Mosaic GPU interpret mode (CPU); ``True`` or an
         ``InterpretGPUParams`` (e.g. ``detect_races=True``).
       num_splits: KV splits per sequence (flash-decoding); default fills the GPU.
+      kv_stages: K/V pipeline depth (SMEM stages); default :func:`default_kv_stages`.
       layer: layer index into stacked ``[L, ...]`` pages (read in the kernel, no copy).
 
     Returns:
@@ -583,7 +622,7 @@ def paged_attention_gpu(
     cfg = _make_cfg(
         q, k_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret, num_splits=num_splits,
-        out_rows=g, num_tiles=b,
+        kv_stages=kv_stages, out_rows=g, num_tiles=b,
     )  # fmt: skip
     meta = decode_work(lengths, sliding_window, layer)
     q_rows = _q_rows(q, kv_heads)
@@ -594,7 +633,14 @@ def paged_attention_gpu(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "num_splits"),
+    static_argnames=(
+        "sm_scale",
+        "soft_cap",
+        "sliding_window",
+        "interpret",
+        "num_splits",
+        "kv_stages",
+    ),
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,
@@ -610,6 +656,7 @@ def ragged_paged_attention_gpu(
     sliding_window: int | None = None,
     interpret: bool | object = False,
     num_splits: int | None = None,
+    kv_stages: int | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Ragged causal attention over paged KV on Hopper (decode, prefill, chunks, prefix hits).
@@ -625,7 +672,7 @@ def ragged_paged_attention_gpu(
       block_tables: ``i32[B, M]``.
       cu_q_lens: ``i32[B + 1]``.
       num_seqs: scalar.
-      sm_scale, soft_cap, sliding_window, interpret, num_splits, layer: as in
+      sm_scale, soft_cap, sliding_window, interpret, num_splits, kv_stages, layer: as in
         :func:`paged_attention_gpu`.
 
     Returns:
@@ -648,7 +695,7 @@ def ragged_paged_attention_gpu(
     cfg = _make_cfg(
         q, k_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret, num_splits=num_splits,
-        out_rows=_ROWS, num_tiles=meta.shape[0],
+        kv_stages=kv_stages, out_rows=_ROWS, num_tiles=meta.shape[0],
     )  # fmt: skip
     q_rows = _q_rows(q, kv_heads)
     o, lse = _run_kernel(meta, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
