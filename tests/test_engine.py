@@ -1,0 +1,196 @@
+"""The continuous-batching engine: same tokens as the dense model, under memory pressure
+(swap and recompute), with and without prefix caching; n > 1 by fork; seeds; stops; no leaks
+and no recompilation after warm-up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from paxcache import Engine, SamplingParams
+from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM, greedy_generate
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = LlamaConfig(
+        vocab_size=259,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=257,
+    )
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def _engine(model, **kw):
+    args = dict(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32)
+    args.update(kw)
+    return Engine(model, ByteTokenizer(), **args)
+
+
+def _prompts(seed=0, lens=(3, 40, 20, 2, 57, 9)):
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(0, 256, n))) for n in lens]
+
+
+@pytest.fixture(scope="module")
+def dense_ref(model):
+    """Dense greedy generations (no cache) of the default prompts: the ground truth."""
+    return [greedy_generate(model, p, 10) for p in _prompts()]
+
+
+GREEDY10 = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = _engine(model)
+    eng.warmup()
+    return eng
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_mixed_batch_equals_dense_model(engine, dense_ref):
+    # Prompts of 40 and 57 tokens exceed the 32-token step budget: chunked prefill.
+    outs = engine.generate(_prompts(), GREEDY10)
+    assert _tokens(outs) == dense_ref
+    assert [o.prompt_token_ids for o in outs] == _prompts()
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_warm_engine_never_recompiles_and_frees_everything(engine, dense_ref):
+    before = engine.stats()["num_compilations"]
+    outs = engine.generate(_prompts(), GREEDY10)
+    assert _tokens(outs) == dense_ref
+    st = engine.stats()
+    assert st["num_compilations"] == before
+    assert st["num_free_blocks"] == st["num_total_blocks"]
+    assert st["num_running"] == st["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_memory_pressure_keeps_outputs(model, dense_ref, mode):
+    # 12 blocks of 8 tokens for up to 4 sequences of up to 67 tokens: must preempt.
+    eng = _engine(
+        model,
+        num_blocks=12,
+        watermark=0.0,
+        preemption_mode=mode,
+        num_host_blocks=24 if mode == "swap" else 0,
+    )
+    outs = eng.generate(_prompts(), GREEDY10)
+    assert _tokens(outs) == dense_ref
+    st = eng.stats()
+    assert st["num_preemptions"] > 0
+    if mode == "swap":
+        assert st["num_swaps"] > 0
+        assert st["num_free_host_blocks"] == st["num_total_host_blocks"]
+    assert st["num_free_blocks"] == st["num_total_blocks"]
+
+
+def test_prefix_caching_same_outputs_and_high_hit_rate(model):
+    rng = np.random.default_rng(7)
+    shared = list(map(int, rng.integers(0, 256, 48)))
+    prompts = [shared + list(map(int, rng.integers(0, 256, 5))) for _ in range(6)]
+    on = _engine(model, enable_prefix_caching=True, max_num_seqs=2)
+    off = _engine(model, enable_prefix_caching=False, max_num_seqs=2)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    a, b = on.generate(prompts, sp), off.generate(prompts, sp)
+    assert _tokens(a) == _tokens(b)
+    assert on.stats()["prefix_cache_hit_rate"] > 0.5
+    assert off.stats()["prefix_cache_hit_rate"] == 0.0
+
+
+def test_n4_forks_the_prompt_and_uses_fewer_blocks(engine):
+    prompt = list(range(30, 70))  # 5 blocks of prompt
+    sp = SamplingParams(max_tokens=6, n=4, temperature=1.0, seed=3, ignore_eos=True)
+    peak = []
+    engine.add_request("n4", prompt, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                res = out
+        peak.append(engine.stats()["num_total_blocks"] - engine.stats()["num_free_blocks"])
+    assert len(res.outputs) == 4
+    assert all(len(c.token_ids) == 6 for c in res.outputs)
+    # Four separate requests would hold 4 * 6 blocks at the end; forks share the prompt's
+    # 5 blocks (the partial last one is copied on write by each child).
+    assert max(peak) < 4 * 6
+    # Same seed, same completions; the four completions differ from each other.
+    again = engine.generate([prompt], sp)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in res.outputs]
+    assert len({tuple(c.token_ids) for c in res.outputs}) > 1
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine):
+    sp = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    alone = engine.generate([[1, 2, 3, 4]], sp)[0].outputs[0].token_ids
+    crowd = engine.generate(
+        [[9, 9], [1, 2, 3, 4], list(range(50))],
+        [SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True), sp, GREEDY10],
+    )
+    assert crowd[1].outputs[0].token_ids == alone
+
+
+def test_stop_token_and_stop_string_end_generation(engine, dense_ref):
+    prompt = _prompts()[1]
+    ref = dense_ref[1]
+    stop_tok = ref[4]
+    out = engine.generate([prompt], SamplingParams(max_tokens=10, stop_token_ids=[stop_tok]))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop"
+    assert c.token_ids == ref[: ref.index(stop_tok) + 1]
+    text = ByteTokenizer().decode(ref)
+    stop_str = text[3:5]
+    out = engine.generate([prompt], SamplingParams(max_tokens=10, stop=[stop_str]))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop"
+    assert c.text == text[: text.index(stop_str)]
+    assert stop_str not in c.text
+
+
+def test_abort_frees_blocks_at_once(engine):
+    engine.add_request("a", list(range(60)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats()["num_free_blocks"] < engine.stats()["num_total_blocks"]
+    engine.abort("a")
+    st = engine.stats()
+    assert st["num_free_blocks"] == st["num_total_blocks"]
+    assert not engine.has_unfinished_requests()
+    outs = engine.step()
+    assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+
+
+def test_streaming_step_outputs_are_incremental(engine, dense_ref):
+    prompt = _prompts()[0]
+    pieces, last = [], None
+    for out in engine.stream(prompt, GREEDY10):
+        pieces.extend(out.outputs[0].new_token_ids)
+        last = out
+    assert pieces == dense_ref[0] == last.outputs[0].token_ids
+
+
+def test_request_that_can_never_fit_gets_a_clear_error(model):
+    from paxcache.errors import SequenceTooLongError
+
+    eng = _engine(model, num_blocks=4, watermark=0.0)
+    with pytest.raises(SequenceTooLongError, match="blocks"):
+        eng.add_request("big", list(range(40)), GREEDY10)
+    with pytest.raises(SequenceTooLongError, match="max_model_len"):
+        eng.add_request("huge", [1] * 300, GREEDY10)
+    # Fits at admission but grows past the whole cache: finishes with an error, no hang.
+    out = eng.generate([list(range(30))], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert "KV cache" in out.error
+    assert eng.stats()["num_free_blocks"] == 4
