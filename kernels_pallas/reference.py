@@ -38,6 +38,11 @@ __all__ = [
 _NEG_INF = float("-inf")
 
 
+def _as_arrays(*xs):
+    """Accept NumPy (or list) inputs too: gathers with traced indices need JAX arrays."""
+    return tuple(jnp.asarray(x) for x in xs)
+
+
 def _scale_and_cap(logits: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
     logits = logits * sm_scale
     if soft_cap is not None:
@@ -81,6 +86,9 @@ def paged_attention_reference(
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
     """
+    q, k_pages, v_pages, lengths, block_tables = _as_arrays(
+        q, k_pages, v_pages, lengths, block_tables
+    )
     b, h, d = q.shape
     k_heads, _, s, _ = k_pages.shape
     g = h // k_heads
@@ -118,6 +126,7 @@ def ragged_row_info(
     Returns:
       ``(seq i32[T], pos i32[T], valid bool[T])``.
     """
+    cu_q_lens, kv_lens = _as_arrays(cu_q_lens, kv_lens)
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     nseq = jnp.asarray(num_seqs, jnp.int32)
     # Sequence of each row: number of sequence ends (among the real ones) at or before the row.
@@ -166,6 +175,9 @@ def ragged_paged_attention_reference(
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
     """
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
+    )
     t, h, d = q.shape
     k_heads, _, s, _ = k_pages.shape
     g = h // k_heads
@@ -206,6 +218,9 @@ def ragged_paged_attention_xla(
     working set is one block per row (``[K, T, S, D]``) instead of the whole sequence. Columns
     past every row's position are masked, never read into the result.
     """
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
+    )
     t, h, d = q.shape
     k_heads, _, s, _ = k_pages.shape
     g = h // k_heads

@@ -1,0 +1,458 @@
+"""Paged attention (decode and ragged) against the oracles in ``kernels_pallas.reference``.
+
+Every case runs through the public API with ``impl="reference"``, ``impl="auto"``, the TPU
+Pallas kernel in interpret mode and, when ``kernels_pallas.gpu.attention`` is installed, the
+GPU Pallas kernel in interpret mode. Pages are filled with NaN everywhere no token was written,
+block tables are random permutations (never the identity) and table entries past a sequence's
+last block point at other sequences' blocks or are -1, so any read of unwritten data shows up
+as NaN or as a mismatch.
+
+The fast subset keeps shapes tiny (TPU interpret mode simulates every DMA); the wide grid of
+the issue is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas as kp
+from kernels_pallas import reference
+
+HAS_GPU_KERNELS = importlib.util.find_spec("kernels_pallas.gpu.attention") is not None
+
+# (impl, interpret) pairs run for every case; the oracle is compared against each.
+IMPLS = [
+    pytest.param("reference", False, id="reference"),
+    pytest.param("auto", False, id="auto"),
+    pytest.param("pallas_tpu", True, id="pallas_tpu_interpret"),
+    pytest.param(
+        "pallas_gpu",
+        True,
+        id="pallas_gpu_interpret",
+        marks=pytest.mark.skipif(not HAS_GPU_KERNELS, reason="GPU kernels not installed"),
+    ),
+]
+
+
+def _tols(dtype) -> dict:
+    if dtype == jnp.bfloat16:
+        return dict(atol=2e-2, rtol=2e-2)
+    return dict(atol=2e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Case builders
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    q: np.ndarray
+    k_pages: np.ndarray
+    v_pages: np.ndarray
+    kv_lens: np.ndarray
+    block_tables: np.ndarray
+    cu_q_lens: np.ndarray | None = None
+    num_seqs: int | None = None
+
+
+def _fill_pages(rng, kv_lens, tables, k_heads, n_blocks, s, d, dtype):
+    """Pages that hold random K/V at written slots and NaN everywhere else."""
+    kpg = np.full((k_heads, n_blocks, s, d), np.nan, np.float32)
+    vpg = np.full((k_heads, n_blocks, s, d), np.nan, np.float32)
+    for b, length in enumerate(kv_lens):
+        for p in range(length):
+            blk = tables[b, p // s]
+            kpg[:, blk, p % s] = rng.normal(size=(k_heads, d))
+            vpg[:, blk, p % s] = rng.normal(size=(k_heads, d))
+    return kpg.astype(dtype), vpg.astype(dtype)
+
+
+def _tables(rng, lens, s, m, n_blocks, n_real=None):
+    """Random (non-identity) block tables; entries past a row's last block are -1 or junk."""
+    b = len(lens)
+    tables = rng.permutation(n_blocks)[: b * m].reshape(b, m).astype(np.int32)
+    n_real = b if n_real is None else n_real
+    for i, length in enumerate(lens):
+        used = -(-length // s) if i < n_real else 0
+        if i % 2 == 0:
+            tables[i, used:] = -1  # "no block"
+        # odd rows keep other blocks (possibly another sequence's) past their last block
+    return tables
+
+
+def decode_case(rng, lens, h, k_heads, d, s, m, dtype) -> Case:
+    lens = np.asarray(lens, np.int32)
+    n_blocks = len(lens) * m + 3
+    tables = _tables(rng, lens, s, m, n_blocks)
+    kpg, vpg = _fill_pages(rng, lens, tables, k_heads, n_blocks, s, d, dtype)
+    q = rng.normal(size=(len(lens), h, d)).astype(dtype)
+    return Case(q, kpg, vpg, lens, tables)
+
+
+def ragged_case(rng, q_lens, kv_lens, num_seqs, t, h, k_heads, d, s, m, dtype) -> Case:
+    """Sequences past ``num_seqs`` are padding (junk kv_lens, empty query ranges)."""
+    q_lens = np.asarray(q_lens, np.int32)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    b = len(q_lens)
+    cu = np.zeros(b + 1, np.int32)
+    cu[1 : num_seqs + 1] = np.cumsum(q_lens[:num_seqs])
+    cu[num_seqs + 1 :] = cu[num_seqs]
+    assert cu[num_seqs] <= t
+    n_blocks = b * m + 3
+    tables = _tables(rng, kv_lens, s, m, n_blocks, n_real=num_seqs)
+    written = np.where(np.arange(b) < num_seqs, kv_lens, 0)
+    kpg, vpg = _fill_pages(rng, written, tables, k_heads, n_blocks, s, d, dtype)
+    q = rng.normal(size=(t, h, d)).astype(dtype)  # padding rows: finite junk
+    junk = kv_lens.copy()
+    junk[num_seqs:] = rng.integers(1, m * s, size=b - num_seqs)
+    return Case(q, kpg, vpg, junk, tables, cu, num_seqs)
+
+
+def _run_decode(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
+    return kp.paged_attention(
+        jnp.asarray(case.q),
+        jnp.asarray(case.k_pages),
+        jnp.asarray(case.v_pages),
+        jnp.asarray(case.kv_lens),
+        jnp.asarray(case.block_tables),
+        impl=impl,
+        interpret=interpret,
+        **kw,
+    )
+
+
+def _run_ragged(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
+    return kp.ragged_paged_attention(
+        jnp.asarray(case.q),
+        jnp.asarray(case.k_pages),
+        jnp.asarray(case.v_pages),
+        jnp.asarray(case.kv_lens),
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.cu_q_lens),
+        case.num_seqs,
+        impl=impl,
+        interpret=interpret,
+        **kw,
+    )
+
+
+def _decode_oracle(case: Case, **kw) -> jax.Array:
+    return reference.paged_attention_reference(
+        case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, **kw
+    )
+
+
+def _ragged_oracle(case: Case, **kw) -> jax.Array:
+    return reference.ragged_paged_attention_reference(
+        case.q,
+        case.k_pages,
+        case.v_pages,
+        case.kv_lens,
+        case.block_tables,
+        case.cu_q_lens,
+        case.num_seqs,
+        **kw,
+    )
+
+
+def _check(out, want, dtype):
+    chex.assert_shape(out, want.shape)
+    assert out.dtype == want.dtype
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "output has NaN/inf"
+    assert np.isfinite(np.asarray(want, np.float32)).all(), "oracle has NaN/inf"
+    chex.assert_trees_all_close(
+        np.asarray(out, np.float32), np.asarray(want, np.float32), **_tols(dtype)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Fast subset
+# --------------------------------------------------------------------------------------------
+
+# (h, k_heads, d, s, dtype, options). Lengths always include 1, 0 and multiples of S.
+DECODE_FAST = [
+    pytest.param(4, 4, 64, 8, jnp.float32, {}, id="mha-d64-s8-f32"),
+    pytest.param(8, 2, 128, 16, jnp.bfloat16, dict(soft_cap=5.0), id="gqa4-d128-s16-bf16-cap"),
+    pytest.param(8, 1, 64, 8, jnp.float32, dict(sliding_window=11, sm_scale=0.3), id="mqa-window"),
+]
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("h,k_heads,d,s,dtype,opts", DECODE_FAST)
+def test_decode_matches_oracle_on_nan_filled_pages(h, k_heads, d, s, dtype, opts, impl, interpret):
+    rng = np.random.default_rng(0)
+    m = 4
+    lens = [1, s, 2 * s + 3, 0, m * s]  # 1, exact multiples, partial, padding row, capacity
+    case = decode_case(rng, lens, h, k_heads, d, s, m, dtype)
+    out = _run_decode(case, impl, interpret, **opts)
+    _check(out, _decode_oracle(case, **opts), dtype)
+    np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)  # length-0 row
+
+
+# q_lens / kv_lens: decode, whole prefill, chunked prefill, prefix hit, empty query, then
+# padded sequences; T leaves padded rows at the end.
+RAGGED_Q = [1, 5, 4, 3, 0, 1, 2]
+RAGGED_KV = [9, 5, 16, 11, 7, 1, 3]
+RAGGED_NUM_SEQS = 6
+
+RAGGED_FAST = [
+    pytest.param(4, 4, 64, 8, jnp.float32, {}, id="mha-d64-s8-f32"),
+    pytest.param(8, 2, 128, 8, jnp.bfloat16, dict(soft_cap=4.0), id="gqa4-d128-bf16-cap"),
+    pytest.param(8, 1, 64, 16, jnp.float32, dict(sliding_window=6), id="mqa-s16-window"),
+]
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("h,k_heads,d,s,dtype,opts", RAGGED_FAST)
+def test_ragged_mixed_batch_matches_oracle(h, k_heads, d, s, dtype, opts, impl, interpret):
+    rng = np.random.default_rng(1)
+    t = sum(RAGGED_Q[:RAGGED_NUM_SEQS]) + 3
+    case = ragged_case(rng, RAGGED_Q, RAGGED_KV, RAGGED_NUM_SEQS, t, h, k_heads, d, s, 3, dtype)
+    out = _run_ragged(case, impl, interpret, **opts)
+    _check(out, _ragged_oracle(case, **opts), dtype)
+    total = case.cu_q_lens[RAGGED_NUM_SEQS]
+    np.testing.assert_array_equal(np.asarray(out[total:], np.float32), 0.0)  # padded rows
+
+
+def test_ragged_xla_matches_naive_oracle_on_mixed_batch():
+    rng = np.random.default_rng(2)
+    case = ragged_case(rng, RAGGED_Q, RAGGED_KV, RAGGED_NUM_SEQS, 20, 8, 2, 64, 8, 3, np.float32)
+    for opts in ({}, dict(sliding_window=5, soft_cap=3.0)):
+        out = reference.ragged_paged_attention_xla(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
+            case.cu_q_lens, case.num_seqs, **opts,
+        )  # fmt: skip
+        _check(out, _ragged_oracle(case, **opts), np.float32)
+
+
+def test_ragged_with_one_token_per_sequence_equals_decode():
+    rng = np.random.default_rng(3)
+    case = decode_case(rng, [1, 8, 13, 0], 8, 2, 64, 8, 2, np.float32)
+    cu = np.arange(5, dtype=np.int32)
+    for impl, interpret in (("reference", False), ("pallas_tpu", True)):
+        out = kp.ragged_paged_attention(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, cu, 4,
+            impl=impl, interpret=interpret,
+        )  # fmt: skip
+        _check(out, _decode_oracle(case), np.float32)
+
+
+def test_tpu_kernels_never_copy_pages_past_length_or_before_window():
+    """Table entries the kernel must not touch hold out-of-range ids: interpret mode raises on
+    any out-of-bounds DMA, so passing proves those pages were never copied."""
+    rng = np.random.default_rng(4)
+    s, m = 8, 6
+    case = decode_case(rng, [3, 17, 40, 0], 4, 2, 64, s, m, np.float32)
+    bad = case.k_pages.shape[1] + 1000
+    tables = case.block_tables.copy()
+    window = 9
+    for b, length in enumerate(case.kv_lens):
+        used = -(-int(length) // s)
+        tables[b, used:] = bad
+        first = max(int(length) - window, 0) // s
+        tables[b, :first] = bad
+    case = dataclasses.replace(case, block_tables=tables)
+    out = _run_decode(case, "pallas_tpu", True, sliding_window=window)
+    _check(out, _decode_oracle(case, sliding_window=window), np.float32)
+
+    cu = np.arange(5, dtype=np.int32)
+    out = kp.ragged_paged_attention(
+        case.q, case.k_pages, case.v_pages, case.kv_lens, tables, cu, 4,
+        sliding_window=window, impl="pallas_tpu", interpret=True,
+    )  # fmt: skip
+    _check(out, _decode_oracle(case, sliding_window=window), np.float32)
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS[:3])
+def test_stacked_layer_pages_select_layer_under_scan(impl, interpret):
+    """Pages ``[L, K, N, S, D]`` + a traced ``layer``: each scan step sees its own layer."""
+    rng = np.random.default_rng(5)
+    layers = 3
+    base = decode_case(rng, [5, 12], 4, 2, 64, 8, 2, np.float32)
+    tables = base.block_tables
+    cases = [base]
+    for _ in range(layers - 1):  # same tables and lengths, different page contents per layer
+        kpg, vpg = _fill_pages(
+            rng, base.kv_lens, tables, 2, base.k_pages.shape[1], 8, 64, np.float32
+        )
+        cases.append(dataclasses.replace(base, k_pages=kpg, v_pages=vpg))
+    k_st = jnp.stack([c.k_pages for c in cases])
+    v_st = jnp.stack([c.v_pages for c in cases])
+    q = jnp.asarray(cases[0].q)
+    lens = jnp.asarray(cases[0].kv_lens)
+    cu = jnp.arange(3, dtype=jnp.int32)
+
+    def step(_, layer):
+        dec = kp.paged_attention(
+            q, k_st, v_st, lens, tables, impl=impl, interpret=interpret, layer=layer
+        )
+        rag = kp.ragged_paged_attention(
+            q, k_st, v_st, lens, tables, cu, 2, impl=impl, interpret=interpret, layer=layer
+        )
+        return None, (dec, rag)
+
+    _, (dec, rag) = jax.lax.scan(step, None, jnp.arange(layers, dtype=jnp.int32))
+    for i, c in enumerate(cases):
+        want = _decode_oracle(c)
+        _check(dec[i], want, np.float32)
+        _check(rag[i], want, np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad arguments
+# --------------------------------------------------------------------------------------------
+
+
+def _good_args():
+    q = jnp.zeros((2, 4, 8), jnp.float32)
+    pages = jnp.zeros((2, 6, 4, 8), jnp.float32)
+    return q, pages, pages, jnp.array([1, 2], jnp.int32), jnp.zeros((2, 3), jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda a: (a[0][0],) + a[1:], "q must have rank 3"),
+        (lambda a: (a[0], a[1][0], a[2][0]) + a[3:], "rank 4"),
+        (lambda a: (jnp.zeros((2, 3, 8)),) + a[1:], "not divisible"),
+        (lambda a: (jnp.zeros((2, 4, 16)),) + a[1:], "head_dim mismatch"),
+        (lambda a: (a[0].astype(jnp.bfloat16),) + a[1:], "dtype mismatch"),
+        (lambda a: a[:2] + (a[2][:, :, :2],) + a[3:], "shapes differ"),
+        (lambda a: a[:3] + (jnp.array([1, 2, 3], jnp.int32), a[4]), "lengths"),
+        (lambda a: a[:4] + (jnp.zeros((3, 3), jnp.int32),), "batch"),
+        (lambda a: a[:4] + (jnp.zeros((2,), jnp.int32),), "rank 2"),
+        (lambda a: a[:4] + (jnp.zeros((2, 3), jnp.float32),), "integer"),
+    ],
+)
+def test_decode_bad_arguments_raise_value_error(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        kp.paged_attention(*mutate(_good_args()))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(impl="triton"), "impl must be one of"),
+        (dict(impl="pallas"), "interpret=True"),
+        (dict(impl="pallas_tpu"), "interpret=True"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(soft_cap=-1.0), "soft_cap"),
+        (dict(layer=0), "layer= given"),
+    ],
+)
+def test_decode_bad_options_raise_value_error(kwargs, match):
+    if jax.default_backend() == "tpu" and "interpret" in match:
+        pytest.skip("the TPU kernel needs no interpret mode on a TPU")
+    with pytest.raises(ValueError, match=match):
+        kp.paged_attention(*_good_args(), **kwargs)
+
+
+def test_stacked_pages_need_a_valid_layer():
+    q, pages, _, lens, tables = _good_args()
+    stacked = jnp.stack([pages, pages])
+    with pytest.raises(ValueError, match="need layer="):
+        kp.paged_attention(q, stacked, stacked, lens, tables)
+    with pytest.raises(ValueError, match="out of range"):
+        kp.paged_attention(q, stacked, stacked, lens, tables, layer=2)
+
+
+def test_ragged_bad_arguments_raise_value_error():
+    q, pages, _, lens, tables = _good_args()
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    with pytest.raises(ValueError, match="cu_q_lens"):
+        kp.ragged_paged_attention(q, pages, pages, lens, tables, cu[:2], 2)
+    with pytest.raises(ValueError, match="kv_lens"):
+        kp.ragged_paged_attention(q, pages, pages, lens[:1], tables, cu, 2)
+    with pytest.raises(ValueError, match="num_seqs"):
+        kp.ragged_paged_attention(q, pages, pages, lens, tables, cu, 3)
+    with pytest.raises(ValueError, match="num_seqs"):
+        kp.ragged_paged_attention(q, pages, pages, lens, tables, cu, jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="not divisible"):
+        kp.ragged_paged_attention(jnp.zeros((2, 3, 8)), pages, pages, lens, tables, cu, 2)
+
+
+def test_pallas_gpu_without_gpu_module_raises_not_implemented():
+    if HAS_GPU_KERNELS:
+        pytest.skip("GPU kernels are installed")
+    with pytest.raises(NotImplementedError):
+        kp.paged_attention(*_good_args(), impl="pallas_gpu", interpret=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Wide grid (slow)
+# --------------------------------------------------------------------------------------------
+
+HEADS = [(8, 8), (8, 2), (8, 1)]  # H / K in {1, 4, 8}
+HEAD_DIMS = [64, 128, 256]
+BLOCK_SIZES = [8, 16, 32, 64]
+DTYPES = [jnp.float32, jnp.bfloat16]
+OPTIONS = [{}, dict(soft_cap=3.0), dict(sliding_window=13), dict(sm_scale=0.05, soft_cap=8.0)]
+
+WIDE = [
+    pytest.param(h, kh, d, s, dt, opts, id=f"h{h}k{kh}-d{d}-s{s}-{jnp.dtype(dt).name}-o{i}")
+    for (h, kh), d, s, dt, (i, opts) in itertools.product(
+        HEADS, HEAD_DIMS, BLOCK_SIZES, DTYPES, enumerate(OPTIONS)
+    )
+    # keep the product affordable: every value of every axis appears, not every combination
+    if (HEAD_DIMS.index(d) + BLOCK_SIZES.index(s) + i + DTYPES.index(dt)) % 4 == 0
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("h,k_heads,d,s,dtype,opts", WIDE)
+def test_decode_wide_grid(h, k_heads, d, s, dtype, opts, impl, interpret):
+    rng = np.random.default_rng(10)
+    m = 3
+    lens = [1, s, int(rng.integers(2, m * s)), 0, m * s, s + 1]
+    case = decode_case(rng, lens, h, k_heads, d, s, m, dtype)
+    _check(_run_decode(case, impl, interpret, **opts), _decode_oracle(case, **opts), dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("h,k_heads,d,s,dtype,opts", WIDE)
+def test_ragged_wide_grid(h, k_heads, d, s, dtype, opts, impl, interpret):
+    rng = np.random.default_rng(11)
+    m = 3
+    cap = m * s
+    # decode, prefill of a whole block, chunked prefill, prefix hit at capacity, padded seqs
+    q_lens = [1, s, 3, 2, 0, 1]
+    kv_lens = [int(rng.integers(1, cap)), s, 2 * s + 1, cap, 5, 2]
+    t = sum(q_lens[:4]) + 2
+    case = ragged_case(rng, q_lens, kv_lens, 4, t, h, k_heads, d, s, m, dtype)
+    _check(_run_ragged(case, impl, interpret, **opts), _ragged_oracle(case, **opts), dtype)
+
+
+@pytest.mark.slow
+def test_tpu_kernels_with_several_pages_per_step_and_query_blocks():
+    from kernels_pallas.tpu.paged_attention import paged_attention_tpu
+    from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
+
+    rng = np.random.default_rng(12)
+    case = ragged_case(rng, RAGGED_Q, RAGGED_KV, RAGGED_NUM_SEQS, 20, 8, 2, 64, 4, 5, np.float32)
+    want = _ragged_oracle(case, sm_scale=0.2, sliding_window=7)
+    for p, tq in itertools.product([1, 2, 3], [1, 3, 8]):
+        out = ragged_paged_attention_tpu(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
+            case.cu_q_lens, case.num_seqs, sm_scale=0.2, sliding_window=7, interpret=True,
+            pages_per_compute_block=p, queries_per_block=tq,
+        )  # fmt: skip
+        _check(out, want, np.float32)
+    dec = decode_case(rng, [1, 4, 19, 0, 20], 8, 2, 64, 4, 5, np.float32)
+    want = _decode_oracle(dec, soft_cap=2.0)
+    for p in (1, 2, 3, 5):
+        out = paged_attention_tpu(
+            dec.q, dec.k_pages, dec.v_pages, dec.kv_lens, dec.block_tables, sm_scale=64**-0.5,
+            soft_cap=2.0, interpret=True, pages_per_compute_block=p,
+        )  # fmt: skip
+        _check(out, want, np.float32)
