@@ -294,6 +294,16 @@ def test_compiled_support_reports_hardware_minimums():
     assert "block_size" in ga.check_compiled_support(128, 24, jnp.bfloat16)
 
 
+def test_float32_without_interpret_falls_back_to_the_exact_xla_path():
+    """wgmma would read float32 as tf32; compiled float32 calls use the XLA scan instead."""
+    q, k, v, lengths, tables = _decode_case(1, g=4, s=8, m=12, lengths=[96, 0, 7])
+    out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, sliding_window=30)
+    want = reference.paged_attention_reference(
+        q, k, v, lengths, tables, sm_scale=0.125, sliding_window=30
+    )
+    _check(out, want, jnp.float32)
+
+
 def test_kv_stages_over_the_shared_memory_limit_raise_value_error():
     assert ga.smem_bytes(256, jnp.bfloat16, ga.default_kv_stages(256)) <= ga.SMEM_LIMIT
     assert ga.smem_bytes(128, jnp.bfloat16, ga.default_kv_stages(128)) <= ga.SMEM_LIMIT

@@ -612,9 +612,12 @@ def paged_attention_gpu(
     """
     layer = 0 if layer is None else layer
     if _use_fallback(q, k_pages, interpret, "paged_attention_gpu"):
-        return reference.paged_attention_reference(
+        # Decode is ragged attention with one row per sequence (memory-light XLA scan).
+        b = q.shape[0]
+        return reference.ragged_paged_attention_xla(
             q, _select_layer(k_pages, layer), _select_layer(v_pages, layer), lengths,
-            block_tables, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            block_tables, jnp.arange(b + 1, dtype=jnp.int32), b, sm_scale=sm_scale,
+            soft_cap=soft_cap, sliding_window=sliding_window,
         )  # fmt: skip
     b, h, d = q.shape
     kv_heads = k_pages.shape[-4]
