@@ -200,60 +200,89 @@ def _kernels(family: str):
 # --------------------------------------------------------------------------------------------
 
 
-def _take_blocks(pages: jax.Array, s_idx: jax.Array) -> jax.Array:
-    """``pages[..., s_idx, :, :]`` for pre-clamped ids in ``[0, N)``: ``[..., P, S, D]``.
+def _use_loops() -> bool:
+    """Block moves as update-slice loops (CPU) instead of one gather/scatter (accelerators).
 
-    Unsigned ids with ``promise_in_bounds``: no index-normalizing compares, whose constants
-    would live in device memory and break a host-side (``compute_on``) gather.
+    XLA:CPU runs a block scatter about 10x slower than the equivalent in-place
+    dynamic-update-slices, and a loop whose trip count is the number of live pairs costs
+    nothing for padding. On GPU/TPU one scatter beats P small kernels. (XLA:CPU has no native
+    bf16 either: it upcasts bf16 updates to f32 over the whole array, so on CPU only f32
+    caches are updated in place; use float32 pages there.)
     """
-    idx = (Ellipsis, s_idx.astype(jnp.uint32), slice(None), slice(None))
+    return jax.default_backend() == "cpu" if _CPU_LOOPS is None else _CPU_LOOPS
+
+
+#: Override for :func:`_use_loops` (None = by backend); tests flip it to cover both forms.
+_CPU_LOOPS: bool | None = None
+
+
+def _compact_pairs(
+    src: jax.Array, dst: jax.Array, n_src: int, n_dst: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Live pairs first: ``(s u32[P], d u32[P], count i32[])``.
+
+    A pair is live when both ids are in range. Dead entries get ``s = 0`` and ``d = n_dst``
+    (out of range: dropped by a scatter, never reached by a loop over ``count``). Unsigned ids
+    need no index-normalizing compares later, whose constants would live in device memory and
+    break host-side (``compute_on``) gathers and scatters; so all the arithmetic is done here,
+    on the device side.
+    """
+    src, dst = src.astype(jnp.int32), dst.astype(jnp.int32)
+    ok = (src >= 0) & (dst >= 0) & (src < n_src) & (dst < n_dst)
+    perm = jnp.argsort(~ok, stable=True)
+    ok_p = ok[perm]
+    s = jnp.where(ok_p, src[perm], 0).astype(jnp.uint32)
+    d = jnp.where(ok_p, dst[perm], n_dst).astype(jnp.uint32)
+    return s, d, jnp.sum(ok, dtype=jnp.int32)
+
+
+def _take_blocks(pages: jax.Array, s: jax.Array) -> jax.Array:
+    """``pages[..., s, :, :]`` for in-range ``u32`` ids: ``[..., P, S, D]``."""
+    idx = (Ellipsis, s, slice(None), slice(None))
     return pages.at[idx].get(mode="promise_in_bounds")
 
 
-def _set_blocks(pages: jax.Array, blocks: jax.Array, d_idx: jax.Array) -> jax.Array:
-    """``pages[..., d_idx[i], :, :] = blocks[..., i, :, :]``; ids outside ``[0, N)`` skipped.
-
-    One scatter on accelerators. On CPU a loop of in-place dynamic-update-slices: XLA:CPU
-    runs this block scatter about 10x slower than P update-slices. (XLA:CPU has no native
-    bf16: it upcasts bf16 updates to f32 over the whole array, so on CPU only f32 caches are
-    updated in place; use float32 pages there.)
-    """
-    n = pages.shape[-3]
-    if jax.default_backend() != "cpu":
-        idx = (Ellipsis, jnp.where(d_idx < 0, n, d_idx), slice(None), slice(None))
-        return pages.at[idx].set(blocks, mode="drop")
+def _set_blocks(
+    pages: jax.Array, blocks: jax.Array, d: jax.Array, count: jax.Array, loops: bool
+) -> jax.Array:
+    """``pages[..., d[i], :, :] = blocks[..., i, :, :]`` for the ``count`` live pairs."""
+    if not loops:
+        idx = (Ellipsis, d, slice(None), slice(None))
+        return pages.at[idx].set(blocks.astype(pages.dtype), mode="drop")
     axis = pages.ndim - 3
 
     def body(i, x):
-        d = d_idx[i]
-        ok = (d >= 0) & (d < n)
-        dc = jnp.clip(d, 0, n - 1)
-        new = jax.lax.dynamic_slice_in_dim(blocks, i, 1, axis=axis)
-        old = jax.lax.dynamic_slice_in_dim(x, dc, 1, axis=axis)
-        return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(ok, new, old), dc, axis=axis)
+        new = jax.lax.dynamic_slice_in_dim(blocks, i, 1, axis=axis).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(x, new, d[i], axis=axis)
 
-    return jax.lax.fori_loop(0, d_idx.shape[0], body, pages)
+    return jax.lax.fori_loop(0, count, body, pages)
+
+
+def _copy_loop(
+    dst: jax.Array, src: jax.Array | None, s: jax.Array, d: jax.Array, count: jax.Array
+) -> jax.Array:
+    """Block-by-block update-slices ``src -> dst`` for ``count`` live pairs (no temporary).
+
+    ``src=None`` copies within ``dst``, reading the loop carry itself: reading the original
+    array instead would keep it alive next to the carry and force a full copy.
+    """
+    axis = dst.ndim - 3
+
+    def body(i, x):
+        frm = x if src is None else src
+        new = jax.lax.dynamic_slice_in_dim(frm, s[i], 1, axis=axis).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(x, new, d[i], axis=axis)
+
+    return jax.lax.fori_loop(0, count, body, dst)
 
 
 def _copy_xla(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     n = pages.shape[-3]
-    skip = (src < 0) | (dst < 0)
-    s_idx = jnp.clip(jnp.where(skip, 0, src), 0, n - 1)
-    d_idx = jnp.where(skip, -1, dst)
-    if jax.default_backend() != "cpu":
-        return _set_blocks(pages, _take_blocks(pages, s_idx), d_idx)
-    # CPU: block-by-block update-slices straight from the pages (no gathered temporary);
-    # reads see the pre-call pages because destinations are never sources.
-    axis = pages.ndim - 3
-
-    def body(i, x):
-        ok = d_idx[i] >= 0
-        dc = jnp.clip(d_idx[i], 0, n - 1)
-        new = jax.lax.dynamic_slice_in_dim(x, s_idx[i], 1, axis=axis)
-        old = jax.lax.dynamic_slice_in_dim(x, dc, 1, axis=axis)
-        return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(ok, new, old), dc, axis=axis)
-
-    return jax.lax.fori_loop(0, d_idx.shape[0], body, pages)
+    s, d, count = _compact_pairs(src, dst, n, n)
+    if not _use_loops():
+        return _set_blocks(pages, _take_blocks(pages, s), d, count, loops=False)
+    # Reading the live pages is exact: destinations are never sources (documented contract).
+    return _copy_loop(pages, None, s, d, count)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,31 +449,17 @@ def _pad_ids(ids: Any, size: int) -> jax.Array:
     return jnp.pad(ids, (0, size - ids.shape[0]), constant_values=-1)
 
 
-def _gather(srcs: tuple[jax.Array, ...], s_idx: jax.Array) -> jax.Array:
+def _gather(srcs: tuple[jax.Array, ...], s: jax.Array) -> jax.Array:
     """All sources' blocks stacked into one array ``[A, ..., P, S, D]`` (one transfer)."""
-    return jnp.stack([_take_blocks(x, s_idx) for x in srcs])
+    return jnp.stack([_take_blocks(x, s) for x in srcs])
 
 
-def _scatter(dsts: tuple[jax.Array, ...], blocks: jax.Array, d_idx: jax.Array) -> tuple:
-    return tuple(_set_blocks(x, blocks[i].astype(x.dtype), d_idx) for i, x in enumerate(dsts))
+def _scatter(dsts: tuple, blocks: jax.Array, d: jax.Array, count: jax.Array, loops: bool):
+    return tuple(_set_blocks(x, blocks[i], d, count, loops) for i, x in enumerate(dsts))
 
 
-def _copy_between(dsts: tuple, srcs: tuple, s_idx: jax.Array, d_idx: jax.Array) -> tuple:
-    """Block-by-block update-slices ``src -> dst`` (no gathered temporary); skip d < 0."""
-
-    def one(dst: jax.Array, src: jax.Array) -> jax.Array:
-        axis, n = dst.ndim - 3, dst.shape[-3]
-
-        def body(i, x):
-            ok = d_idx[i] >= 0
-            dc = jnp.clip(d_idx[i], 0, n - 1)
-            new = jax.lax.dynamic_slice_in_dim(src, s_idx[i], 1, axis=axis).astype(x.dtype)
-            old = jax.lax.dynamic_slice_in_dim(x, dc, 1, axis=axis)
-            return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(ok, new, old), dc, axis=axis)
-
-        return jax.lax.fori_loop(0, d_idx.shape[0], body, dst)
-
-    return tuple(one(d, s) for d, s in zip(dsts, srcs, strict=True))
+def _copy_between(dsts: tuple, srcs: tuple, s: jax.Array, d: jax.Array, count: jax.Array):
+    return tuple(_copy_loop(x, y, s, d, count) for x, y in zip(dsts, srcs, strict=True))
 
 
 @functools.lru_cache(maxsize=64)
@@ -455,46 +470,46 @@ def _swap_program(
     use_tpu: bool,
     donate: bool,
     direct: bool = False,
+    loops: bool = False,
 ):
     """One jitted program moving blocks between memory kinds (see :func:`swap_blocks`).
 
     ``use_tpu``: the Pallas DMA kernel. ``direct``: block-to-block copies after a whole-pool
     memory-kind move, only for the CPU backend, where device and host memory are the same RAM
     and XLA elides that move. Otherwise: gather on the source side, one transfer of the
-    gathered blocks, scatter on the destination side.
+    gathered blocks, scatter (``loops``: update-slice loop) on the destination side.
     """
     from jax.experimental.compute_on import compute_on
 
     host = jax.memory.Space.Host
 
+    def on_dst(fn, *args):
+        if not dst_host:
+            return fn(*args)
+        return compute_on("device_host")(jax.jit(fn))(*args)
+
     def program(srcs, dsts, src_ids, dst_ids):
-        skip = (src_ids < 0) | (dst_ids < 0)
-        s_idx = jnp.clip(jnp.where(skip, 0, src_ids), 0, srcs[0].shape[-3] - 1)
-        d_idx = jnp.where(skip, -1, dst_ids)
         if use_tpu:
             from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
 
             return swap_blocks_tpu(
                 srcs, dsts, src_ids, dst_ids, src_host=src_host, dst_host=dst_host
             )
+        s, d, count = _compact_pairs(src_ids, dst_ids, srcs[0].shape[-3], dsts[0].shape[-3])
         if direct:
             if src_host != dst_host:
                 srcs = jax.device_put(srcs, host if dst_host else jax.memory.Space.Device)
             if dst_host:
-                s_idx, d_idx = jax.device_put((s_idx, d_idx), host)
-                return compute_on("device_host")(jax.jit(_copy_between))(dsts, srcs, s_idx, d_idx)
-            return _copy_between(dsts, srcs, s_idx, d_idx)
+                s, d, count = jax.device_put((s, d, count), host)
+            return on_dst(_copy_between, dsts, srcs, s, d, count)
         if src_host:
-            s_idx = jax.device_put(s_idx, host)
-            blocks = compute_on("device_host")(jax.jit(_gather))(srcs, s_idx)
+            blocks = compute_on("device_host")(jax.jit(_gather))(srcs, jax.device_put(s, host))
         else:
-            blocks = _gather(srcs, s_idx)
-        space = host if dst_host else jax.memory.Space.Device
-        blocks = jax.device_put(blocks, space)  # the one transfer
+            blocks = _gather(srcs, s)
+        blocks = jax.device_put(blocks, host if dst_host else jax.memory.Space.Device)  # 1 move
         if dst_host:
-            d_idx = jax.device_put(d_idx, host)
-            return compute_on("device_host")(jax.jit(_scatter))(dsts, blocks, d_idx)
-        return _scatter(dsts, blocks, d_idx)
+            d, count = jax.device_put((d, count), host)
+        return on_dst(functools.partial(_scatter, loops=loops), dsts, blocks, d, count)
 
     return jax.jit(program, donate_argnums=(1,) if donate else (), out_shardings=dst_shardings)
 
@@ -613,7 +628,7 @@ def swap_blocks(
             _TPU_SWAP_FAILED = True
             logger.warning("TPU swap kernel failed (%s); using the memory-kinds program", e)
     direct = jax.default_backend() == "cpu" if _CPU_DIRECT_SWAP is None else _CPU_DIRECT_SWAP
-    fn = _swap_program(src_host, dst_host, shardings, False, donate, direct)
+    fn = _swap_program(src_host, dst_host, shardings, False, donate, direct, _use_loops())
     return ret(fn(srcs, dsts, s_ids, d_ids))
 
 

@@ -152,6 +152,17 @@ def test_copy_blocks_64_sources_to_two_destinations_each_all_layers(impl, interp
     np.testing.assert_array_equal(_host(out_v), _np_copy(_host(v_pages), src, dst))
 
 
+@pytest.mark.parametrize("loops", [True, False], ids=["update-slice-loop", "scatter"])
+def test_copy_blocks_xla_loop_and_scatter_forms_match_numpy(loops, monkeypatch):
+    monkeypatch.setattr(kv_ops, "_CPU_LOOPS", loops)
+    rng = np.random.default_rng(5)
+    pages = _pages(rng, (2, 2, 200, 4, 8), jnp.float32)
+    src, dst = _cow_pairs(rng, 200)
+    fn = jax.jit(lambda a, b, x, y: kp.copy_blocks(a, b, x, y, impl="reference"))
+    out_k, _ = fn(pages, pages, jnp.asarray(src), jnp.asarray(dst))
+    np.testing.assert_array_equal(np.asarray(out_k), _np_copy(np.asarray(pages), src, dst))
+
+
 @pytest.mark.parametrize("geom", GEOMS)
 @pytest.mark.parametrize("impl,interpret", IMPLS)
 def test_copy_blocks_single_layer_pages_match_numpy(impl, interpret, geom):
@@ -171,10 +182,16 @@ def test_copy_blocks_single_layer_pages_match_numpy(impl, interpret, geom):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=[True, False], ids=["cpu-direct", "gather-transfer-scatter"])
+@pytest.fixture(
+    params=[(True, True), (False, True), (False, False)],
+    ids=["cpu-direct", "gather-transfer-loop", "gather-transfer-scatter"],
+)
 def swap_program_kind(request, monkeypatch):
-    """Run swaps through both programs: the CPU block-to-block one and the generic one."""
-    monkeypatch.setattr(kv_ops, "_CPU_DIRECT_SWAP", request.param)
+    """Run swaps through every program: the CPU block-to-block one, and the generic gather /
+    one transfer / scatter one with the CPU update-slice loop or the accelerator scatter."""
+    direct, loops = request.param
+    monkeypatch.setattr(kv_ops, "_CPU_DIRECT_SWAP", direct)
+    monkeypatch.setattr(kv_ops, "_CPU_LOOPS", loops)
     return request.param
 
 
@@ -220,7 +237,7 @@ def test_swap_pads_pair_counts_to_power_of_two_buckets():
     for p in (3, 4):  # both in the bucket of 4: one program, one compilation
         host = kp.swap_blocks(dev, host, np.arange(p), np.arange(p) + 8)
     assert kv_ops._swap_program.cache_info().currsize == 1
-    program = kv_ops._swap_program(False, True, (host.sharding,), False, True, True)
+    program = kv_ops._swap_program(False, True, (host.sharding,), False, True, True, True)
     assert program._cache_size() == 1
     np.testing.assert_array_equal(np.asarray(host[:, :, 8:12]), np.asarray(dev[:, :, 0:4]))
 
@@ -232,7 +249,7 @@ def test_swap_program_scatters_in_place_and_moves_only_gathered_blocks(to_host, 
     host = _pinned(jnp.zeros((2, 2, 128, 4, 8), jnp.float32))
     src, dst = ((dev, dev), (host, host)) if to_host else ((host, host), (dev, dev))
     program = kv_ops._swap_program(
-        not to_host, to_host, (dst[0].sharding,) * 2, False, True, direct
+        not to_host, to_host, (dst[0].sharding,) * 2, False, True, direct, True
     )
     ids = jnp.arange(4, dtype=jnp.int32)
     compiled = program.lower(src, dst, ids, ids).compile()
