@@ -93,8 +93,8 @@ def _check(out, want, dtype):
 
 DECODE_FAST = [
     # g, d, s, dtype, soft_cap, window, num_splits
-    pytest.param(1, 64, 16, jnp.float32, None, None, 1, id="mha-d64-s16-f32"),
-    # D = 256: two-stage pipeline, output stored in two 128-column chunks
+    pytest.param(1, 128, 16, jnp.float32, None, None, 1, id="mha-d128-s16-f32-stacked-layer1"),
+    # D = 256: two-stage pipeline, output stored in four 64-column chunks
     pytest.param(4, 256, 8, jnp.bfloat16, None, None, 2, id="gqa4-d256-s8-bf16-split2"),
     pytest.param(8, 64, 32, jnp.float32, 30.0, None, 3, id="gqa8-d64-s32-f32-softcap-split3"),
     pytest.param(4, 64, 64, jnp.float32, None, 20, 2, id="gqa4-d64-s64-f32-window-split2"),
@@ -106,23 +106,20 @@ def test_decode_matches_oracle_despite_nan_pages(g, d, s, dtype, soft_cap, windo
     m = max(2, 128 // s)
     cap = m * s
     lengths = [1, 0, s, cap, 2 * s + 3][: 4 if s == 64 else 5]
-    q, k, v, lengths, tables = _decode_case(0, g=g, d=d, s=s, m=m, lengths=lengths, dtype=dtype)
-    kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap, sliding_window=window)
-    out = ga.paged_attention_gpu(
-        q, k, v, lengths, tables, interpret=INTERPRET, num_splits=splits, **kw
+    stacked = g == 1  # the MHA case also reads layer 1 of stacked [L, K, N, S, D] pages
+    q, k, v, lengths, tables = _decode_case(
+        0, g=g, d=d, s=s, m=m, lengths=lengths, dtype=dtype, layers=2 if stacked else 0
     )
+    kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap, sliding_window=window)
+    extra = dict(layer=jnp.int32(1)) if stacked else {}
+    out = ga.paged_attention_gpu(
+        q, k, v, lengths, tables, interpret=INTERPRET, num_splits=splits, **kw, **extra
+    )
+    if stacked:
+        k, v = k[1], v[1]
     want = reference.paged_attention_reference(q, k, v, lengths, tables, **kw)
     _check(out, want, dtype)
     np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)  # length 0 -> zeros
-
-
-def test_decode_reads_the_requested_layer_of_stacked_pages():
-    q, k, v, lengths, tables = _decode_case(3, g=4, d=128, s=16, m=4, lengths=[50, 17], layers=3)
-    out = ga.paged_attention_gpu(
-        q, k, v, lengths, tables, sm_scale=0.125, interpret=INTERPRET, layer=jnp.int32(2)
-    )
-    want = reference.paged_attention_reference(q, k[2], v[2], lengths, tables, sm_scale=0.125)
-    _check(out, want, jnp.float32)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the race detector is part of the CPU interpreter")
@@ -183,32 +180,25 @@ MIXED_ROWS = [(1, 37), (20, 20), (9, 48), (3, 19), (1, 1)]
 
 
 @pytest.mark.parametrize(
-    "g,dtype,soft_cap,window",
+    "g,dtype,soft_cap,window,via_dispatch",
     [
-        pytest.param(1, jnp.float32, None, None, id="mha-f32"),
-        pytest.param(4, jnp.bfloat16, 20.0, 11, id="gqa4-bf16-softcap-window"),
+        pytest.param(1, jnp.float32, None, None, True, id="mha-f32-via-public-dispatch"),
+        pytest.param(4, jnp.bfloat16, 20.0, 11, False, id="gqa4-bf16-softcap-window-split2"),
     ],
 )
-def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window):
+def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window, via_dispatch):
     q, k, v, kv_lens, tables, cu, nseq = _ragged_case(
         4, g=g, rows=MIXED_ROWS, pad_rows=3, dtype=dtype
     )
     kw = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=window)
-    out = ga.ragged_paged_attention_gpu(
-        q, k, v, kv_lens, tables, cu, nseq, interpret=INTERPRET, num_splits=2, **kw
-    )
-    want = reference.ragged_paged_attention_reference(q, k, v, kv_lens, tables, cu, nseq, **kw)
+    args = (q, k, v, kv_lens, tables, cu, nseq)
+    if via_dispatch:  # kernels_pallas.ragged_paged_attention(impl="pallas_gpu") -> this kernel
+        out = kp.ragged_paged_attention(*args, impl="pallas_gpu", interpret=INTERPRET, **kw)
+    else:
+        out = ga.ragged_paged_attention_gpu(*args, interpret=INTERPRET, num_splits=2, **kw)
+    want = reference.ragged_paged_attention_reference(*args, **kw)
     _check(out, want, dtype)
     np.testing.assert_array_equal(np.asarray(out[int(cu[nseq]) :], np.float32), 0.0)
-
-
-def test_public_dispatch_runs_the_gpu_kernel():
-    q, k, v, kv_lens, tables, cu, nseq = _ragged_case(6, g=2, rows=[(1, 30), (4, 4)], pad_rows=1)
-    out = kp.ragged_paged_attention(
-        q, k, v, kv_lens, tables, cu, nseq, impl="pallas_gpu", interpret=INTERPRET
-    )
-    want = reference.ragged_paged_attention_reference(q, k, v, kv_lens, tables, cu, nseq)
-    _check(out, want, jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
