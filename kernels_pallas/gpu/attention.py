@@ -38,14 +38,16 @@ Design (what one CUDA block does)
   combine merges them (``P = 1`` for large batches). ``P`` defaults to enough blocks to fill
   the GPU twice (132 SMs on H100/H200) and can be forced with ``num_splits``.
 
-Hardware minimums of the compiled kernel (enforced by :func:`check_compiled_support`)
+Hardware minimums of the compiled kernel (reported by :func:`check_compiled_support`)
 --------------------------------------------------------------------------------------
 * Hopper (sm_90a): ``wgmma`` and TMA. The wgmma M dimension is 64, so query rows are padded to
   64 per tile (a decode tile with ``G = 1`` computes 63 dead rows; decode is memory bound).
-* ``bfloat16`` / ``float16`` pages. wgmma reads float32 as tf32 and requires K-major float32
-  operands, which ``P V`` is not, so float32 inputs on a real GPU are routed to the exact XLA
-  path (:func:`kernels_pallas.reference.ragged_paged_attention_xla`) with a logged notice.
+* ``bfloat16`` / ``float16`` pages. wgmma reads float32 as tf32 (too coarse for the 1e-5
+  float32 contract) and needs K-major float32 operands, which V as the B operand of ``P V`` is
+  not, so float32 inputs on a real GPU are routed to the exact XLA path
+  (:func:`kernels_pallas.reference.ragged_paged_attention_xla`) with a logged notice.
   Interpret mode runs float32 through the kernel itself.
+* Geometry problems below raise ``ValueError`` (at trace time, before any kernel runs).
 * ``head_dim`` a multiple of 64 (128-byte swizzle tiles of ``(8, 64)`` bf16): 64, 128, 256.
 * ``block_size`` a multiple of 8 that divides 64 (8, 16, 32, 64): a page must be whole
   ``(8, 64)`` tiles and a 64-token KV step must be whole pages.
@@ -60,12 +62,13 @@ Interpret mode (CPU tests)
 (``InterpretGPUParams``): grid, TMA copies, mbarriers, scalar GMEM reads, SMEM stages, loops
 and masking are all interpreted. Two things differ, because this JAX's interpreter lacks them:
 the two matmuls are computed with ``jnp.dot`` on the SMEM contents (its ``wgmma`` rejects a
-transposed operand and register A operands), and ``plgpu.layout_cast`` (no CPU rule) is
-skipped. Uninitialized SMEM is NaN in the interpreter, which the NaN tests rely on, and its
-barrier checks and race detector (``interpret=InterpretGPUParams(detect_races=True)``)
-validate the pipeline's synchronization. The compiled path itself is checked on any host by
-exporting for CUDA (``jax.export(..., platforms=["cuda"])``), which runs the full Mosaic GPU
-lowering (layouts, TMA descriptors, wgmma shapes) short of ptxas; on a GPU the tests and
+transposed operand and register A operands), and register layouts (``plgpu.layout_cast``,
+``plgpu.load(layout=...)``: no CPU rules) are skipped. Uninitialized SMEM is NaN in the
+interpreter, which the NaN tests rely on, and its barrier checks and race detector
+(``interpret=InterpretGPUParams(detect_races=True)``) validate the pipeline's synchronization.
+The compiled path itself is checked on any host by exporting for CUDA
+(``jax.export(..., platforms=["cuda"])``), which runs the full Mosaic GPU lowering (layouts,
+TMA descriptors, wgmma shapes) short of ptxas; on a GPU the tests and
 ``scripts/gpu_check.sh`` compile and run it.
 """
 
