@@ -26,6 +26,7 @@ Every argument problem raises ``ValueError`` naming it, before anything is trace
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -186,6 +187,23 @@ def _select_layer(pages: jax.Array, layer: Any) -> jax.Array:
     return pages if pages.ndim == 4 else pages[layer]
 
 
+_STATIC = ("sm_scale", "soft_cap", "sliding_window")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, **kw):
+    k_pages, v_pages = _select_layer(k_pages, layer), _select_layer(v_pages, layer)
+    return reference.paged_attention_reference(q, k_pages, v_pages, lengths, block_tables, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _ragged_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, **kw):
+    k_pages, v_pages = _select_layer(k_pages, layer), _select_layer(v_pages, layer)
+    return reference.ragged_paged_attention_xla(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **kw
+    )
+
+
 def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
     fn = getattr(_gpu_module(required=True), fn_name)
     if k_pages.ndim == 5:
@@ -261,14 +279,7 @@ def paged_attention(
     block_tables = jnp.asarray(block_tables, jnp.int32)
     kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
     if family == "reference":
-        return reference.paged_attention_reference(
-            q,
-            _select_layer(k_pages, layer),
-            _select_layer(v_pages, layer),
-            lengths,
-            block_tables,
-            **kw,
-        )
+        return _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, **kw)
     if family == "tpu":
         from kernels_pallas.tpu.paged_attention import paged_attention_tpu
 
@@ -354,15 +365,8 @@ def ragged_paged_attention(
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
     if family == "reference":
-        return reference.ragged_paged_attention_xla(
-            q,
-            _select_layer(k_pages, layer),
-            _select_layer(v_pages, layer),
-            kv_lens,
-            block_tables,
-            cu_q_lens,
-            num_seqs,
-            **kw,
+        return _ragged_reference(
+            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, **kw
         )
     if family == "tpu":
         from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
