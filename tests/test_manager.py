@@ -1,0 +1,233 @@
+"""BlockManager: host-side wrapper, typed errors, state untouched on every error."""
+
+from __future__ import annotations
+
+import chex
+import pytest
+
+from paxcache import BlockManager, CacheConfig, errors
+
+CFG = CacheConfig(
+    num_blocks=16, block_size=4, max_seqs=4, max_blocks_per_seq=8, num_host_blocks=8, watermark=0.0
+)
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def assert_ok(bm: BlockManager) -> None:
+    bad = sorted(k for k, v in bm.check_invariants().items() if not v)
+    assert not bad, bad
+
+
+def snapshot(bm: BlockManager):
+    return bm.state, dict(bm._slots), list(bm._free_slots)
+
+
+def assert_unchanged(bm: BlockManager, snap) -> None:
+    state, slots, free_slots = snap
+    chex.assert_trees_all_equal(bm.state, state)
+    assert bm._slots == slots and bm._free_slots == free_slots
+
+
+@pytest.fixture
+def bm() -> BlockManager:
+    return BlockManager(CFG)
+
+
+def test_errors_are_value_errors():
+    for cls in (
+        errors.OutOfBlocksError,
+        errors.NoFreeSlotError,
+        errors.UnknownSequenceError,
+        errors.DuplicateSequenceError,
+        errors.SequenceTooLongError,
+        errors.SequenceSwappedError,
+    ):
+        assert issubclass(cls, errors.PaxcacheError) and issubclass(cls, ValueError)
+    assert issubclass(errors.NoFreeSlotError, errors.OutOfBlocksError)
+
+
+def test_config_validation_names_the_bad_field():
+    with pytest.raises(ValueError, match="num_blocks"):
+        CacheConfig(num_blocks=0)
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(num_blocks=4, block_size=0)
+    with pytest.raises(ValueError, match="watermark"):
+        CacheConfig(num_blocks=4, watermark=1.5)
+    with pytest.raises(ValueError, match="sliding_window"):
+        CacheConfig(num_blocks=4, sliding_window=0)
+    with pytest.raises(ValueError, match="max_seqs"):
+        CacheConfig(num_blocks=4, max_seqs=True)
+    assert hash(CFG) == hash(CacheConfig(**{f: getattr(CFG, f) for f in CFG.__dataclass_fields__}))
+
+
+def test_allocate_append_and_block_table_with_any_hashable_ids(bm):
+    assert bm.allocate(("req", 1), prompt(6)) == 0
+    assert len(bm.block_table(("req", 1))) == 2 and bm.seq_len(("req", 1)) == 6
+    assert bm.append(("req", 1), [7, 8, 9]) == []
+    assert len(bm.block_table(("req", 1))) == 3
+    assert bm.append(("req", 1), 0) == []
+    assert bm.num_free_blocks == CFG.num_blocks - 3
+    assert ("req", 1) in bm and len(bm) == 1
+    assert_ok(bm)
+
+
+def test_double_free_and_unknown_ids_raise_and_change_nothing(bm):
+    bm.allocate("a", prompt(5))
+    bm.free("a")
+    snap = snapshot(bm)
+    for call in (
+        lambda: bm.free("a"),
+        lambda: bm.append("nope", [1]),
+        lambda: bm.block_table("nope"),
+        lambda: bm.fork("nope", "b"),
+        lambda: bm.swap_out("nope"),
+        lambda: bm.swap_in("nope"),
+        lambda: bm.free(["unhashable"]),
+    ):
+        with pytest.raises(errors.UnknownSequenceError):
+            call()
+        assert_unchanged(bm, snap)
+
+
+def test_duplicate_ids_raise(bm):
+    bm.allocate("a", prompt(5))
+    bm.allocate("b", prompt(5, 300))
+    snap = snapshot(bm)
+    with pytest.raises(errors.DuplicateSequenceError):
+        bm.allocate("a", prompt(3))
+    with pytest.raises(errors.DuplicateSequenceError):
+        bm.fork("a", "b")
+    assert_unchanged(bm, snap)
+
+
+def test_out_of_blocks_and_too_long_and_no_free_slot_raise_without_side_effects(bm):
+    bm.allocate("big", prompt(32))  # 8 of 16 blocks
+    bm.allocate("big2", prompt(24, 500))  # 6 more, 2 left
+    snap = snapshot(bm)
+    with pytest.raises(errors.OutOfBlocksError):
+        bm.allocate("c", prompt(12, 900))
+    assert_unchanged(bm, snap)
+    with pytest.raises(errors.SequenceTooLongError):
+        bm.allocate("c", prompt(CFG.max_model_len + 1))
+    with pytest.raises(errors.SequenceTooLongError):
+        bm.append("big", [1])
+    with pytest.raises(errors.PaxcacheError):
+        bm.allocate("c", [])
+    assert_unchanged(bm, snap)
+    bm.allocate("s", [1])
+    bm.append("big2", [1, 2, 3, 4])  # takes the last block
+    snap = snapshot(bm)
+    with pytest.raises(errors.OutOfBlocksError):
+        bm.append("s", [2, 3, 4, 5])
+    assert_unchanged(bm, snap)
+    bm.free("s")
+    bm.free("big")
+    bm.free("big2")
+    for i in range(CFG.max_seqs):
+        bm.allocate(i, [i])
+    snap = snapshot(bm)
+    with pytest.raises(errors.NoFreeSlotError):
+        bm.allocate("late", [1])
+    with pytest.raises(errors.OutOfBlocksError):  # NoFreeSlotError is an OutOfBlocksError
+        bm.fork(0, "child")
+    assert_unchanged(bm, snap)
+    assert not bm.can_allocate(1)
+    assert_ok(bm)
+
+
+def test_can_allocate_follows_free_blocks_and_watermark():
+    bm = BlockManager(
+        CacheConfig(num_blocks=10, block_size=4, max_seqs=4, max_blocks_per_seq=8, watermark=0.2)
+    )
+    assert bm.can_allocate(32) and not bm.can_allocate(33) and not bm.can_allocate(0)
+    bm.allocate("a", prompt(20))  # 5 blocks, 5 left, watermark 2
+    assert bm.can_allocate(12) and not bm.can_allocate(13)
+    with pytest.raises(errors.OutOfBlocksError):
+        bm.allocate("b", prompt(13, 500))
+
+
+def test_fork_then_append_returns_one_copy_on_write_pair(bm):
+    bm.allocate("p", prompt(6))
+    bm.fork("p", "c")
+    parent = bm.block_table("p")
+    assert bm.block_table("c") == parent
+    cow = bm.append("c", [1])
+    assert len(cow) == 1 and cow[0][0] == parent[1] and cow[0][1] != parent[1]
+    assert bm.block_table("p") == parent
+    assert bm.block_table("c") == [parent[0], cow[0][1]]
+    assert bm.append("p", [2]) == []
+    assert_ok(bm)
+
+
+def test_swap_out_then_in_restores_counts_and_table_shape(bm):
+    bm.allocate("a", prompt(10))
+    free0, host0 = bm.num_free_blocks, bm.num_free_host_blocks
+    table = bm.block_table("a")
+    pairs = bm.swap_out("a")
+    assert [d for d, _ in pairs] == table and bm.is_swapped("a")
+    assert bm.num_free_host_blocks == host0 - 3 and bm.num_free_blocks == free0 + 3
+    assert bm.block_table("a") == [h for _, h in pairs]
+    snap = snapshot(bm)
+    with pytest.raises(errors.SequenceSwappedError):
+        bm.append("a", [1])
+    with pytest.raises(errors.SequenceSwappedError):
+        bm.swap_out("a")
+    with pytest.raises(errors.SequenceSwappedError):
+        bm.fork("a", "b")
+    assert_unchanged(bm, snap)
+    back = bm.swap_in("a")
+    assert [h for h, _ in back] == [h for _, h in pairs]
+    assert bm.block_table("a") == [d for _, d in back]
+    assert bm.num_free_blocks == free0 and bm.num_free_host_blocks == host0
+    with pytest.raises(errors.SequenceSwappedError):
+        bm.swap_in("a")
+    assert_ok(bm)
+
+
+def test_swap_out_without_room_on_the_host_raises_and_changes_nothing():
+    bm = BlockManager(
+        CacheConfig(
+            num_blocks=16, block_size=4, max_seqs=4, max_blocks_per_seq=8, num_host_blocks=2
+        )
+    )
+    bm.allocate("a", prompt(10))
+    snap = snapshot(bm)
+    with pytest.raises(errors.OutOfBlocksError):
+        bm.swap_out("a")
+    assert_unchanged(bm, snap)
+
+
+def test_identical_prompts_share_blocks_and_salts_isolate_tenants(bm):
+    assert bm.allocate("a", prompt(10), cache_salt="tenant-1") == 0
+    assert bm.allocate("b", prompt(10), cache_salt="tenant-1") == 8
+    assert bm.allocate("c", prompt(10), cache_salt=("tenant", 2)) == 0
+    assert bm.allocate("d", prompt(10)) == 0  # no salt is its own tenant
+    assert bm.block_table("a")[:2] == bm.block_table("b")[:2]
+    assert not set(bm.block_table("a")) & set(bm.block_table("c"))
+    assert bm.prefix_cache_hit_rate == pytest.approx(8 / 40)
+    for seq_id in "abcd":
+        bm.free(seq_id)
+    assert bm.num_free_blocks == CFG.num_blocks
+    assert_ok(bm)
+
+
+def test_commit_false_then_commit_makes_blocks_visible(bm):
+    bm.allocate("a", prompt(9), commit=False)
+    assert bm.allocate("b", prompt(9), commit=False) == 0
+    bm.free("b")
+    bm.commit({"a": 9})
+    assert bm.allocate("c", prompt(9)) == 8
+
+
+def test_append_batch_serves_several_sequences_in_one_call(bm):
+    bm.allocate("a", prompt(4))
+    bm.allocate("b", prompt(3, 300))
+    bm.fork("b", "c")
+    cows, failed = bm.append_batch({"a": [1], "b": [2], "c": 1})
+    assert not failed
+    assert cows["a"] == [] and len(cows["b"]) == 1 and len(cows["c"]) == 1
+    assert bm.seq_len("a") == 5 and bm.seq_len("b") == 4 and bm.seq_len("c") == 4
+    assert_ok(bm)
