@@ -196,15 +196,21 @@ def _slot_mapping(table: np.ndarray, start: int, stop: int) -> np.ndarray:
     return (table[pos // S] * S + pos % S).astype(np.int32)
 
 
+_T_PAD = 16  # every fill is padded to 16 tokens (slot -1) so write_layer compiles once
+_write_layer = jax.jit(kv_cache.write_layer)
+
+
 def _fill_sequence(cache: KVCache, table: np.ndarray, length: int, rng) -> KVCache:
-    slots = _slot_mapping(table, 0, length)
+    slots = np.full(_T_PAD, -1, np.int32)
+    slots[:length] = _slot_mapping(table, 0, length)
     for layer in range(L):
-        k = jnp.asarray(rng.standard_normal((length, K, D)), jnp.float32)
-        v = jnp.asarray(rng.standard_normal((length, K, D)), jnp.float32)
-        cache = kv_cache.write_layer(cache, layer, k, v, slots)
+        k = jnp.asarray(rng.standard_normal((_T_PAD, K, D)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((_T_PAD, K, D)), jnp.float32)
+        cache = _write_layer(cache, layer, k, v, jnp.asarray(slots))
     return cache
 
 
+@jax.jit
 def _decode_attention(cache: KVCache, q, lengths, tables) -> list[jax.Array]:
     return [
         paged_attention_reference(q, cache.k[layer], cache.v[layer], lengths, tables)
@@ -267,7 +273,7 @@ def test_allocator_swap_plans_move_the_sequence_and_attention_is_unchanged():
     cache = kv_cache.swap_in(cache, plan.src, plan.dst, plan.num)
     new_tables = np.asarray(state.block_tables)
     assert not set(new_tables[0][:3].tolist()) & set(seq_blocks.tolist())
-    checks = allocator.check_invariants(state)
+    checks = jax.jit(allocator.check_invariants)(state)
     assert all(bool(v) for v in checks.values()), checks
 
     after = _decode_attention(cache, q, lengths, jnp.asarray(new_tables[:2]))

@@ -395,3 +395,31 @@ def test_swap_blocks_bad_arguments_raise_value_error():
         kp.swap_blocks(b, a, ids, np.array([0, 4]))
     with pytest.raises(ValueError, match="same length"):
         kp.swap_blocks((a, a), b, ids, ids)
+
+
+# --------------------------------------------------------------------------------------------
+# Wide grid (slow): more head counts, block sizes and head dims through every implementation
+# --------------------------------------------------------------------------------------------
+
+WIDE_GEOMS = [(4, 8, 64), (8, 32, 128), (1, 1, 256), (2, 16, 80)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("geom", WIDE_GEOMS, ids=lambda g: "K{}-S{}-D{}".format(*g))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+def test_wide_grid_write_and_copy_match_numpy(impl, interpret, dtype, geom):
+    kh, s, d = geom
+    n, t = 40, 24
+    rng = np.random.default_rng(6)
+    pages = _pages(rng, (2, kh, n, s, d), dtype)
+    k = _pages(rng, (t, kh, d), dtype)
+    slots = rng.choice(n * s, t, replace=False).astype(np.int32)
+    slots[::5] = -1
+    out_k, _ = kp.write_kv(pages, pages, k, k, slots, layer=1, impl=impl, interpret=interpret)
+    np.testing.assert_array_equal(_host(out_k), _np_write(_host(pages), _host(k), slots, 1))
+    perm = rng.permutation(n)
+    src = np.concatenate([perm[:10], [-1, 2]]).astype(np.int32)
+    dst = np.concatenate([perm[10:20], [7, -1]]).astype(np.int32)
+    out_k, _ = kp.copy_blocks(pages, pages, src, dst, impl=impl, interpret=interpret)
+    np.testing.assert_array_equal(_host(out_k), _np_copy(_host(pages), src, dst))
