@@ -24,8 +24,9 @@ Design:
 
 Hardware notes for the compiled kernel: as for the decode kernel (``S`` a multiple of 8 / 16
 for f32 / bf16, ``D`` a multiple of 128 ideally, ``P * S`` a multiple of 128); in addition
-``TQ * G`` should be a multiple of 8 (the ``[TQ, G, D] -> [TQ * G, D]`` merge is otherwise a
-relayout). Checked in TPU interpret mode on CPU; not yet compiled on a TPU in this project.
+``TQ * G`` should be a multiple of 8 (the default ``TQ = 64 // G`` gives 64 rows), or ``TQ``
+the whole (padded) token count. Checked in TPU interpret mode on CPU; not yet compiled on a
+TPU in this project.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def _ragged_kernel(
     cu_ref,  # i32[B + 1]
     num_seqs_ref,  # i32[1]
     # inputs
-    q_ref,  # [TQ, G, D] block of q [T_pad, K, G, D]
+    q_ref,  # [TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
     # output
-    o_ref,  # [TQ, G, D]
+    o_ref,  # [TQ * G, D]
     # scratch
     k_buf,  # [2, P, S, D] VMEM
     v_buf,
@@ -72,12 +73,13 @@ def _ragged_kernel(
     soft_cap: float | None,
     sliding_window: int | None,
     max_blocks: int,
+    g: int,
 ):
     h = pl.program_id(0)
     qb = pl.program_id(1)
-    tq, g, d = q_ref.shape
+    rows, d = q_ref.shape
+    tq = rows // g
     _, n_pages, s, _ = k_buf.shape
-    rows = tq * g
     keys_per_step = n_pages * s
     r0 = qb * tq
     r1 = r0 + tq
@@ -130,7 +132,7 @@ def _ragged_kernel(
         *_, first_page, end_page, _ = seq_info(sq)
         copier.start(sq, first_page + i * n_pages, end_page, slot)
 
-    q = q_ref[...].astype(jnp.float32).reshape(rows, d) * sm_scale
+    q = q_ref[...].astype(jnp.float32) * sm_scale
     row_tok = r0 + lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 0) // g
 
     s0 = skip_empty(first_seq)
@@ -170,7 +172,7 @@ def _ragged_kernel(
 
     state = (s0, jnp.int32(0), jnp.int32(0), init_carry(rows, d))
     *_, carry = lax.while_loop(cond, body, state)
-    o_ref[...] = finish(carry).reshape(tq, g, d).astype(o_ref.dtype)
+    o_ref[...] = finish(carry).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -231,16 +233,20 @@ def ragged_paged_attention_tpu(
     p = pages_per_compute_block or default_pages_per_compute_block(s, m, 128)
     tq = queries_per_block or max(1, min(t, 64 // g))
     t_pad = -(-t // tq) * tq
+    # [T, H, D] -> [K, T_pad * G, D]: each kv head's query rows are one 2-D slab, so a block
+    # is a plain [TQ * G, D] tile (no in-kernel reshape of the G axis).
     qg = q.reshape(t, kh, g, d)
     if t_pad != t:
         qg = jnp.pad(qg, ((0, t_pad - t), (0, 0), (0, 0), (0, 0)))
-    q_spec = pl.BlockSpec((tq, None, g, d), lambda hi, qi, *_: (qi, hi, 0, 0))
+    qg = jnp.transpose(qg, (1, 0, 2, 3)).reshape(kh, t_pad * g, d)
+    q_spec = pl.BlockSpec((None, tq * g, d), lambda hi, qi, *_: (hi, qi, 0))
     kernel = functools.partial(
         _ragged_kernel,
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         max_blocks=m,
+        g=g,
     )
     scalars = (
         jnp.asarray(layer, jnp.int32).reshape(1),
@@ -268,4 +274,5 @@ def ragged_paged_attention_tpu(
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_ragged_paged_attention",
     )(*scalars, qg, k_pages, v_pages)
+    out = jnp.transpose(out.reshape(kh, t_pad, g, d), (1, 0, 2, 3))
     return out[:t].reshape(t, h, d)
