@@ -318,15 +318,62 @@ def test_donated_copy_blocks_compiles_in_place():
     assert mem.temp_size_in_bytes < pages.nbytes // 10  # only the gathered blocks
 
 
-def test_tpu_block_kernels_lower_to_mosaic_with_aliased_pages():
-    pages = jax.ShapeDtypeStruct((2, 8, 64, 16, 128), jnp.bfloat16)
-    ids = jax.ShapeDtypeStruct((16,), jnp.int32)
-    from kernels_pallas.tpu.kv_ops import copy_blocks_tpu
+@pytest.fixture
+def fake_tpu_info(monkeypatch):
+    """Let the Mosaic TPU lowering run on a CPU host: answer TPU-info queries as a v5e."""
+    from jax._src.pallas.mosaic import tpu_info
 
-    fn = jax.jit(lambda a, b, s, d: copy_blocks_tpu(a, b, s, d), donate_argnums=(0, 1))
-    text = fn.trace(pages, pages, ids, ids).lower(lowering_platforms=("tpu",)).as_text()
-    assert "tpu_custom_call" in text
-    assert text.count("tf.aliasing_output") == 2
+    monkeypatch.setitem(
+        tpu_info.registry,
+        "cpu",
+        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1),
+    )
+
+
+def _kernel_cases():
+    from kernels_pallas.gpu.kv_ops import copy_blocks_gpu, write_kv_gpu
+    from kernels_pallas.tpu.kv_ops import copy_blocks_tpu, swap_blocks_tpu, write_kv_tpu
+
+    return {
+        "tpu-write_kv": ("tpu", lambda a, b, k, v, s, layer: write_kv_tpu(a, b, k, v, s, layer)),
+        "tpu-copy_blocks": ("tpu", lambda a, b, s, d: copy_blocks_tpu(a, b, s, d)),
+        "tpu-swap_blocks-to-host": (
+            "tpu",
+            lambda a, b, s, d: swap_blocks_tpu((a,), (b,), s, d, src_host=False, dst_host=True),
+        ),
+        "gpu-write_kv": ("cuda", lambda a, b, k, v, s, layer: write_kv_gpu(a, b, k, v, s, layer)),
+        "gpu-copy_blocks": ("cuda", lambda a, b, s, d: copy_blocks_gpu(a, b, s, d)),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tpu-write_kv",
+        "tpu-copy_blocks",
+        "tpu-swap_blocks-to-host",
+        "gpu-write_kv",
+        "gpu-copy_blocks",
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_kernels_lower_to_mosaic_with_aliased_pages(case, dtype, fake_tpu_info):
+    """Lowering for the real backends (no TPU/GPU here): the kernels trace, lower to a Mosaic
+    custom call, and alias both page arrays input -> output (in place)."""
+    platform, fn = _kernel_cases()[case]
+    pages = jax.ShapeDtypeStruct((2, 8, 64, 16, 128), dtype)
+    ids = jax.ShapeDtypeStruct((16,), jnp.int32)
+    if "write_kv" in case:
+        new = jax.ShapeDtypeStruct((16, 8, 128), dtype)
+        args = (pages, pages, new, new, ids, jax.ShapeDtypeStruct((), jnp.int32))
+    else:
+        args = (pages, pages, ids, ids)
+    donate = (1,) if "swap" in case else (0, 1)  # a swap updates only the destination
+    exported = jax.export.export(jax.jit(fn, donate_argnums=donate), platforms=[platform])(*args)
+    text = exported.mlir_module()
+    assert ("tpu_custom_call" if platform == "tpu" else "mosaic_gpu") in text
+    n_aliased = 1 if "swap" in case else 2
+    assert text.count("tf.aliasing_output") == n_aliased
 
 
 # --------------------------------------------------------------------------------------------
