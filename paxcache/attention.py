@@ -18,6 +18,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import kernels_pallas as kp
 from kernels_pallas.reference import ragged_row_info
@@ -144,6 +145,7 @@ def paged_attention_op(
     sliding_window: int | None = None,
     impl: str = "auto",
     interpret: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Write this step's K/V into the paged cache, then attend over it (causal, ragged).
 
@@ -155,26 +157,79 @@ def paged_attention_op(
       layer: layer index into stacked pages (int or traced scalar, e.g. inside ``lax.scan``).
       sm_scale, soft_cap, sliding_window, impl, interpret: as in
         :func:`kernels_pallas.ragged_paged_attention`.
+      mesh: a mesh with a ``"tp"`` axis (see :mod:`paxcache.sharding`): the write and the
+        attention run per device under ``jax.shard_map``, on ``H / tp`` query heads and
+        ``Kc / tp`` kv heads of the pages, which must be split over heads
+        (``P(None, "tp")``); metadata is replicated. With ``Kc > K`` (kv heads replicated
+        for ``tp > K``), ``k``/``v`` are repeated to ``Kc`` heads first (``Kc % K == 0``).
 
     Returns:
       ``(out [T, H, D], (k_pages, v_pages))`` with the new K/V written. Padding rows of
       ``out`` are zeros.
+
+    Raises:
+      ValueError: with ``mesh``, head counts that do not split over its ``tp`` axis.
     """
-    kv_kwargs: dict[str, Any] = {} if layer is None else {"layer": layer}
-    k_pages, v_pages = kp.write_kv(k_pages, v_pages, k, v, metadata.slot_mapping, **kv_kwargs)
-    out = kp.ragged_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        metadata.kv_lens,
-        metadata.block_tables,
-        metadata.cu_q_lens,
-        metadata.num_seqs,
-        sm_scale=sm_scale,
-        soft_cap=soft_cap,
-        sliding_window=sliding_window,
-        impl=impl,
-        interpret=interpret,
-        **kv_kwargs,
+    static_layer = layer is None or isinstance(layer, int)
+
+    def local(q, k, v, k_pages, v_pages, metadata, layer_arr):
+        lyr = layer if static_layer else layer_arr
+        kv_kwargs: dict[str, Any] = {} if lyr is None else {"layer": lyr}
+        k_pages, v_pages = kp.write_kv(k_pages, v_pages, k, v, metadata.slot_mapping, **kv_kwargs)
+        out = kp.ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            metadata.kv_lens,
+            metadata.block_tables,
+            metadata.cu_q_lens,
+            metadata.num_seqs,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            impl=impl,
+            interpret=interpret,
+            **kv_kwargs,
+        )
+        return out, (k_pages, v_pages)
+
+    layer_arr = None if static_layer else jnp.asarray(layer, jnp.int32)
+    if mesh is None:
+        return local(q, k, v, k_pages, v_pages, metadata, layer_arr)
+    return _shard_over_heads(local, mesh, q, k, v, k_pages, v_pages, metadata, layer_arr)
+
+
+def _shard_over_heads(local, mesh, q, k, v, k_pages, v_pages, metadata, layer_arr):
+    """Runs ``local`` per device of ``mesh``'s ``tp`` axis, split over query and kv heads."""
+    from paxcache.sharding import TP_AXIS
+
+    if TP_AXIS not in mesh.shape:
+        raise ValueError(f"paged_attention_op: mesh has no {TP_AXIS!r} axis: {mesh}")
+    tp = mesh.shape[TP_AXIS]
+    h, kh, kc = q.shape[-2], k.shape[-2], k_pages.shape[-4]
+    if h % tp or kc % tp:
+        raise ValueError(
+            f"paged_attention_op: tp={tp} must divide the query heads ({h}) and the cache's kv "
+            f"heads ({kc})"
+        )
+    if kc != kh:
+        if kc % kh:
+            raise ValueError(
+                f"paged_attention_op: the cache's {kc} kv heads are not a replication of the "
+                f"{kh} kv heads of k/v"
+            )
+        # Replicated kv heads: cache head c holds kv head c // (kc // kh); k/v are replicated
+        # here (their projections are), so each device just takes its own slice.
+        k = jnp.repeat(k, kc // kh, axis=-2)
+        v = jnp.repeat(v, kc // kh, axis=-2)
+    heads = P(None, TP_AXIS, None)
+    pages = P(None, TP_AXIS) if k_pages.ndim == 5 else P(TP_AXIS)
+    md_specs = jax.tree.map(lambda _: P(), metadata)
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, pages, pages, md_specs, P()),
+        out_specs=(heads, (pages, pages)),
+        check_vma=False,
     )
-    return out, (k_pages, v_pages)
+    return fn(q, k, v, k_pages, v_pages, metadata, layer_arr)

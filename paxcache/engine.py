@@ -137,6 +137,7 @@ class Engine:
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("block_size", block_size),
+            ("tp", tp),
         ):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -166,10 +167,11 @@ class Engine:
             )
         max_blocks_per_seq = -(-self.max_model_len // block_size)
         kv_dtype = model.dtype
+        kv_heads = max(cfg.num_key_value_heads, tp)  # tp > K: kv heads replicated (sharding.py)
         bytes_per_block = (
             2
             * cfg.num_hidden_layers
-            * cfg.num_key_value_heads
+            * kv_heads
             * block_size
             * cfg.head_dim
             * jnp.dtype(kv_dtype).itemsize
@@ -179,7 +181,7 @@ class Engine:
                 num_blocks, _ = kv_cache.num_blocks_for_budget(
                     0.9,
                     cfg.num_hidden_layers,
-                    cfg.num_key_value_heads,
+                    kv_heads // tp,  # per device
                     cfg.head_dim,
                     block_size,
                     kv_dtype,
@@ -214,7 +216,7 @@ class Engine:
         self._state = allocator.init(self.cache_config)
         self._kv = kv_cache.KVCache.create(
             num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
+            num_kv_heads=kv_heads,
             head_dim=cfg.head_dim,
             num_blocks=int(num_blocks),
             block_size=block_size,
@@ -330,6 +332,7 @@ class Engine:
                 sliding_window=window,
                 impl=self.impl,
                 interpret=self.interpret,
+                mesh=self.mesh,
             )
             return out, k_pages, v_pages
 

@@ -1,0 +1,279 @@
+"""Tensor parallelism: a device mesh with a ``tp`` axis and the partition specs of the model
+and of the KV cache.
+
+Shape letters: L layers, E hidden size, F intermediate size, H query heads, K kv heads, Kc kv
+heads in the cache, D head dim, V vocabulary, N blocks, S block size.
+
+How a step runs on ``tp`` devices (Megatron style, all through JAX's SPMD partitioner; no
+hand-written communication):
+
+* **Weights.** q/k/v, gate and up projections are *column*-parallel (their output features,
+  i.e. whole heads, are split over ``tp``); o and down projections are *row*-parallel (their
+  input features are split), so each layer needs one all-reduce after attention and one after
+  the MLP, inserted by XLA. Norms and biases of row-parallel layers are replicated. The
+  embedding table is replicated; an untied ``lm_head`` ``[E, V]`` is split over the
+  vocabulary when ``tp`` divides ``V`` (logits are then gathered, ``[R, V]`` per step, a few
+  KB, never a weight).
+* **KV cache.** Pages ``[L, Kc, N, S, D]`` are split over kv heads (``P(None, "tp")``). The
+  paged attention op (``paxcache.attention.paged_attention_op(..., mesh=)``) runs the KV
+  write and the ragged attention per shard under ``jax.shard_map``: each device writes and
+  reads only its own heads, so the cache never moves between devices.
+* **Block state.** The allocator's ``BlockState`` and the step metadata are small and
+  replicated: every device computes the same block ids, no communication.
+
+KV heads and ``tp`` (the rule, checked by :func:`validate_tp`):
+
+* ``tp`` must divide the query heads ``H``.
+* ``K % tp == 0``: each device holds ``K / tp`` kv heads (``Kc = K``).
+* ``K < tp`` and ``tp % K == 0``: **kv heads are replicated** to ``Kc = tp`` cache heads, one
+  per device, each a copy of the kv head its query heads use. k/v projections stay
+  replicated (every device computes all K kv heads, which are few) and each device keeps its
+  own copy of its head's pages. The KV memory per device is then that of one kv head, and
+  the total is ``tp / K`` times the unsharded cache (the price of no communication).
+* anything else (e.g. ``K = 6, tp = 4``) is refused with a ``ValueError``.
+
+Multi-host: the mesh is built from ``jax.devices()``, which after
+``jax.distributed.initialize()`` lists every host's devices, so the same code runs on a TPU
+pod slice with one process per host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "TP_AXIS",
+    "cache_kv_heads",
+    "collectives",
+    "kv_sharding",
+    "make_mesh",
+    "param_specs",
+    "replicated",
+    "setup_tensor_parallel",
+    "shard_params",
+    "validate_tp",
+]
+
+logger = logging.getLogger(__name__)
+
+TP_AXIS = "tp"
+"""Name of the tensor-parallel mesh axis."""
+
+# Stacked layer weights are [L, in, out]; biases [L, out].
+_COLUMN = {"q_proj", "gate_proj", "up_proj"}  # split the output features
+_ROW = {"o_proj", "down_proj"}  # split the input features
+_KV = {"k_proj", "v_proj"}  # column-parallel when tp divides K, else replicated
+_KV_BIAS = {"k_bias", "v_bias"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def validate_tp(config: Any, tp: int, num_devices: int | None = None) -> None:
+    """Checks that a model can run with tensor-parallel degree ``tp``.
+
+    Args:
+      config: the model config (``num_attention_heads``, ``num_key_value_heads``).
+      tp: the tensor-parallel degree.
+      num_devices: devices available (default ``len(jax.devices())``, every host's).
+
+    Raises:
+      ValueError: ``tp`` is not a positive int, exceeds the devices, does not divide the
+        query heads, or cannot be matched with the kv heads (neither ``K % tp == 0`` nor
+        ``tp % K == 0``).
+    """
+    if not _is_int(tp) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    tp = int(tp)
+    if num_devices is None:
+        num_devices = len(jax.devices())
+    if tp > num_devices:
+        raise ValueError(
+            f"tp={tp} exceeds the {num_devices} available {jax.default_backend()} device(s); "
+            "on CPU simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N"
+        )
+    h, k = int(config.num_attention_heads), int(config.num_key_value_heads)
+    if h % tp:
+        raise ValueError(f"tp={tp} must divide num_attention_heads={h}")
+    if k % tp and tp % k:
+        raise ValueError(
+            f"tp={tp} and num_key_value_heads={k}: tp must divide the kv heads, or the kv "
+            f"heads must divide tp (then each kv head is replicated tp/K times)"
+        )
+
+
+def cache_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """Kc, the kv heads the paged cache holds: ``K``, or ``tp`` when kv heads are replicated.
+
+    Assumes :func:`validate_tp` passed (``K % tp == 0`` or ``tp % K == 0``).
+    """
+    return max(int(num_kv_heads), int(tp))
+
+
+def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh with axis ``"tp"`` over the first ``tp`` devices (every host's).
+
+    Args:
+      tp: number of devices.
+      devices: the devices to choose from (default ``jax.devices()``).
+
+    Raises:
+      ValueError: ``tp`` is not a positive int or exceeds the devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not _is_int(tp) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    if tp > len(devices):
+        raise ValueError(f"tp={tp} exceeds the {len(devices)} available device(s)")
+    return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of stacked KV pages ``[L, Kc, N, S, D]``: split over kv heads."""
+    return NamedSharding(mesh, P(None, TP_AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated sharding on ``mesh`` (block state, metadata, small params)."""
+    return NamedSharding(mesh, P())
+
+
+def _leaf_name(path: tuple) -> str:
+    """The parameter's attribute name in an ``nnx.State`` path (skipping ``.value``)."""
+    names = []
+    for entry in path:
+        key = getattr(entry, "key", None)
+        if key is None:
+            key = getattr(entry, "name", None)
+        if key is None:
+            key = getattr(entry, "idx", None)
+        names.append(str(key))
+    while names and names[-1] in ("value", "raw_value"):
+        names.pop()
+    return names[-1] if names else ""
+
+
+def _spec_for(name: str, shape: tuple[int, ...], config: Any, tp: int) -> P:
+    """Partition spec of one parameter (Megatron style), replicated when it cannot split."""
+    ndim = len(shape)
+
+    def split(axis: int) -> P:
+        if shape[axis] % tp:
+            logger.warning(
+                "tp=%d does not divide %s dim %d (%d); replicating it", tp, name, axis, shape[axis]
+            )
+            return P()
+        spec: list[Any] = [None] * ndim
+        spec[axis] = TP_AXIS
+        return P(*spec)
+
+    kv_split = int(config.num_key_value_heads) % tp == 0
+    if name in _COLUMN and ndim == 3:
+        return split(2)
+    if name in _ROW and ndim == 3:
+        return split(1)
+    if name in _KV and ndim == 3:
+        return split(2) if kv_split else P()
+    if name == "q_bias" and ndim == 2:
+        return split(1)
+    if name in _KV_BIAS and ndim == 2:
+        return split(1) if kv_split else P()
+    if name == "lm_head" and ndim == 2 and shape[1] % tp == 0:
+        return P(None, TP_AXIS)
+    # embed_tokens, norms, o_bias, anything unknown: replicated.
+    return P()
+
+
+def param_specs(params: Any, config: Any, tp: int) -> Any:
+    """The ``PartitionSpec`` of every parameter of an ``nnx.split`` state (same pytree).
+
+    Args:
+      params: the model's state (e.g. ``nnx.split(model)[1]``); leaves are arrays whose
+        path ends in the attribute name (``q_proj``, ``o_proj``, ``lm_head`` ...).
+      config: the model config (``num_key_value_heads``).
+      tp: the tensor-parallel degree.
+    """
+
+    def spec(path: tuple, leaf: Any) -> P:
+        shape = tuple(getattr(leaf, "shape", ()))
+        return _spec_for(_leaf_name(path), shape, config, tp) if shape else P()
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shard_params(params: Any, mesh: Mesh, config: Any) -> Any:
+    """Places ``params`` on ``mesh`` with :func:`param_specs` (one ``device_put``)."""
+    tp = mesh.shape[TP_AXIS]
+    specs = param_specs(params, config, tp)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.device_put(params, shardings)
+
+
+def setup_tensor_parallel(model: Any, params: Any, tp: int) -> tuple[Mesh, Any]:
+    """Validates ``tp``, builds the mesh and shards the model's parameters over it.
+
+    Args:
+      model: the NNX model (``model.config`` gives the head counts).
+      params: its state from ``nnx.split(model)``.
+      tp: tensor-parallel degree.
+
+    Returns:
+      ``(mesh, sharded params)``.
+
+    Raises:
+      ValueError: see :func:`validate_tp`.
+    """
+    cfg = model.config
+    validate_tp(cfg, tp)
+    mesh = make_mesh(tp)
+    sharded = shard_params(params, mesh, cfg)
+    k = int(cfg.num_key_value_heads)
+    if k < tp:
+        logger.info("tp=%d > %d kv heads: each kv head is replicated %d times", tp, k, tp // k)
+    per_dev = sum(
+        math.prod(s.data.shape) * s.data.dtype.itemsize
+        for x in jax.tree.leaves(sharded)
+        for s in x.addressable_shards[:1]
+    )
+    logger.info("tensor parallel over %s: %.1f MiB of weights per device", mesh, per_dev / 2**20)
+    return mesh, sharded
+
+
+_COLLECTIVE_RE = re.compile(
+    r"=\s*\(?(?P<types>[^=]*?)\)?\s+(?P<op>all-gather|all-gather-start|all-to-all|all-reduce|"
+    r"all-reduce-start|collective-permute|collective-permute-start|reduce-scatter)\("
+)
+_SHAPE_RE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
+
+
+def collectives(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The collective ops of a compiled (partitioned) HLO module and their result shapes.
+
+    Args:
+      hlo_text: ``jitted.lower(...).compile().as_text()``.
+
+    Returns:
+      ``[(op, shape), ...]`` with op one of ``all-gather``, ``all-reduce``, ``all-to-all``,
+      ``collective-permute``, ``reduce-scatter`` (async ``-start`` forms folded in); one
+      entry per array in a tuple-shaped result.
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE_RE.search(line)
+        if not m:
+            continue
+        op = m.group("op").removesuffix("-start")
+        for s in _SHAPE_RE.finditer(m.group("types")):
+            dims = tuple(int(d) for d in s.group("dims").split(",") if d)
+            found.append((op, dims))
+    return found
