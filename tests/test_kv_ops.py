@@ -58,9 +58,21 @@ def _np_write(pages: np.ndarray, new: np.ndarray, slots: np.ndarray, layer=None)
     return out
 
 
-@pytest.mark.parametrize("geom", GEOMS)
+def _impl_geom_grid():
+    """Every impl on the small geometry; the interpreters' big geometry runs in the slow set."""
+    out = []
+    for impl in IMPLS:
+        for geom in GEOMS:
+            slow = impl.values[1] and geom.id != "K2-S4-D16"
+            marks = [pytest.mark.slow] if slow else []
+            out.append(
+                pytest.param(*impl.values, geom.values[0], id=f"{impl.id}-{geom.id}", marks=marks)
+            )
+    return out
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("impl,interpret,geom", _impl_geom_grid())
 def test_write_kv_random_distinct_slots_and_skips_match_numpy(impl, interpret, dtype, geom):
     kh, s, d = geom
     n, t, layers = 6, 10, 3
