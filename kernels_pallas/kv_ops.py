@@ -17,7 +17,9 @@ Pages are ``[K, N, S, D]`` (one layer) or stacked ``[L, K, N, S, D]`` (the whole
 In place: every op is a pure function returning the new pages. Under ``jax.jit`` with the
 pages donated (``donate_argnums``) the XLA path is an in-place scatter and the Pallas kernels
 alias their pages input -> output (``input_output_aliases``), so writing a few tokens touches
-only those rows; tests check the compiled program has no full-size copy.
+only those rows; tests check the compiled program has no full-size copy. On CPU, block
+copies run as in-place update-slice loops over the live pairs only; and XLA:CPU, which has no
+native bf16, upcasts bf16 updates over the whole array, so keep CPU caches in float32.
 
 ``impl``: ``"auto"`` (Mosaic TPU kernel on TPU; XLA scatter on GPU, see below, and on CPU),
 ``"reference"`` (the XLA path), ``"pallas"`` (the backend's kernel; on CPU the TPU kernel,
