@@ -91,6 +91,28 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _load_engine(
+    engine_cls: type, args: argparse.Namespace, dtype: object, preemption: str
+) -> object:
+    return engine_cls.from_pretrained(
+        args.model,
+        dtype=dtype,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_host_blocks=args.host_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=preemption,
+        tp=args.tp,
+        max_model_len=args.max_model_len,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -119,19 +141,16 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     print(f"paxcache: loading {args.model} ({dtype_name}) ...", file=sys.stderr, flush=True)
-    engine = Engine.from_pretrained(
-        args.model,
-        dtype=getattr(jnp, dtype_name),
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_host_blocks=args.host_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=preemption,
-        tp=args.tp,
-        max_model_len=args.max_model_len,
-    )
+    # Until uvicorn takes over the signals, SIGTERM interrupts loading like Ctrl+C does.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        engine = _load_engine(Engine, args, getattr(jnp, dtype_name), preemption)
+    except KeyboardInterrupt:
+        print("paxcache: interrupted while loading", file=sys.stderr)
+        return 0
+    except (ValueError, OSError) as e:
+        print(f"paxcache: cannot load {args.model!r}: {e}", file=sys.stderr)
+        return 2
     stats = engine.stats()
     name = args.served_model_name or engine.model_name
     app = create_app(
