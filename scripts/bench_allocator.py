@@ -3,7 +3,8 @@
 Compares the jitted, batched ``allocator.append`` (donated state, synchronised every step)
 with a per-sequence Python allocator (``tests/model_allocator.py``, one ``append_one`` call per
 sequence, as vLLM v0 does) for B in {64, 256, 1024, 4096} running sequences of random lengths
-up to 512 tokens, block size 16. Prints a table and writes JSON (default
+up to 512 tokens, block size 16. Reports the median over timed steps (robust to other
+processes on a shared machine). Prints a table and writes JSON (default
 ``bench/results/allocator_cpu.json``).
 
 Usage:
@@ -55,7 +56,7 @@ def _lengths(batch: int, seed: int) -> np.ndarray:
 
 
 def bench_jax(batch: int, steps: int, warmup: int, caching: bool, seed: int) -> float:
-    """Mean microseconds per jitted batched append step."""
+    """Median microseconds per jitted batched append step."""
     cfg = _config(batch, steps + warmup, caching)
     lens = _lengths(batch, seed)
     alloc = jax.jit(allocator.allocate, donate_argnums=0)
@@ -69,11 +70,13 @@ def bench_jax(batch: int, steps: int, warmup: int, caching: bool, seed: int) -> 
     for _ in range(warmup):
         state, res = step(state, ones)
         jax.block_until_ready(state)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         state, res = step(state, ones)
         jax.block_until_ready(state)
-    dt = (time.perf_counter() - t0) / steps
+        times.append(time.perf_counter() - t0)
+    dt = float(np.median(times))
     assert bool(np.all(np.asarray(res.ok)))
     checks = jax.device_get(allocator.check_invariants(state))
     assert all(bool(v) for v in checks.values()), checks
@@ -81,7 +84,7 @@ def bench_jax(batch: int, steps: int, warmup: int, caching: bool, seed: int) -> 
 
 
 def bench_python(batch: int, steps: int, warmup: int, seed: int) -> float:
-    """Mean microseconds per step of the per-sequence Python allocator."""
+    """Median microseconds per step of the per-sequence Python allocator."""
     cfg = _config(batch, steps + warmup, False)
     lens = _lengths(batch, seed)
     model = ModelAllocator(cfg)
@@ -90,11 +93,13 @@ def bench_python(batch: int, steps: int, warmup: int, seed: int) -> float:
     for _ in range(warmup):
         for slot in range(batch):
             model.append_one(slot, 1)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         for slot in range(batch):
             ok, _ = model.append_one(slot, 1)
-    dt = (time.perf_counter() - t0) / steps
+        times.append(time.perf_counter() - t0)
+    dt = float(np.median(times))
     assert ok
     return dt * 1e6
 
@@ -138,6 +143,7 @@ def main() -> None:
         "jax_version": jax.__version__,
         "block_size": BLOCK_SIZE,
         "max_initial_len": MAX_LEN,
+        "statistic": "median microseconds per step",
         "steps": args.steps,
         "warmup": args.warmup,
         "results": rows,
