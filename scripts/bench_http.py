@@ -98,6 +98,7 @@ async def _one(
     max_tokens: int,
     temperature: float,
     headers: dict[str, str],
+    token_timing: bool = True,
 ) -> RequestResult:
     body: dict[str, Any] = {
         "prompt": prompt,
@@ -107,6 +108,10 @@ async def _one(
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
+    if token_timing:
+        # One log-probability entry per generated token: chunks then carry every token even
+        # while the text is held back (incomplete UTF-8, a possible stop string).
+        body["logprobs"] = 0
     if model:
         body["model"] = model
     res = RequestResult(ok=False, prompt_chars=len(prompt))
@@ -127,7 +132,9 @@ async def _one(
                     return res
                 if ev.get("usage"):
                     res.output_tokens = int(ev["usage"]["completion_tokens"])
-                if ev.get("choices") and ev["choices"][0].get("text"):
+                choice = (ev.get("choices") or [{}])[0]
+                lp = choice.get("logprobs") or {}
+                if lp.get("tokens") or choice.get("text"):
                     now = time.perf_counter()
                     t_first = t_first or now
                     t_last = now
@@ -156,6 +163,7 @@ async def _run(
     temperature: float,
     api_key: str | None,
     timeout_s: float,
+    token_timing: bool,
 ) -> tuple[list[RequestResult], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
@@ -169,7 +177,9 @@ async def _run(
                 if deadline is not None and time.perf_counter() > deadline:
                     return
                 results.append(
-                    await _one(client, url, model, prompt, max_tokens, temperature, headers)
+                    await _one(
+                        client, url, model, prompt, max_tokens, temperature, headers, token_timing
+                    )
                 )
 
         t0 = time.perf_counter()
@@ -191,6 +201,7 @@ def run_http_benchmark(
     temperature: float = 0.0,
     api_key: str | None = None,
     timeout_s: float = 300.0,
+    token_timing: bool = True,
 ) -> BenchResult:
     """Runs the seeded workload against ``url`` and returns throughput and latency stats."""
     url = url.rstrip("/")
@@ -211,6 +222,7 @@ def run_http_benchmark(
             temperature=temperature,
             api_key=api_key,
             timeout_s=timeout_s,
+            token_timing=token_timing,
         )
     )
     ok = [r for r in results if r.ok]
@@ -264,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--no-token-timing",
+        action="store_true",
+        help="do not ask for logprobs=0 (then tokens are timed by text chunks only)",
+    )
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
     a = p.parse_args(argv)
     res = run_http_benchmark(
@@ -278,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         model=a.model,
         temperature=a.temperature,
         api_key=a.api_key,
+        token_timing=not a.no_token_timing,
     )
     print(format_result(res))
     if a.json:
