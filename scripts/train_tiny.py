@@ -192,7 +192,7 @@ def main() -> None:
     tok = ByteTokenizer()
     samples = {}
     for prompt in ("def ", "import ", "class "):
-        out = greedy_generate(model, tok.encode(prompt, add_bos=True), 48, stop_ids=(EOS,))
+        out = greedy_generate(model, tok.encode(prompt), 48, stop_ids=(EOS,))
         samples[prompt] = prompt + tok.decode(out)
         log.info("sample %r -> %r", prompt, samples[prompt])
     save_pretrained(model, args.out)

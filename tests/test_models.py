@@ -17,6 +17,7 @@ from paxcache.models import (
     LlamaForCausalLM,
     apply_rope,
     dense_attention,
+    greedy_generate,
     rope_cos_sin,
 )
 from paxcache.models.llama import _rope_inv_freq
@@ -201,6 +202,15 @@ def test_llama3_scaling_keeps_high_and_divides_low_frequencies() -> None:
     )
     assert scaled[0] == plain[0]
     np.testing.assert_allclose(scaled[-1], plain[-1] / 8, rtol=1e-6)
+
+
+def test_config_with_rope_scaling_dict_is_hashable_for_jit_caches() -> None:
+    rs = {"rope_type": "linear", "factor": 2.0}
+    a = LlamaConfig.from_hf_dict(base_config(rope_scaling=rs))
+    b = LlamaConfig.from_hf_dict(base_config(rope_scaling=dict(rs)))
+    assert a == b and hash(a) == hash(b)
+    model = LlamaForCausalLM(a, rngs=nnx.Rngs(0))
+    assert len(greedy_generate(model, [1, 2, 3], 2)) == 2
 
 
 def test_rope_scores_depend_only_on_relative_position() -> None:

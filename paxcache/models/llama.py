@@ -24,6 +24,7 @@ accumulation; RMSNorm statistics, RoPE, softmax and logits are float32.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -148,6 +149,11 @@ class LlamaConfig:
             if w is not None and (not isinstance(w, int) or w <= 0):
                 raise ConfigError(f"sliding window must be a positive int or None, got {w!r}")
         _rope_inv_freq(self)  # validates rope_scaling
+
+    def __hash__(self) -> int:
+        # rope_scaling is a dict; hash a canonical JSON form so the config (static data of the
+        # NNX graph) can key jit caches.
+        return hash(json.dumps(dataclasses.asdict(self), sort_keys=True, default=str))
 
     # Derived, convenience ------------------------------------------------------------------
 
@@ -744,28 +750,42 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
 
 
+_NEXT_TOKEN_FNS: dict[Any, Callable[..., jax.Array]] = {}
+
+
+def _next_token_fn(graphdef: Any) -> Callable[..., jax.Array]:
+    fn = _NEXT_TOKEN_FNS.get(graphdef)
+    if fn is None:
+
+        @jax.jit
+        def fn(state, ids, n):
+            logits = nnx.merge(graphdef, state)(ids[None])[0]
+            return jnp.argmax(logits[n - 1]).astype(jnp.int32)
+
+        _NEXT_TOKEN_FNS[graphdef] = fn
+    return fn
+
+
 def greedy_generate(
     model: LlamaForCausalLM,
     prompt_ids: list[int],
     max_new_tokens: int,
     stop_ids: tuple[int, ...] = (),
 ) -> list[int]:
-    """Greedy decoding with the dense path (no cache; for tests and demos, O(T^2)).
+    """Greedy decoding with the dense path (no cache; for tests and demos, O(T^2) per token).
 
-    Pads the running sequence to a power-of-two bucket so only a few shapes compile.
+    The running sequence is padded to a power-of-two bucket (causal attention makes the
+    padding invisible), so only a few shapes compile; compiled steps are cached per model
+    structure.
 
     Returns:
-        The generated ids (not including the prompt), stopping after a stop id.
+        The generated ids (not including the prompt), ending at the first stop id if any.
     """
+    if not prompt_ids:
+        raise ValueError("greedy_generate needs a non-empty prompt")
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, ids, n):
-        m = nnx.merge(graphdef, state)
-        logits = m(ids[None])[0]
-        return jnp.argmax(logits[n - 1]).astype(jnp.int32)
-
-    ids = list(prompt_ids)
+    next_token = _next_token_fn(graphdef)
+    ids = [int(i) for i in prompt_ids]
     out: list[int] = []
     for _ in range(max_new_tokens):
         n = len(ids)

@@ -1,6 +1,7 @@
 """Tokenizers: HF ``tokenizer.json`` via the ``tokenizers`` library, or a byte-level fallback.
 
-Both implement the ``Tokenizer`` protocol: ``encode``, ``decode``, ``bos_token_id``,
+Both implement the ``Tokenizer`` protocol: ``encode`` (``add_special_tokens=True`` adds BOS
+the way HF ``tokenizer(text)`` does), ``decode``, ``bos_token_id``,
 ``eos_token_id``, ``vocab_size`` and ``apply_chat_template``. ``IncrementalDecoder`` turns a
 growing list of ids into text deltas without ever emitting a broken UTF-8 character.
 """
@@ -46,7 +47,7 @@ class Tokenizer(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -83,10 +84,10 @@ class ByteTokenizer:
     def pad_token_id(self) -> int:
         return self._pad
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Text -> UTF-8 byte ids (BOS first if ``add_bos``)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> UTF-8 byte ids, with BOS first when ``add_special_tokens``."""
         ids = list(text.encode("utf-8"))
-        return [self._bos, *ids] if add_bos else ids
+        return [self._bos, *ids] if add_special_tokens else ids
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """Ids -> raw bytes, dropping ids >= 256 (specials)."""
@@ -150,7 +151,6 @@ class HFTokenizer:
             self._eos = eos_token_id
             if eos_token_id is not None:
                 self.eos_token = self._tok.id_to_token(eos_token_id)
-        self.add_bos = bool(self.config.get("add_bos_token", False))
 
     @property
     def vocab_size(self) -> int:
@@ -164,12 +164,11 @@ class HFTokenizer:
     def eos_token_id(self) -> int | None:
         return self._eos
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Text -> ids (the tokenizer.json post-processor is not applied; BOS if add_bos)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self._bos is not None and (not ids or ids[0] != self._bos):
-            ids = [self._bos, *ids]
-        return ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> ids. With ``add_special_tokens`` the tokenizer.json post-processor runs
+        (e.g. Llama's adds BOS, Qwen2's adds nothing), as in HF ``tokenizer(text)``. Encode
+        a rendered chat template with ``add_special_tokens=False``: templates include BOS."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -234,13 +233,10 @@ class IncrementalDecoder:
         return self._take(self._tok.decode(self.ids, skip_special_tokens=self._skip))
 
     def _take(self, text: str) -> str:
-        if not text.startswith(self._emitted):
-            # Decoding is not prefix-stable (rare, e.g. sentencepiece space merges): emit
-            # what differs from the common prefix onward would re-emit; only new suffix.
-            n = len(self._emitted)
-            delta = text[n:] if len(text) > n else ""
-        else:
-            delta = text[len(self._emitted) :]
+        # Emit only what lies past the already-emitted length. Byte-level and BPE decoders
+        # are prefix-stable once the held-back U+FFFD rule is applied; if a decoder ever
+        # rewrites earlier text, the rewrite is not re-emitted (streamed text can't be undone).
+        delta = text[len(self._emitted) :]
         self._emitted = text
         return delta
 
