@@ -2,12 +2,14 @@
 
 Design:
 
-* Grid ``(B, K)``: one program per (sequence, kv head). All ``G = H // K`` query heads of that
-  kv head are processed together (GQA/MQA), so each KV page is read from HBM once per group.
+* Grid ``(B,)``: one program per sequence, walking its kv heads one after the other. All
+  ``G = H // K`` query heads of a kv head are processed together (GQA/MQA), so each KV page is
+  read from HBM once per group.
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``lengths i32[B]``, ``block_tables i32[B * M]``.
-* Pages stay in HBM (``memory_space=ANY``); the program walks its sequence ``P`` pages at a
-  time (``pages_per_compute_block``), DMA-ing them into a two-slot VMEM scratch: the copy of
-  step ``i + 1`` is started before step ``i`` is computed (double buffering).
+* Pages stay in HBM (``memory_space=ANY``); the program walks (kv head, ``P`` pages) steps
+  (``pages_per_compute_block``), DMA-ing them into a two-slot VMEM scratch: the copy of step
+  ``j + 1`` (possibly the next head's first pages) is started before step ``j`` is computed
+  (double buffering), so only the first copy of each sequence is exposed.
 * Only pages holding keys the query may see are copied: ``[first_page, cdiv(length, S))``,
   where ``first_page`` skips pages wholly outside the sliding window. Slots past the length
   are masked with ``where`` (never by multiplication), so NaN garbage cannot leak; a length-0
@@ -26,6 +28,7 @@ TPU in this project.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,11 +54,11 @@ def _decode_kernel(
     lengths_ref,  # i32[B]
     tables_ref,  # i32[B * M]
     # inputs
-    q_ref,  # [G, D] block of q [B, K, G, D]
+    q_ref,  # [K, G, D] block of q [B, K, G, D]
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
     # output
-    o_ref,  # [G, D]
+    o_ref,  # [K, G, D]
     # scratch
     k_buf,  # [2, P, S, D] VMEM
     v_buf,
@@ -68,9 +71,8 @@ def _decode_kernel(
     max_blocks: int,
 ):
     b = pl.program_id(0)
-    h = pl.program_id(1)
-    _, n_pages, s, d = k_buf.shape
-    g = q_ref.shape[0]
+    kh, g, d = q_ref.shape
+    _, n_pages, s, _ = k_buf.shape
     keys_per_step = n_pages * s
     length = lengths_ref[b]
     end_page = (length + s - 1) // s
@@ -79,31 +81,40 @@ def _decode_kernel(
     else:
         first_page = jnp.int32(0)
     n_steps = (jnp.maximum(end_page - first_page, 0) + n_pages - 1) // n_pages
+    # One flat walk over (kv head, step): the first pages of head h + 1 are prefetched while
+    # the last step of head h is computed, so only the sequence's very first copy is exposed.
+    total = kh * n_steps
 
     copier = PageCopier(
-        k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, tables_ref, max_blocks, layer_ref[0], h
+        k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, tables_ref, max_blocks, layer_ref[0], 0
     )
 
-    def step_first_page(i):
-        return first_page + i * n_pages
+    def item(j):
+        head = j // jnp.maximum(n_steps, 1)
+        return head, first_page + (j - head * n_steps) * n_pages
 
-    @pl.when(n_steps > 0)
+    def start(j, slot):
+        head, page = item(j)
+        dataclasses.replace(copier, head=head).start(b, page, end_page, slot)
+
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows with nothing to see stay zero
+
+    @pl.when(total > 0)
     def _():
-        copier.start(b, step_first_page(0), end_page, 0)
+        start(0, 0)
 
-    q = q_ref[...].astype(jnp.float32) * sm_scale  # [G, D]
+    def body(j, carry):
+        slot = j % 2
 
-    def body(i, carry):
-        slot = i % 2
-
-        @pl.when(i + 1 < n_steps)
+        @pl.when(j + 1 < total)
         def _():
-            copier.start(b, step_first_page(i + 1), end_page, 1 - slot)
+            start(j + 1, 1 - slot)
 
-        copier.wait(b, step_first_page(i), end_page, slot)
+        head, page = item(j)
+        dataclasses.replace(copier, head=head).wait(b, page, end_page, slot)
         k = k_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
         v = v_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
-        base = step_first_page(i) * s
+        base = page * s
         kpos_row = base + lax.broadcasted_iota(jnp.int32, (g, keys_per_step), 1)
         kpos_col = base + lax.broadcasted_iota(jnp.int32, (keys_per_step, 1), 0)
         mask = kpos_row < length
@@ -112,10 +123,14 @@ def _decode_kernel(
             lo = length - sliding_window  # first visible key position
             mask &= kpos_row >= lo
             key_ok &= kpos_col >= lo
-        return online_softmax_step(q, k, v, mask, key_ok, carry, soft_cap=soft_cap)
+        q = q_ref[head].astype(jnp.float32) * sm_scale  # [G, D]
+        carry = online_softmax_step(q, k, v, mask, key_ok, carry, soft_cap=soft_cap)
+        o_ref[head] = finish(carry).astype(o_ref.dtype)
+        # The head's last step: start the next head from a fresh state.
+        last = page + n_pages >= end_page
+        return tuple(jnp.where(last, c0, c) for c0, c in zip(init_carry(g, d), carry, strict=True))
 
-    carry = lax.fori_loop(0, n_steps, body, init_carry(g, d))
-    o_ref[...] = finish(carry).astype(o_ref.dtype)
+    lax.fori_loop(0, total, body, init_carry(g, d))
 
 
 @functools.partial(
@@ -168,7 +183,7 @@ def paged_attention_tpu(
     p = pages_per_compute_block or default_pages_per_compute_block(s, m, 128)
     qg = q.reshape(b, kh, g, d)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    q_spec = pl.BlockSpec((None, None, g, d), lambda bi, hi, *_: (bi, hi, 0, 0))
+    q_spec = pl.BlockSpec((None, kh, g, d), lambda bi, *_: (bi, 0, 0, 0))
     kernel = functools.partial(
         _decode_kernel,
         sm_scale=float(sm_scale),
@@ -180,7 +195,7 @@ def paged_attention_tpu(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(b, kh),
+            grid=(b,),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
             scratch_shapes=[
@@ -191,7 +206,7 @@ def paged_attention_tpu(
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_paged_decode_attention",
     )(layer_arr, lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), qg,
