@@ -323,3 +323,19 @@ def test_extra_unknown_tensors_and_files_are_ignored(tmp_path: Path) -> None:
     path = write_checkpoint(tmp_path / "c", cfg, tensors)
     save_file({"x": np.zeros(1, np.float32)}, str(path / "extra.bin.safetensors"))
     load_model(path)
+
+
+@pytest.mark.slow
+def test_train_tiny_script_runs_end_to_end_and_writes_a_loadable_checkpoint(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py"
+    args = ["--steps", "3", "--batch", "2", "--seq", "32", "--eval-batches", "1"]
+    subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path)], check=True)
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log["history"][-1]["step"] == 3 and log["params"] == 2886656
+    model, tok = load_pretrained(tmp_path)
+    assert isinstance(tok, ByteTokenizer) and model.config.vocab_size == 259
