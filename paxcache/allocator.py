@@ -284,6 +284,20 @@ def _cumsum(x: jax.Array) -> jax.Array:
     return lax.associative_scan(jnp.add, x)
 
 
+def _take(arr: jax.Array, idx: jax.Array) -> jax.Array:
+    """``arr[idx]`` along axis 0 with clamped indices.
+
+    Callers pass in-range (or deliberately clamped) indices. On XLA:CPU this form is several
+    times faster than default ``arr[idx]`` indexing (about 8 us vs 60 us for 4,096 indices).
+    """
+    return jnp.take(arr, idx, axis=0, mode="clip")
+
+
+def _take2(arr: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
+    """``arr[rows, cols]`` for a 2-D ``arr`` with clamped indices (see :func:`_take`)."""
+    return _take(arr.reshape(-1), rows * arr.shape[1] + jnp.clip(cols, 0, arr.shape[1] - 1))
+
+
 def _hash_key(tokens: jax.Array, salt: jax.Array, parent: jax.Array, pgen: jax.Array) -> jax.Array:
     """u32[...] hash of a cache key; ``tokens`` i32[..., S], the others broadcast to [...]."""
     h = jnp.full(tokens.shape[:-1], 2166136261, _U32)
@@ -313,7 +327,7 @@ def _decref(ref: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     idx = jnp.arange(k, dtype=_I32)
     first = jnp.full((size,), k, _I32).at[safe].min(idx, mode="drop")
     clipped = jnp.clip(ids, 0, size - 1)
-    zeroed = valid & (first[clipped] == idx) & (ref[clipped] == 0)
+    zeroed = valid & (_take(first, clipped) == idx) & (_take(ref, clipped) == 0)
     return ref, zeroed
 
 
@@ -334,7 +348,7 @@ def _release(state: BlockState, ids: jax.Array) -> BlockState:
 
     def run(state: BlockState) -> BlockState:
         ref, zeroed = _decref(state.ref_counts, ids)
-        cached = state.cached[jnp.clip(ids, 0, state.cfg.num_blocks - 1)]
+        cached = _take(state.cached, ids)
         to_free = zeroed & ~cached
         to_evict = zeroed & cached
         stack, num_free = _push(state.free_stack, state.num_free, ids, to_free)
@@ -393,7 +407,7 @@ def _ensure_free(state: BlockState, total: jax.Array) -> BlockState:
 def _pop_at(state: BlockState, rank: jax.Array) -> jax.Array:
     """Block id ``rank`` places below the top of the free stack (rank 0 = top)."""
     idx = jnp.clip(state.num_free - 1 - rank, 0, state.cfg.num_blocks - 1)
-    return state.free_stack[idx]
+    return _take(state.free_stack, idx)
 
 
 def _register(
@@ -419,7 +433,7 @@ def _register(
     r = slots.shape[0]
     ridx = jnp.arange(r, dtype=_I32)
     par_blk = jnp.where(lo > 0, rows[ridx, jnp.clip(lo - 1, 0, m - 1)], -1)
-    par_ok = (lo == 0) | ((par_blk >= 0) & state.cached[jnp.clip(par_blk, 0, n - 1)])
+    par_ok = (lo == 0) | ((par_blk >= 0) & _take(state.cached, par_blk))
     hi = jnp.minimum(hi, lo + width)
     go = mask & par_ok & (hi > lo)
     cols = lo[:, None] + jnp.arange(width, dtype=_I32)[None, :]  # [R, W]
@@ -433,11 +447,11 @@ def _register(
     prev = jnp.concatenate([par_blk[:, None], blk[:, :-1]], axis=1)
     safe_blk = jnp.clip(blk, 0, n - 1)
     safe_prev = jnp.clip(prev, 0, n - 1)
-    already = state.cached[safe_blk]
+    already = _take(state.cached, safe_blk)
     write = in_range & ~already
-    pgen = jnp.where(prev >= 0, state.gen[safe_prev], 0)
+    pgen = jnp.where(prev >= 0, _take(state.gen, safe_prev), 0)
     salt = jnp.broadcast_to(state.slot_salt[slots][:, None], blk.shape)
-    h = _hash_key(state.block_tokens[safe_blk], salt, prev, pgen)
+    h = _hash_key(_take(state.block_tokens, safe_blk), salt, prev, pgen)
     tgt = jnp.where(write, blk, n).reshape(-1)
 
     def put(arr: jax.Array, val: Any) -> jax.Array:
@@ -700,13 +714,8 @@ def append(
     nb_new = (new_len + s - 1) // s
     new_blocks = jnp.where(want, nb_new - nb_old, 0)
     last_col = jnp.clip(length // s, 0, m - 1)
-    last_blk = state.block_tables[rows, last_col]
-    cow = (
-        want
-        & (length % s != 0)
-        & (last_blk >= 0)
-        & (state.ref_counts[jnp.clip(last_blk, 0, n - 1)] > 1)
-    )
+    last_blk = _take2(state.block_tables, rows, last_col)
+    cow = want & (length % s != 0) & (last_blk >= 0) & (_take(state.ref_counts, last_blk) > 1)
     need = new_blocks + cow.astype(_I32)
     csum = _cumsum(need)
     granted = want & ((need == 0) | (csum <= num_free_blocks(state)))
@@ -753,7 +762,7 @@ def append(
             ref_counts=new.ref_counts.at[dst_tgt].set(1, mode="drop"),
         )
         if cfg.enable_prefix_caching:
-            src_tokens = new.block_tokens[jnp.clip(last_blk, 0, n - 1)]
+            src_tokens = _take(new.block_tokens, last_blk)
             tokens = new.block_tokens.at[dst_tgt].set(src_tokens, mode="drop")
             new = new.replace(block_tokens=tokens)
         # The source loses one reference per copier; num_free must already be final here.
@@ -785,7 +794,7 @@ def append(
             tw = tok.shape[1]
             steps = jnp.arange(tw, dtype=_I32)[None, :]
             pos = length[:, None] + steps
-            blk = new.block_tables[rows[:, None], jnp.clip(pos // s, 0, m - 1)]
+            blk = _take2(new.block_tables, rows[:, None], pos // s)
             wr = granted[:, None] & (steps < nt[:, None]) & (blk >= 0)
             new = new.replace(
                 block_tokens=new.block_tokens.at[jnp.where(wr, blk, n), pos % s].set(
@@ -906,7 +915,7 @@ def _first_occurrence(entries: jax.Array, size: int) -> jax.Array:
     idx = jnp.arange(k, dtype=_I32)
     safe = jnp.where(flat >= 0, flat, size)
     first = jnp.full((size,), k, _I32).at[safe].min(idx, mode="drop")
-    return ((flat >= 0) & (first[jnp.clip(flat, 0, size - 1)] == idx)).reshape(entries.shape)
+    return ((flat >= 0) & (_take(first, flat) == idx)).reshape(entries.shape)
 
 
 def _empty_plan(state: BlockState, mask: jax.Array) -> tuple[BlockState, SwapPlan]:
