@@ -14,6 +14,7 @@ import pytest
 from hf_reference import base_config, forward_np, random_tensors, write_checkpoint
 from safetensors.numpy import save_file
 
+from paxcache import errors
 from paxcache.models import (
     TINY_DIR,
     ByteTokenizer,
@@ -189,6 +190,7 @@ def test_missing_file_errors_name_the_path(tmp_path: Path, what: str) -> None:
         load_model(path)
     assert isinstance(info.value, CheckpointError)
     assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, errors.PaxcacheError)
 
 
 def test_progress_is_logged_for_big_checkpoints(tmp_path: Path, monkeypatch, caplog) -> None:

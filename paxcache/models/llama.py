@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paxcache.errors import PaxcacheError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Window value meaning "no sliding window" in per-layer window arrays (fits in int32).
@@ -51,8 +53,8 @@ Returns:
 """
 
 
-class ConfigError(ValueError):
-    """An HF config.json field is missing, inconsistent or unsupported."""
+class ConfigError(PaxcacheError):
+    """An HF config.json field is missing, inconsistent or unsupported (a ValueError)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from paxcache.errors import PaxcacheError
 from paxcache.models.llama import ConfigError, LlamaConfig, LlamaForCausalLM
 from paxcache.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -52,8 +53,11 @@ _LAYER_MAP: dict[str, tuple[str, bool]] = {
 _LOG_BYTES = 256 * 2**20  # log progress for checkpoints bigger than this
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is unusable: missing file, missing or mis-shaped tensor, bad config."""
+class CheckpointError(PaxcacheError):
+    """A checkpoint is unusable: missing file, missing or mis-shaped tensor, bad config.
+
+    A ``paxcache.errors.PaxcacheError``, hence a ``ValueError``.
+    """
 
 
 class MissingFileError(CheckpointError, FileNotFoundError):
