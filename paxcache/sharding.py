@@ -57,6 +57,7 @@ __all__ = [
     "kv_sharding",
     "make_mesh",
     "param_specs",
+    "place",
     "replicated",
     "setup_tensor_parallel",
     "shard_params",
@@ -211,12 +212,38 @@ def param_specs(params: Any, config: Any, tp: int) -> Any:
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def place(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put`` that also works across hosts.
+
+    With one process this is ``jax.device_put(tree, shardings)``. When a sharding spans
+    devices of other processes (multi-host, after ``jax.distributed.initialize()``), each
+    process builds its own shards from its (identical) host copy of the value with
+    ``jax.make_array_from_callback``, so every host must call this with the same ``tree``.
+
+    Args:
+      tree: a pytree of arrays.
+      shardings: one ``Sharding`` for every leaf, or a pytree of them matching ``tree``.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def put(x: Any, s: jax.sharding.Sharding) -> jax.Array:
+        if s.is_fully_addressable:
+            return jax.device_put(x, s)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree, shardings)
+
+
 def shard_params(params: Any, mesh: Mesh, config: Any) -> Any:
-    """Places ``params`` on ``mesh`` with :func:`param_specs` (one ``device_put``)."""
+    """Places ``params`` on ``mesh`` with :func:`param_specs` (see :func:`place`)."""
     tp = mesh.shape[TP_AXIS]
     specs = param_specs(params, config, tp)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    return jax.device_put(params, shardings)
+    return place(params, shardings)
 
 
 def setup_tensor_parallel(model: Any, params: Any, tp: int) -> tuple[Mesh, Any]:

@@ -3,7 +3,9 @@ subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=4``) so the rest 
 suite keeps one device. Writes one JSON report; the tests assert on it.
 
 Usage: ``python tests/_tp_worker.py OUT.json [fast|k4]`` (``k4``: a model with 4 kv heads,
-run by the slow test).
+run by the slow test), or ``python tests/_tp_worker.py OUT.json multihost PROCESS_ID PORT``:
+one of two processes (2 CPU devices each) joined by ``jax.distributed`` into one tp=4 mesh
+spanning both, as on a multi-host TPU slice.
 """
 
 from __future__ import annotations
@@ -219,6 +221,10 @@ def main() -> None:
     out_path = sys.argv[1]
     suite = sys.argv[2] if len(sys.argv) > 2 else "fast"
     t0 = time.perf_counter()
+    if suite == "multihost":
+        pid, port = int(sys.argv[3]), int(sys.argv[4])
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
     report: dict = {"num_devices": len(jax.devices())}
     ps = prompts()
     if suite == "fast":
@@ -233,6 +239,12 @@ def main() -> None:
         _, report["k2_tp2_swap"] = engine_report(
             m2, 2, ps, num_blocks=8, watermark=0.0, preemption_mode="swap", num_host_blocks=16
         )
+    elif suite == "multihost":
+        report["num_local_devices"] = len(jax.local_devices())
+        eng = engine(make_model(2), 4)
+        outs = eng.generate(ps, GREEDY)
+        report["tokens"] = [o.outputs[0].token_ids for o in outs]
+        report["kv_spans_processes"] = len({d.process_index for d in eng._kv.k.sharding.device_set})
     elif suite == "k4":
         m4 = make_model(4)
         for tp in (1, 2, 4):

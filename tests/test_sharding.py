@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +244,38 @@ def test_four_kv_heads_tp_1_2_4_same_tokens_and_split_heads(tmp_path_factory):
     for tp in (2, 4):
         assert rep[f"k4_tp{tp}"]["hlo"]["bad"] == []
     assert rep["attn_tp4_k4"]["out_err"] < 1e-5
+
+
+def test_two_processes_form_one_tp4_mesh_with_jax_distributed(tp_report, tmp_path):
+    """Multi-host as on a TPU pod slice: 2 processes x 2 CPU devices, jax.distributed."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(tmp_path / f"mh{i}.json"),
+                "multihost",
+                str(i),
+                str(port),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, f"multihost worker failed:\n{log[-6000:]}"
+    ref = tp_report["k2_tp1"]["tokens"]
+    for i in range(2):
+        rep = json.loads((tmp_path / f"mh{i}.json").read_text())
+        assert rep["num_devices"] == 4 and rep["num_local_devices"] == 2
+        assert rep["kv_spans_processes"] == 2
+        assert rep["tokens"] == ref
