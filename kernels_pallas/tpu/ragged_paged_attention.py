@@ -133,7 +133,9 @@ def _ragged_kernel(
         copier.start(sq, first_page + i * n_pages, end_page, slot)
 
     q = q_ref[...].astype(jnp.float32) * sm_scale
-    row_tok = r0 + lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 0) // g
+    # Row r of the block is token r0 + r // G. Masks compare r with multiples of G instead of
+    # dividing a vector (floor(r / G) >= a  <=>  r >= a * G for integers a).
+    row = lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 0)
 
     s0 = skip_empty(first_seq)
 
@@ -160,13 +162,14 @@ def _ragged_kernel(
         k = k_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
         v = v_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
         base = step_page * s
-        kpos = base + lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1)
+        # key position relative to the position of the block's token 0 in this sequence
+        rel = base - r0 - off + lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1)
         kpos_col = base + lax.broadcasted_iota(jnp.int32, (keys_per_step, 1), 0)
-        pos = row_tok + off
-        mask = (row_tok >= row_lo) & (row_tok < row_hi) & (kpos <= pos)
+        in_seq = (row >= (row_lo - r0) * g) & (row < (row_hi - r0) * g)
+        mask = in_seq & (rel * g <= row)  # causal: kpos <= pos
         key_ok = (kpos_col <= pos_hi) & (kpos_col >= key_lo)
         if sliding_window is not None:
-            mask &= kpos > pos - sliding_window
+            mask &= row < (rel + sliding_window) * g  # window: kpos > pos - window
         carry = online_softmax_step(q, k, v, mask, key_ok, carry, soft_cap=soft_cap)
         return nsq, ni, 1 - slot, carry
 
