@@ -47,6 +47,18 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top log-probabilities computed every step (static shape)
 
+# Every XLA backend compilation in this process, counted through JAX's monitoring events (so
+# a cache miss that re-lowers a cached trace counts too, not only retraces).
+_BACKEND_COMPILES = [0]
+
+
+def _on_event(event: str, duration: float, **kwargs: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _BACKEND_COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
 
 def _token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     buckets = []
@@ -213,7 +225,13 @@ class Engine:
 
             self.mesh, self._params = sharding.setup_tensor_parallel(model, self._params, tp)
 
+        # Committed to the device like every later (jit-produced) state, so the first step
+        # after warm-up hits the same compiled executable.
         self._state = allocator.init(self.cache_config)
+        if self.mesh is None:
+            self._state = jax.device_put(self._state, jax.devices()[0])
+        else:  # replicated on every tp device (every host's, see sharding.place)
+            self._state = sharding.place(self._state, sharding.replicated(self.mesh))
         self._kv = kv_cache.KVCache.create(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=kv_heads,
@@ -225,6 +243,7 @@ class Engine:
             **({} if self.mesh is None else {"sharding": sharding.kv_sharding(self.mesh)}),
         )
         self._num_compilations = 0
+        self._compiles_at_start = _BACKEND_COMPILES[0]
         self._jit_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
         self._jit_allocate = jax.jit(self._count(allocator.allocate), static_argnames=("commit",))
         self._jit_fork = jax.jit(self._count(allocator.fork))
@@ -233,6 +252,9 @@ class Engine:
         self._jit_swap_in = jax.jit(self._count(allocator.swap_in))
         self._jit_num_free = jax.jit(self._count(allocator.num_free_blocks))
         self._jit_num_free_host = jax.jit(self._count(allocator.num_free_host_blocks))
+        self._jit_prefix_counters = jax.jit(
+            self._count(lambda st: (st.prefix_queries, st.prefix_hits))
+        )
 
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._computed = np.zeros(num_slots, np.int32)  # host mirror for commit
@@ -242,6 +264,8 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._failed: list[Seq] = []
         self._num_generated = 0
+        self._num_prompt_tokens = 0  # prompt tokens of admitted requests
+        self._num_prefill_computed = 0  # prompt tokens actually run through the model
         self._eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self._eos_ids.add(int(tokenizer.eos_token_id))
@@ -305,17 +329,25 @@ class Engine:
         top_p,
         min_p,
         keys,
+        *,
+        fuse_allocator: bool = True,
     ):
         """The fused step. Shapes: tokens i32[T]; slot_ids/q_lens/kv_lens i32[R];
         append_counts/computed i32[B]; append_tokens i32[B, 1]; sample_rows i32[R];
-        sampling arrays [R]; keys u32[R, 2]. R = max_num_seqs, B = allocator slots."""
+        sampling arrays [R]; keys u32[R, 2]. R = max_num_seqs, B = allocator slots.
+
+        ``fuse_allocator=False`` (benchmarks only) skips ``append``/copies/``commit`` and
+        reads the block tables as they are: the same step fed a precomputed block table."""
         self._num_compilations += 1  # trace-time only: counts compilations
         t = tokens.shape[0]
-        state, app = allocator.append(state, append_counts, append_tokens, commit=False)
-        kv = kv_cache.apply_copies(kv, app.copy_src, app.copy_dst)
-        md = metadata_from_state(state, slot_ids, q_lens, num_seqs, t, kv_lens)
         live = jnp.arange(slot_ids.shape[0]) < num_seqs
-        row_ok = app.ok[slot_ids] & live  # bool[R]
+        if fuse_allocator:
+            state, app = allocator.append(state, append_counts, append_tokens, commit=False)
+            kv = kv_cache.apply_copies(kv, app.copy_src, app.copy_dst)
+            row_ok = app.ok[slot_ids] & live  # bool[R]
+        else:
+            row_ok = live
+        md = metadata_from_state(state, slot_ids, q_lens, num_seqs, t, kv_lens)
         md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
         model = nnx.merge(self._graphdef, params)
         window = self.sliding_window
@@ -344,7 +376,8 @@ class Engine:
         b = computed.shape[0]
         idx = jnp.where(row_ok, slot_ids, b)
         computed = computed.at[idx].set(kv_lens, mode="drop")
-        state = allocator.commit(state, computed)
+        if fuse_allocator:
+            state = allocator.commit(state, computed)
         return state, kv, out, row_ok, allocator.num_free_blocks(state)
 
     # ------------------------------------------------------------------ CacheOps (scheduler)
@@ -513,6 +546,7 @@ class Engine:
             f.leader = lead
             f.arrival = lead.arrival
         self._requests[request_id] = _Request(request_id, text, list(ids), params, seqs)
+        self._num_prompt_tokens += len(ids)
         self.scheduler.add(seqs)
 
     def abort(self, request_id: str) -> None:
@@ -632,11 +666,12 @@ class Engine:
             top_ids = np.asarray(out.top_ids)
             top_lps = np.asarray(out.top_logprobs)
         # Advance the rows that ran.
-        done_before = {}
         for i, (seq, q) in enumerate(plan.rows):
             if not row_ok[i]:
                 continue
-            done_before[id(seq)] = seq.num_computed + q
+            self._num_prefill_computed += max(
+                0, min(seq.num_prompt, seq.num_computed + q) - seq.num_computed
+            )
             seq.num_computed += q
             if seq.num_computed > seq.num_allocated:
                 seq.num_allocated = seq.num_computed
@@ -812,8 +847,7 @@ class Engine:
         if self.num_host_blocks > 0:
             self._jit_swap_out(self._state, z(b, bool))
             self._jit_swap_in(self._state, z(b, bool))
-        self.num_free_blocks()
-        self.num_free_host_blocks()
+        self.stats()
         logger.info(
             "warm-up compiled %d functions in %.1fs",
             self._num_compilations,
@@ -825,8 +859,7 @@ class Engine:
         st = self._state
         total = self.cache_config.num_blocks
         free = self.num_free_blocks()
-        queries = int(st.prefix_queries)
-        hits = int(st.prefix_hits)
+        queries, hits = (int(x) for x in self._jit_prefix_counters(st))
         return {
             "num_total_blocks": total,
             "num_free_blocks": free,
@@ -836,11 +869,14 @@ class Engine:
             "prefix_cache_hits": hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swaps": self.scheduler.num_swaps,
-            "num_compilations": self._num_compilations,
+            "num_compilations": _BACKEND_COMPILES[0] - self._compiles_at_start,
+            "num_traces": self._num_compilations,
             "num_running": len(self.scheduler.running),
             "num_waiting": self.scheduler.num_waiting,
             "num_swapped": len(self.scheduler.swapped),
             "num_generated_tokens": self._num_generated,
+            "num_prompt_tokens": self._num_prompt_tokens,
+            "num_prefill_tokens_computed": self._num_prefill_computed,
             "num_free_host_blocks": self.num_free_host_blocks(),
             "num_total_host_blocks": self.num_host_blocks,
             "block_size": self.block_size,
