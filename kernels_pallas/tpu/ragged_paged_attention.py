@@ -6,17 +6,18 @@ attends causally (and within ``sliding_window``). Rows past ``cu_q_lens[num_seqs
 
 Design:
 
-* Grid ``(K, T / TQ)``: one program per (kv head, block of ``TQ`` query tokens). The ``G``
-  query heads of the kv head are processed together (``TQ * G`` rows), so every KV page a
-  block needs is read once for the whole group.
+* Grid ``(T / TQ,)``: one program per block of ``TQ`` query tokens, for all kv heads. Queries
+  are laid out ``[K, T * G, D]``; the ``G`` query heads of a kv head are processed together
+  (``TQ * G`` rows), so every KV page a block needs is read once for the whole group.
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``kv_lens i32[B]``, ``block_tables i32[B * M]``,
   ``cu_q_lens i32[B + 1]``, ``num_seqs i32[1]``.
 * A program finds the first sequence overlapping its rows by binary search on ``cu_q_lens``,
-  then walks a flat list of work items ``(sequence, compute step)`` in one ``while_loop``. A
-  compute step covers ``P`` pages; the DMA of the next item (possibly the next sequence's
-  first pages) is started before the current one is computed (double buffering across
-  sequences too). Only pages the block's rows can see are copied: from the first key inside
-  the sliding window of the block's first row to the last row's position.
+  then walks a flat list of work items ``(kv head, sequence, compute step)`` in one
+  ``while_loop``. A compute step covers ``P`` pages; the DMA of the next item (possibly the
+  next sequence's or the next head's first pages) is started before the current one is
+  computed (double buffering across sequences and heads), so one copy per program is exposed.
+  Only pages the block's rows can see are copied: from the first key inside the sliding
+  window of the block's first row to the last row's position.
 * Rows not in the current sequence see an all-masked step, which leaves their online-softmax
   state unchanged, so one ``(m, l, acc)`` carry serves every sequence of the block.
 * Masks use ``where`` on logits and values; unwritten slots (NaN in tests) never leak; negative
@@ -31,6 +32,7 @@ TPU in this project.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,11 +60,11 @@ def _ragged_kernel(
     cu_ref,  # i32[B + 1]
     num_seqs_ref,  # i32[1]
     # inputs
-    q_ref,  # [TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
+    q_ref,  # [K, TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
     # output
-    o_ref,  # [TQ * G, D]
+    o_ref,  # [K, TQ * G, D]
     # scratch
     k_buf,  # [2, P, S, D] VMEM
     v_buf,
@@ -75,9 +77,8 @@ def _ragged_kernel(
     max_blocks: int,
     g: int,
 ):
-    h = pl.program_id(0)
-    qb = pl.program_id(1)
-    rows, d = q_ref.shape
+    qb = pl.program_id(0)
+    kh, rows, d = q_ref.shape
     tq = rows // g
     _, n_pages, s, _ = k_buf.shape
     keys_per_step = n_pages * s
@@ -125,40 +126,46 @@ def _ragged_kernel(
         return lax.while_loop(lambda x: active(x) & (seq_info(x)[-1] == 0), lambda x: x + 1, sq)
 
     copier = PageCopier(
-        k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, tables_ref, max_blocks, layer_ref[0], h
+        k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, tables_ref, max_blocks, layer_ref[0], 0
     )
 
-    def start(sq, i, slot):
+    def start(head, sq, i, slot):
         *_, first_page, end_page, _ = seq_info(sq)
-        copier.start(sq, first_page + i * n_pages, end_page, slot)
+        dataclasses.replace(copier, head=head).start(sq, first_page + i * n_pages, end_page, slot)
 
-    q = q_ref[...].astype(jnp.float32) * sm_scale
     # Row r of the block is token r0 + r // G. Masks compare r with multiples of G instead of
     # dividing a vector (floor(r / G) >= a  <=>  r >= a * G for integers a).
     row = lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 0)
 
     s0 = skip_empty(first_seq)
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows no sequence covers stay zero
 
     @pl.when(active(s0))
     def _():
-        start(s0, 0, 0)
+        start(0, s0, 0, 0)
 
+    # One flat walk over (kv head, sequence, step): every head sees the same sequences; the
+    # next item's pages (next step, next sequence or next head) are prefetched while the
+    # current one is computed.
     def cond(state):
-        return active(state[0])
+        return (state[0] < kh) & active(state[1])
 
     def body(state):
-        sq, i, slot, carry = state
+        head, sq, i, slot, carry = state
         row_lo, row_hi, off, key_lo, pos_hi, first_page, end_page, n_steps = seq_info(sq)
         last = i + 1 >= n_steps
         nsq = jnp.where(last, skip_empty(sq + 1), sq)
+        head_done = last & ~active(nsq)
+        nhead = jnp.where(head_done, head + 1, head)
+        nsq = jnp.where(head_done, s0, nsq)
         ni = jnp.where(last, 0, i + 1)
 
-        @pl.when(active(nsq))
+        @pl.when(nhead < kh)
         def _():
-            start(nsq, ni, 1 - slot)
+            start(nhead, nsq, ni, 1 - slot)
 
         step_page = first_page + i * n_pages
-        copier.wait(sq, step_page, end_page, slot)
+        dataclasses.replace(copier, head=head).wait(sq, step_page, end_page, slot)
         k = k_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
         v = v_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
         base = step_page * s
@@ -170,12 +177,20 @@ def _ragged_kernel(
         key_ok = (kpos_col <= pos_hi) & (kpos_col >= key_lo)
         if sliding_window is not None:
             mask &= row < (rel + sliding_window) * g  # window: kpos > pos - window
+        q = q_ref[head].astype(jnp.float32) * sm_scale
         carry = online_softmax_step(q, k, v, mask, key_ok, carry, soft_cap=soft_cap)
-        return nsq, ni, 1 - slot, carry
 
-    state = (s0, jnp.int32(0), jnp.int32(0), init_carry(rows, d))
-    *_, carry = lax.while_loop(cond, body, state)
-    o_ref[...] = finish(carry).astype(o_ref.dtype)
+        @pl.when(head_done)
+        def _():
+            o_ref[head] = finish(carry).astype(o_ref.dtype)
+
+        carry = tuple(
+            jnp.where(head_done, c0, c) for c0, c in zip(init_carry(rows, d), carry, strict=True)
+        )
+        return nhead, nsq, ni, 1 - slot, carry
+
+    state = (jnp.int32(0), s0, jnp.int32(0), jnp.int32(0), init_carry(rows, d))
+    lax.while_loop(cond, body, state)
 
 
 @functools.partial(
@@ -242,7 +257,7 @@ def ragged_paged_attention_tpu(
     if t_pad != t:
         qg = jnp.pad(qg, ((0, t_pad - t), (0, 0), (0, 0), (0, 0)))
     qg = jnp.transpose(qg, (1, 0, 2, 3)).reshape(kh, t_pad * g, d)
-    q_spec = pl.BlockSpec((None, tq * g, d), lambda hi, qi, *_: (hi, qi, 0))
+    q_spec = pl.BlockSpec((kh, tq * g, d), lambda qi, *_: (0, qi, 0))
     kernel = functools.partial(
         _ragged_kernel,
         sm_scale=float(sm_scale),
@@ -262,7 +277,7 @@ def ragged_paged_attention_tpu(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
-            grid=(kh, t_pad // tq),
+            grid=(t_pad // tq,),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
             scratch_shapes=[
@@ -273,7 +288,7 @@ def ragged_paged_attention_tpu(
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_ragged_paged_attention",
     )(*scalars, qg, k_pages, v_pages)
