@@ -800,6 +800,39 @@ def test_real_completions_and_chat_via_openai_client(real):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
+def test_real_seeded_sampling_n_logprobs_and_stop(real):
+    client = real.client()
+    model = client.models.list().data[0].id
+    kw = dict(
+        model=model,
+        prompt="import ",
+        max_tokens=10,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        n=3,
+        logprobs=2,
+    )
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # the seed reproduces
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    for c in a.choices:
+        assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) >= 1
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    greedy = (
+        client.completions.create(model=model, prompt="import ", max_tokens=24, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = greedy[3:5]
+    if stop.strip():
+        cut = client.completions.create(
+            model=model, prompt="import ", max_tokens=24, temperature=0, stop=[stop]
+        ).choices[0]
+        assert cut.finish_reason == "stop" and cut.text == greedy[: greedy.index(stop)]
+
+
 REAL_BAD_INPUTS = [
     ({"prompt": "x", "max_tokens": 10**6}, 400),
     ({"prompt": "x" * 100_000, "max_tokens": 4}, 400),  # longer than the model's context
