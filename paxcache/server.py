@@ -311,11 +311,18 @@ class EngineRunner:
             self._aborts.extend(request_ids)
             self._cond.notify()
 
-    def stop(self, timeout: float | None = 30.0) -> None:
-        """Stops the thread; requests still in flight get a 503 "shutting down" error."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops the thread; requests still in flight get a 503 "shutting down" error.
+
+        Args:
+          timeout: how long to wait for the thread (default 30 s, or 1 s while it is still
+            warming up: a compilation cannot be interrupted, so do not wait for it).
+        """
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if timeout is None:
+            timeout = 30.0 if self.ready.is_set() else 1.0
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

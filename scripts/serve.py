@@ -185,7 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
-    return 0 if server.started else 1
+    code = 0 if server.started else 1
+    if app.state.runner.alive:
+        # Stopped during warm-up: the engine thread is inside an XLA compilation that cannot be
+        # interrupted; finalizing the interpreter under it would abort, so leave at once.
+        print("paxcache: stopped during warm-up", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
