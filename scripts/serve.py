@@ -33,15 +33,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--num-blocks", type=int, default=None, help="device KV blocks (default: from free memory)"
+        "--num-blocks", type=int, default=None, help="device KV blocks (None: sized by the engine)"
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--host-blocks", type=int, default=0, help="host (pinned) KV blocks for swap")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (KV heads split)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("PAXCACHE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAXCACHE_API_KEY)",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (None: $PAXCACHE_API_KEY if set)",
     )
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences running at once")
     p.add_argument(
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--preemption-mode",
         default=None,
         choices=["swap", "recompute"],
-        help="default: swap when --host-blocks > 0, else recompute",
+        help="None: swap when --host-blocks > 0, else recompute",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--served-model-name", default=None, help="model id shown to clients")
@@ -115,6 +115,7 @@ def _load_engine(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.api_key = args.api_key or os.environ.get("PAXCACHE_API_KEY") or None
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
