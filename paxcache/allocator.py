@@ -26,11 +26,13 @@ Conventions
   every later slot that needs a block is refused too, even if it would have fitted.
   :func:`swap_out` / :func:`swap_in` use the strict form ``ok = cumsum(need) <= available``.
 * **Copy-on-write.** In :func:`append`, a slot that writes into its last, partially filled
-  block while that block's ref count is > 1 (decided on the state at the start of the call)
-  gets a fresh block, its table points to it, the shared block's ref count drops by one and
-  ``(src, dst)`` is reported. If several slots sharing one partial block append in the same
-  call, each of them copies (the shared block is then released); across separate calls the
-  last holder writes in place.
+  block while that block's ref count is > 1 gets a fresh block, its table points to it, the
+  shared block's ref count drops by one and ``(src, dst)`` is reported. When several slots
+  sharing one partial block append in the same call, they are taken in slot order: slot ``i``
+  copies iff ``ref - (writers of that block before i) > 1``, so when every holder writes, the
+  last one keeps the block in place (exactly as serving them one by one, vLLM-style). The
+  decision is made on the state at the start of the call and does not depend on which slots
+  are refused (a refused writer's view below its length is never touched).
 * **Sliding window** (``cfg.sliding_window = W``): a query at position ``p`` sees keys in
   ``(p - W, p]``. When :func:`append` grows a sequence from ``L`` tokens, every block wholly
   below position ``L - W + 1`` is released (its table entry set to ``-1``), so a decoding
@@ -296,6 +298,17 @@ def _take(arr: jax.Array, idx: jax.Array) -> jax.Array:
 def _take2(arr: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
     """``arr[rows, cols]`` for a 2-D ``arr`` with clamped indices (see :func:`_take`)."""
     return _take(arr.reshape(-1), rows * arr.shape[1] + jnp.clip(cols, 0, arr.shape[1] - 1))
+
+
+def _rank_among_equal(keys: jax.Array) -> jax.Array:
+    """i32[B]: how many earlier entries (lower index) of ``keys`` i32[B] hold the same value."""
+    k = keys.shape[0]
+    order = jnp.argsort(keys, stable=True)
+    sorted_keys = _take(keys, order)
+    pos = jnp.arange(k, dtype=_I32)
+    start = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
+    group_start = lax.associative_scan(jnp.maximum, jnp.where(start, pos, 0))
+    return jnp.zeros((k,), _I32).at[order].set(pos - group_start)
 
 
 def _hash_key(tokens: jax.Array, salt: jax.Array, parent: jax.Array, pgen: jax.Array) -> jax.Array:
@@ -715,7 +728,16 @@ def append(
     new_blocks = jnp.where(want, nb_new - nb_old, 0)
     last_col = jnp.clip(length // s, 0, m - 1)
     last_blk = _take2(state.block_tables, rows, last_col)
-    cow = want & (length % s != 0) & (last_blk >= 0) & (_take(state.ref_counts, last_blk) > 1)
+    last_ref = _take(state.ref_counts, last_blk)
+    writes_shared = want & (length % s != 0) & (last_blk >= 0) & (last_ref > 1)
+    rank = lax.cond(
+        jnp.any(writes_shared),
+        lambda: _rank_among_equal(jnp.where(writes_shared, last_blk, n)),
+        lambda: jnp.zeros((b,), _I32),
+    )
+    # Like serving the writers of one shared block in slot order: each copies while someone
+    # else still holds the block, and the last one (when every holder writes) keeps it.
+    cow = writes_shared & (last_ref - rank > 1)
     need = new_blocks + cow.astype(_I32)
     csum = _cumsum(need)
     granted = want & ((need == 0) | (csum <= num_free_blocks(state)))

@@ -5,7 +5,8 @@ Used two ways:
 * by the property tests, as the reference the jitted allocator must agree with (same
   successes and failures, same free counts, same table lengths), so the batched rules below
   mirror the allocator's documented rules exactly: ascending slot order, prefix rule
-  ``ok = need == 0 | cumsum(need) <= free`` for :meth:`append`, strict
+  ``ok = need == 0 | cumsum(need) <= free`` for :meth:`append` (writers of one shared
+  partial block copy while ``ref - earlier writers > 1``), strict
   ``cumsum(need) <= free`` for swaps, all decisions taken on the state at the start of a call,
   blocks released by a call available only after it;
 * by ``scripts/bench_allocator.py``, as the per-sequence Python allocator of vLLM v0
@@ -160,6 +161,17 @@ class ModelAllocator:
             want.append(w)
             cow.append(c)
             need.append(nb + c)
+        # Writers of one shared partial block, in slot order: copy while ref - rank > 1.
+        seen: dict[int, int] = {}
+        for slot in range(self.B):
+            if cow[slot]:
+                table = self.tables[slot]
+                last = table[self.lens[slot] // self.S]
+                rank = seen.get(last, 0)
+                seen[last] = rank + 1
+                if self.ref[last] - rank <= 1:
+                    cow[slot] = False
+                    need[slot] -= 1
         csum = 0
         granted = []
         for slot in range(self.B):

@@ -217,6 +217,21 @@ def test_fork_then_append_gives_exactly_one_copy_on_write_and_keeps_the_parent_t
     assert_ok(state)
 
 
+def test_siblings_appending_together_copy_all_but_the_last_holder():
+    cfg = C1
+    state = allocator.init(cfg)
+    state, _ = alloc(state, 0, seq(6), 6)
+    state, _ = fork(state, 0, 1)
+    state, _ = fork(state, 0, 3)
+    shared = row(state, 0)[1]
+    state, res = append(state, counts(cfg, s0=1, s1=1, s3=1))
+    assert int(res.num_copies) == 2  # as if served one by one in slot order
+    assert [int(x) for x in np.asarray(res.copy_src[:2])] == [shared, shared]
+    assert row(state, 3)[1] == shared and int(state.ref_counts[shared]) == 1
+    assert len({row(state, s)[1] for s in (0, 1, 3)}) == 3
+    assert_ok(state)
+
+
 def test_fork_at_a_block_boundary_needs_no_copy():
     cfg = C1
     state = allocator.init(cfg)
