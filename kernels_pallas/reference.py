@@ -214,9 +214,10 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:
     """Same math as :func:`ragged_paged_attention_reference`, memory-light for XLA backends.
 
-    A ``lax.scan`` over the M block columns keeps an online softmax per query row, so the
-    working set is one block per row (``[K, T, S, D]``) instead of the whole sequence. Columns
-    past every row's position are masked, never read into the result.
+    A loop over the block columns keeps an online softmax per query row, so the working set is
+    one block per row (``[K, T, S, D]``) instead of the whole sequence. The loop runs only over
+    the columns some real row can see (dynamic bounds, so not reverse-differentiable); within
+    them, slots past each row's position are masked, never read into the result.
     """
     q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
@@ -231,7 +232,7 @@ def ragged_paged_attention_xla(
     qg = q.reshape(t, k_heads, g, d).astype(jnp.float32) * sm_scale
     lo = pos - (sliding_window if sliding_window is not None else (m * s + 1))  # exclusive
 
-    def body(carry, j):
+    def body(j, carry):
         m_i, l_i, acc = carry  # [T,K,G], [T,K,G], [T,K,G,D]
         blk = tables[:, j]  # [T]
         kb = k_pages[:, blk].astype(jnp.float32)  # [K, T, S, D]
@@ -250,14 +251,18 @@ def ragged_paged_attention_xla(
         p = jnp.where(mask4, jnp.exp(logits - m_safe[..., None]), 0.0)
         l_new = alpha * l_i + jnp.sum(p, axis=-1)
         acc = alpha[..., None] * acc + jnp.einsum("tkgs,ktsd->tkgd", p, vb)
-        return (m_new, l_new, acc), None
+        return m_new, l_new, acc
 
     init = (
         jnp.full((t, k_heads, g), _NEG_INF, jnp.float32),
         jnp.zeros((t, k_heads, g), jnp.float32),
         jnp.zeros((t, k_heads, g, d), jnp.float32),
     )
-    (_, l_i, acc), _ = jax.lax.scan(body, init, jnp.arange(m))
+    # Walk only the block columns some real row can see (a column no row sees changes nothing),
+    # so short sequences in a wide table cost what they need.
+    col_end = jnp.minimum(jnp.max(jnp.where(valid, pos // s + 1, 0)), m)
+    col_start = jnp.min(jnp.where(valid, jnp.maximum(lo + 1, 0) // s, m))
+    _, l_i, acc = jax.lax.fori_loop(jnp.minimum(col_start, col_end), col_end, body, init)
     out = acc / jnp.where(l_i > 0, l_i, 1.0)[..., None]
     return out.reshape(t, h, d).astype(q.dtype)
 
