@@ -6,9 +6,10 @@ functions (compiled once per configuration), and checks after every step that th
 agrees with ``tests/model_allocator.py`` (same successes and failures, free counts, table
 lengths, copy and swap counts) and that ``check_invariants`` holds. At the end, freeing
 everything must return every block. A second test runs with prefix caching on (with and
-without a sliding window) and checks exactness end to end: it simulates the KV each block would hold and proves that every token
-position of every live sequence holds exactly the KV of that sequence's prefix (wrong prefix
-hits, bad copy-on-write or swap plans would all break it).
+without a sliding window) and checks exactness end to end: it simulates the KV each block
+would hold and proves that every token position of every live sequence holds exactly the KV
+of that sequence's prefix (wrong prefix hits, bad copy-on-write or swap plans would all break
+it).
 
 Operations in total: 2 configs x 40 examples + 2 configs x 25 examples, 40 to 70 operations
 each: about 7,000 (at least 5,200).
