@@ -25,6 +25,9 @@ Conventions
   (``cumsum`` in slot order, over the slots that asked for something). Once a slot is refused,
   every later slot that needs a block is refused too, even if it would have fitted.
   :func:`swap_out` / :func:`swap_in` use the strict form ``ok = cumsum(need) <= available``.
+  ``available`` is free + evictable blocks for :func:`append` (no watermark, as vLLM's
+  append), free + evictable - watermark for :func:`swap_in`, free host blocks for
+  :func:`swap_out`; :func:`allocate` needs ``free + evictable - cost >= watermark``.
 * **Copy-on-write.** In :func:`append`, a slot that writes into its last, partially filled
   block while that block's ref count is > 1 gets a fresh block, its table points to it, the
   shared block's ref count drops by one and ``(src, dst)`` is reported. When several slots
@@ -47,7 +50,10 @@ Conventions
   covers the whole prompt: at least one token is left to compute. Identical keys registered
   concurrently may yield duplicate cached blocks; lookups take the lowest id (harmless).
   Counters ``prefix_queries`` / ``prefix_hits`` count *tokens* (prompt tokens looked up /
-  prompt tokens found) over successful :func:`allocate` calls.
+  prompt tokens found) over successful :func:`allocate` calls. Freed cached blocks stay
+  evictable until their space is needed; never-cached free blocks are always used first, then
+  evictable ones are evicted oldest ``last_access`` first, deepest block (largest position in
+  its sequence) first on ties, then lowest id. A hit on an evictable block revives it.
 * **Visibility of not-yet-computed blocks.** ``allocate(..., commit=True)`` (the default)
   makes the prompt's full blocks visible to later lookups at once (vLLM v0: the prompt is
   computed in the same step). With ``commit=False`` they become visible only when
@@ -61,7 +67,10 @@ Conventions
   the same call moves once. Plans are fixed length ``NH`` (padded with ``-1``) plus ``num``.
   A swapped-in sequence's blocks are not prefix-cacheable any more (tokens are not kept on
   the host).
-* ``clock`` advances by one on every mutating call and stamps ``last_access`` (LRU).
+* ``clock`` advances by one on every successful mutating call and stamps ``last_access``.
+* **Performance.** The decode path of :func:`append` does O(B) work (no sort, no O(N) pass,
+  no serial scan over slots); small fields are packed into a few arrays because every pytree
+  leaf costs host dispatch time. See ``scripts/bench_allocator.py``.
 
 Shape letters: B slots (``max_seqs``), N device blocks, NH host blocks, S block size,
 M max blocks per sequence, T tokens.
