@@ -69,8 +69,9 @@ Conventions
   the host).
 * ``clock`` advances by one on every successful mutating call and stamps ``last_access``.
 * **Performance.** The decode path of :func:`append` does O(B) work (no sort, no O(N) pass,
-  no serial scan over slots); small fields are packed into a few arrays because every pytree
-  leaf costs host dispatch time. See ``scripts/bench_allocator.py``.
+  no serial scan over slots); calls that release blocks (sliding window, copy-on-write) or
+  evict add one O(N) pass under a ``lax.cond``. Small fields are packed into a few arrays
+  because every pytree leaf costs host dispatch time. See ``scripts/bench_allocator.py``.
 
 Shape letters: B slots (``max_seqs``), N device blocks, NH host blocks, S block size,
 M max blocks per sequence, T tokens.
