@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "TP_AXIS",
+    "broadcast_from_leader",
     "cache_kv_heads",
     "collectives",
     "kv_sharding",
@@ -281,6 +282,34 @@ _COLLECTIVE_RE = re.compile(
     r"all-reduce-start|collective-permute|collective-permute-start|reduce-scatter)\("
 )
 _SHAPE_RE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
+
+
+def broadcast_from_leader(obj: Any) -> Any:
+    """Returns process 0's ``obj`` on every process (identity with one process).
+
+    Multi-controller JAX runs the same jitted steps on every host in the same order, so a
+    multi-host server must feed every host's engine the same requests: process 0 (the one
+    serving HTTP) calls this each round with what it received, the others with anything
+    (e.g. ``None``), and all of them then add the result and call ``engine.step()``. The
+    engine's scheduling is deterministic, so the hosts stay in lockstep.
+
+    Args:
+      obj: any picklable value (only process 0's is used).
+    """
+    if jax.process_count() == 1:
+        return obj
+    import pickle
+
+    from jax.experimental import multihost_utils
+
+    leader = jax.process_index() == 0
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if leader else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(payload.size)))
+    buf = np.zeros(n, np.uint8)
+    if leader:
+        buf[:] = payload
+    buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return pickle.loads(buf.tobytes())
 
 
 def collectives(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:

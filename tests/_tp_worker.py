@@ -242,6 +242,8 @@ def main() -> None:
     elif suite == "multihost":
         report["num_local_devices"] = len(jax.local_devices())
         eng = engine(make_model(2), 4)
+        # As a multi-host server would: only process 0 has the requests; it sends them.
+        ps = sharding.broadcast_from_leader(ps if jax.process_index() == 0 else None)
         outs = eng.generate(ps, GREEDY)
         report["tokens"] = [o.outputs[0].token_ids for o in outs]
         report["kv_spans_processes"] = len({d.process_index for d in eng._kv.k.sharding.device_set})
