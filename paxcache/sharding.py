@@ -34,7 +34,13 @@ KV heads and ``tp`` (the rule, checked by :func:`validate_tp`):
 
 Multi-host: the mesh is built from ``jax.devices()``, which after
 ``jax.distributed.initialize()`` lists every host's devices, so the same code runs on a TPU
-pod slice with one process per host.
+pod slice with one process per host. Every process must run the same engine steps with the
+same requests (multi-controller SPMD); :func:`broadcast_from_leader` sends process 0's
+requests to the others, and :func:`place` puts values on devices of other processes.
+
+Limitation: the weights are sharded *after* the model is built, so the whole model must
+first fit on one device (the engine also keeps the unsharded model object, whose arrays
+stay on that device); loading a checkpoint straight into shards is not implemented.
 """
 
 from __future__ import annotations
