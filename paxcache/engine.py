@@ -242,7 +242,7 @@ class Engine:
             num_host_blocks=num_host_blocks,
             **({} if self.mesh is None else {"sharding": sharding.kv_sharding(self.mesh)}),
         )
-        self._num_compilations = 0
+        self._num_traces = 0
         self._compiles_at_start = _BACKEND_COMPILES[0]
         self._jit_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
         self._jit_allocate = jax.jit(self._count(allocator.allocate), static_argnames=("commit",))
@@ -302,7 +302,7 @@ class Engine:
 
     def _count(self, fn):
         def counted(*args, **kwargs):
-            self._num_compilations += 1  # runs only while tracing
+            self._num_traces += 1  # runs only while tracing
             return fn(*args, **kwargs)
 
         counted.__name__ = getattr(fn, "__name__", "fn")
@@ -338,7 +338,7 @@ class Engine:
 
         ``fuse_allocator=False`` (benchmarks only) skips ``append``/copies/``commit`` and
         reads the block tables as they are: the same step fed a precomputed block table."""
-        self._num_compilations += 1  # trace-time only: counts compilations
+        self._num_traces += 1  # trace-time only: counts traces
         t = tokens.shape[0]
         live = jnp.arange(slot_ids.shape[0]) < num_seqs
         if fuse_allocator:
@@ -811,31 +811,37 @@ class Engine:
                     if out.finished:
                         return
 
+    def _empty_step_args(self, t: int) -> tuple:
+        """Arguments of a step with T=t that runs nothing (warm-up, HLO inspection)."""
+        r, b = self.max_num_seqs, self.cache_config.max_seqs
+        z = np.zeros
+        return (
+            self._state,
+            self._kv,
+            self._params,
+            z(t, np.int32),
+            z(r, np.int32),
+            z(r, np.int32),
+            z(r, np.int32),
+            np.int32(0),
+            z(b, np.int32),
+            z((b, 1), np.int32),
+            self._computed.copy(),
+            z(r, np.int32),
+            z(r, np.float32),
+            z(r, np.int32),
+            np.ones(r, np.float32),
+            z(r, np.float32),
+            z((r, 2), np.uint32),
+        )
+
     def warmup(self) -> None:
         """Compiles every shape bucket and allocator function, so serving never compiles."""
         t0 = time.perf_counter()
-        r, b = self.max_num_seqs, self.cache_config.max_seqs
+        b = self.cache_config.max_seqs
         z = np.zeros
         for t in self.buckets:
-            self._state, self._kv, out, _, nf = self._jit_step(
-                self._state,
-                self._kv,
-                self._params,
-                z(t, np.int32),
-                z(r, np.int32),
-                z(r, np.int32),
-                z(r, np.int32),
-                np.int32(0),
-                z(b, np.int32),
-                z((b, 1), np.int32),
-                self._computed.copy(),
-                z(r, np.int32),
-                z(r, np.float32),
-                z(r, np.int32),
-                np.ones(r, np.float32),
-                z(r, np.float32),
-                z((r, 2), np.uint32),
-            )
+            self._state, self._kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
         jax.block_until_ready(out.tokens)
         # Refused / empty calls compile the allocator functions without changing the state.
         padded = z(self.cache_config.max_model_len, np.int32)
@@ -850,7 +856,7 @@ class Engine:
         self.stats()
         logger.info(
             "warm-up compiled %d functions in %.1fs",
-            self._num_compilations,
+            self._num_traces,
             time.perf_counter() - t0,
         )
 
@@ -870,7 +876,7 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swaps": self.scheduler.num_swaps,
             "num_compilations": _BACKEND_COMPILES[0] - self._compiles_at_start,
-            "num_traces": self._num_compilations,
+            "num_traces": self._num_traces,
             "num_running": len(self.scheduler.running),
             "num_waiting": self.scheduler.num_waiting,
             "num_swapped": len(self.scheduler.swapped),

@@ -62,27 +62,7 @@ def engine(model, tp: int, **kw) -> Engine:
 
 
 def step_args(eng: Engine, t: int) -> tuple:
-    r, b = eng.max_num_seqs, eng.cache_config.max_seqs
-    z = np.zeros
-    return (
-        eng._state,
-        eng._kv,
-        eng._params,
-        z(t, np.int32),
-        z(r, np.int32),
-        z(r, np.int32),
-        z(r, np.int32),
-        np.int32(0),
-        z(b, np.int32),
-        z((b, 1), np.int32),
-        eng._computed.copy(),
-        z(r, np.int32),
-        z(r, np.float32),
-        z(r, np.int32),
-        np.ones(r, np.float32),
-        z(r, np.float32),
-        z((r, 2), np.uint32),
-    )
+    return eng._empty_step_args(t)
 
 
 def forbidden_shapes(eng: Engine) -> set[tuple[int, ...]]:
