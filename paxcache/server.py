@@ -18,6 +18,16 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 4
 413 for a body over the size limit, 429 when too many requests are in flight, 503 while
 shutting down or when the engine failed the request.
 
+Multi-host (``jax.process_count() > 1``): every process must make the same engine calls in the
+same order (the jitted step is one SPMD program over every host's devices), and only process 0
+serves HTTP. Each round, process 0's engine thread first broadcasts (``sharding.
+broadcast_from_leader``) that round's new requests, aborts, whether to sample stats, and a
+shutdown flag, then applies them and steps; every other process runs :func:`run_follower`,
+which receives the same round and makes the same calls. Requests without a seed get one drawn
+on process 0, so sampling matches on every host. While idle the leader still sends an empty
+round every few seconds (a heartbeat); on shutdown it sends a final round that ends the
+followers.
+
 Extensions beyond OpenAI's fields (as in vLLM): ``top_k`` (-1 or 0 = off), ``min_p``,
 ``stop_token_ids``, ``ignore_eos``.
 """
@@ -26,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -57,6 +69,7 @@ __all__ = [
     "CompletionRequest",
     "EngineRunner",
     "create_app",
+    "run_follower",
 ]
 
 logger = logging.getLogger(__name__)
@@ -70,6 +83,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _DISCONNECT_POLL_S = 0.25
+_HEARTBEAT_S = 5.0
+"""Multi-host: most seconds between two broadcast rounds while the leader is idle."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,6 +249,8 @@ class EngineRunner:
       warmup: call ``engine.warmup()`` in the thread before reporting ready.
       stats_interval_s: how often, at most, ``engine.stats()`` is sampled while busy (always when
         the engine goes idle).
+      multihost: broadcast each round to :func:`run_follower` on the other processes (see the
+        module docstring); ``None``: when ``jax.process_count() > 1``.
     """
 
     def __init__(
@@ -243,6 +260,7 @@ class EngineRunner:
         max_queue: int = DEFAULT_MAX_QUEUE,
         warmup: bool = True,
         stats_interval_s: float = 0.1,
+        multihost: bool | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -264,6 +282,7 @@ class EngineRunner:
         self.num_engine_errors = 0
         self.ttft = None  # set by create_app: prometheus Histogram or None
         self.on_finish: Callable[[RequestOutput, float], None] | None = None
+        self._multihost = _process_count() > 1 if multihost is None else multihost
 
     # -- called from handlers (any thread) ----------------------------------------------------
 
@@ -378,9 +397,12 @@ class EngineRunner:
         with self._cond:
             pending = list(self._pending)
             self._pending.clear()
-            aborts = set(self._aborts)
+            aborts = dict.fromkeys(self._aborts)  # ordered: every host aborts in the same order
             self._aborts.clear()
             stopping = self._stopping
+        stats_due = False
+        if self._multihost:
+            pending, stats_due = self._broadcast_round(pending, aborts, stopping)
         if stopping:
             self._fail_all(503, "server is shutting down", "service_unavailable", pending)
             self._refresh_stats(force=True)
@@ -394,13 +416,46 @@ class EngineRunner:
                 self._add(sub)
         if self._has_work():
             self._step()
-            self._refresh_stats(force=False)
+            if not self._multihost:
+                self._refresh_stats(force=False)
+            elif stats_due:  # decided before the broadcast, so followers sample stats too
+                self._refresh_stats(force=True)
             return True
         self._refresh_stats(force=True)
         with self._cond:
             if not (self._pending or self._aborts or self._stopping):
-                self._cond.wait()
+                self._cond.wait(_HEARTBEAT_S if self._multihost else None)
         return True
+
+    def _broadcast_round(
+        self, pending: list[_Submission], aborts: dict[str, None], stopping: bool
+    ) -> tuple[list[_Submission], bool]:
+        """Multi-host: sends this round to :func:`run_follower` before anything is applied.
+
+        Returns the pending submissions (unseeded ones get a seed drawn here, the same on every
+        host) and whether stats are sampled after this round's step.
+        """
+        subs = []
+        for sub in pending:
+            if sub.params.seed is None:
+                sub = dataclasses.replace(  # noqa: PLW2901
+                    sub, params=dataclasses.replace(sub.params, seed=secrets.randbits(62))
+                )
+            subs.append(sub)
+        stats_due = time.monotonic() - self._last_stats_t >= self._stats_interval_s
+        payload = {
+            "stop": stopping,
+            # On shutdown the leader aborts (``_fail_all``) the requests it tracks, in order.
+            "aborts": list(self._sinks) if stopping else list(aborts),
+            "adds": []
+            if stopping
+            else [(s.request_id, s.prompt, s.params) for s in subs if s.request_id not in aborts],
+            "stats": stats_due,
+        }
+        from paxcache import sharding
+
+        sharding.broadcast_from_leader(payload)
+        return subs, stats_due
 
     def _add(self, sub: _Submission) -> None:
         try:
@@ -464,6 +519,78 @@ class EngineRunner:
                 if self.on_finish is not None:
                     with contextlib.suppress(Exception):
                         self.on_finish(out, now - sink.t_submit)
+
+
+def _process_count() -> int:
+    """``jax.process_count()`` if JAX is already imported (never imports it: fake engines)."""
+    jax = sys.modules.get("jax")
+    return int(jax.process_count()) if jax is not None else 1
+
+
+def run_follower(engine: Any, *, warmup: bool = True) -> None:
+    """Runs ``engine`` on a process other than 0 of a multi-host server, until it shuts down.
+
+    Mirrors process 0's ``EngineRunner`` (see the module docstring): warms up, then each round
+    receives process 0's payload and makes the same ``abort`` / ``add_request`` / ``step`` /
+    ``stats`` calls in the same order, discarding the outputs. Returns when process 0 sends its
+    shutdown round.
+
+    Args:
+      engine: this process's ``Engine``, built with the same arguments as process 0's.
+      warmup: call ``engine.warmup()`` first (as process 0's ``create_app(warmup=)``).
+    """
+    from paxcache import sharding
+
+    if warmup:
+        try:
+            engine.warmup()
+        except Exception:  # noqa: BLE001 - the leader keeps going too
+            logger.exception("engine warm-up failed")
+    live: dict[str, None] = {}  # the leader's sinks: requests added and not finished, in order
+
+    def stats() -> None:
+        try:
+            engine.stats()
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.stats() failed")
+
+    def abort(rid: str) -> None:
+        live.pop(rid, None)
+        try:
+            engine.abort(rid)
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.abort(%r) failed", rid)
+
+    stats()
+    while True:
+        payload = sharding.broadcast_from_leader(None)
+        for rid in payload["aborts"]:
+            abort(rid)
+        if payload["stop"]:
+            stats()
+            logger.info("leader shut down; follower exiting")
+            return
+        for rid, prompt, params in payload["adds"]:
+            try:
+                engine.add_request(rid, prompt, params)
+            except Exception:  # noqa: BLE001 - the leader got the same error and answered it
+                continue
+            live[rid] = None
+        if not engine.has_unfinished_requests():
+            stats()
+            continue
+        try:
+            outs = engine.step()
+        except Exception:  # noqa: BLE001 - as the leader: fail (abort) the requests in flight
+            logger.exception("engine.step() failed; aborting the requests in flight")
+            outs = []
+            for rid in list(live):
+                abort(rid)
+        for out in outs:
+            if out.finished:
+                live.pop(out.request_id, None)
+        if payload["stats"]:
+            stats()
 
 
 # ----------------------------------------------------------------------------------------------

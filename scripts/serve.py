@@ -10,6 +10,11 @@ GET /v1/models, GET /health (503 until warmed up), GET /metrics (Prometheus).
 Start-up prints one line with the address, model, devices, KV blocks and KV memory, then
 compiles every shape bucket before /health reports ready. SIGINT/SIGTERM stop accepting
 connections, let in-flight requests finish (up to ``--shutdown-timeout`` seconds) and exit 0.
+
+Multi-host (one process per host, e.g. a TPU pod slice): start the same command with
+``--multihost`` on every host (plus ``--coordinator-address/--num-processes/--process-id``
+where JAX cannot detect them). Process 0 serves HTTP; the others follow its engine steps
+(``paxcache.server.run_follower``) and exit 0 when process 0 shuts down.
 """
 
 from __future__ import annotations
@@ -71,7 +76,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds to let in-flight requests finish on SIGINT/SIGTERM",
     )
     p.add_argument(
-        "--multihost", action="store_true", help="call jax.distributed.initialize() first"
+        "--multihost",
+        action="store_true",
+        help="call jax.distributed.initialize() first; process 0 serves, the others follow it",
+    )
+    p.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="--multihost: process 0's HOST:PORT (None: detected by JAX, e.g. on TPU)",
+    )
+    p.add_argument(
+        "--num-processes", type=int, default=None, help="--multihost: processes (None: detected)"
+    )
+    p.add_argument(
+        "--process-id", type=int, default=None, help="--multihost: this process (None: detected)"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -93,6 +111,35 @@ def _fmt_bytes(n: float) -> str:
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _follow(engine: object, run_follower, index: int, count: int) -> int:  # noqa: ANN001
+    """Process ``index`` > 0 of a multi-host server: runs process 0's engine steps until it
+    shuts down. A first SIGINT/SIGTERM waits for that (process 0 is being stopped too, usually);
+    a second one exits at once."""
+    print(
+        f"paxcache: process {index}/{count} following process 0 (it serves HTTP)",
+        file=sys.stderr,
+        flush=True,
+    )
+    signals = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        signals.append(signum)
+        if len(signals) > 1:
+            print("paxcache: follower interrupted", file=sys.stderr, flush=True)
+            os._exit(1)
+        print(
+            "paxcache: follower waits for process 0 to shut down (signal again to exit now)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    run_follower(engine, warmup=True)
+    print(f"paxcache: process {index} done", file=sys.stderr, flush=True)
+    return 0
 
 
 def _load_engine(
@@ -127,12 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     if args.multihost:
-        jax.distributed.initialize()
+        # CPU devices talk over gloo (a no-op setting for TPU/GPU devices).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        dist = {
+            "coordinator_address": args.coordinator_address,
+            "num_processes": args.num_processes,
+            "process_id": args.process_id,
+        }
+        jax.distributed.initialize(**{k: v for k, v in dist.items() if v is not None})
     import jax.numpy as jnp
     import uvicorn
 
     from paxcache.engine import Engine
-    from paxcache.server import create_app
+    from paxcache.server import create_app, run_follower
 
     platform = jax.devices()[0].platform
     dtype_name = args.dtype
@@ -152,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"paxcache: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 2
-    stats = engine.stats()
+    stats = engine.stats()  # on every process: multi-host engine calls run in lockstep
+    if jax.process_index() != 0:
+        return _follow(engine, run_follower, jax.process_index(), jax.process_count())
     name = args.served_model_name or engine.model_name
     app = create_app(
         engine,
