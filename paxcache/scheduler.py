@@ -273,6 +273,18 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(seq)
 
+    def _fail_queued(self, seqs: list[Sequence], what: str) -> None:
+        for seq in seqs:
+            seq.state = SeqState.FINISHED
+            seq.finish_reason = "error"
+            seq.error = (
+                f"sequence of {len(seq.token_ids)} tokens can never be {what}: it needs more "
+                f"KV blocks than the cache admits (free {self.cache.num_free_blocks()} minus "
+                "the watermark)"
+            )
+            if self.on_finish is not None:
+                self.on_finish(seq)
+
     # -- the step -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
@@ -347,6 +359,15 @@ class Scheduler:
                 if self._new_blocks(lead, q) <= self.cache.num_free_blocks():
                     rows.append((lead, q))
                     budget -= q
+
+        # Nothing can run although work is queued: with nothing running, every block is free,
+        # so the head of the queue can never be admitted or resumed (e.g. a sequence that
+        # grew past ``num_blocks - watermark`` and was preempted). Fail it instead of hanging.
+        if not rows and not self.running:
+            if self.swapped:
+                self._fail_queued([self.swapped.pop(0)], "swapped back in")
+            elif self.waiting:
+                self._fail_queued(self.waiting.popleft(), "admitted")
 
         # Samples: a row that reaches the end of its tokens samples; so do its followers.
         for i, (seq, q) in enumerate(rows):

@@ -194,3 +194,23 @@ def test_request_that_can_never_fit_gets_a_clear_error(model):
     assert out.outputs[0].finish_reason == "error"
     assert "KV cache" in out.error
     assert eng.stats()["num_free_blocks"] == 4
+
+
+def test_preempted_sequence_that_outgrew_admission_fails_instead_of_hanging(model):
+    # 8 blocks of 8, watermark 2 blocks: a prompt may take at most 6 blocks at admission. B
+    # (40-token prompt) grows to 7 blocks while A runs, is preempted by recompute, and could
+    # then only come back with 7 blocks: it must end with an error, A must finish normally.
+    eng = _engine(model, num_blocks=8, watermark=0.25, max_num_batched_tokens=64)
+    a, b = eng.generate(
+        [[1, 2], list(range(40))],
+        [
+            SamplingParams(max_tokens=20, ignore_eos=True),
+            SamplingParams(max_tokens=30, ignore_eos=True),
+        ],
+    )
+    assert a.outputs[0].finish_reason == "length" and len(a.outputs[0].token_ids) == 20
+    assert b.outputs[0].finish_reason == "error"
+    assert "can never be admitted" in b.error
+    st = eng.stats()
+    assert st["num_preemptions"] >= 1
+    assert st["num_free_blocks"] == st["num_total_blocks"]
