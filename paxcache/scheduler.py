@@ -267,23 +267,23 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, message: str) -> None:
         self.running.remove(seq)
+        self._finish_with_error(seq, message)
+
+    def _fail_queued(self, seqs: list[Sequence], what: str) -> None:
+        for seq in seqs:
+            self._finish_with_error(
+                seq,
+                f"sequence of {len(seq.token_ids)} tokens can never be {what}: it needs more "
+                f"KV blocks than the cache admits (free {self.cache.num_free_blocks()} minus "
+                "the watermark)",
+            )
+
+    def _finish_with_error(self, seq: Sequence, message: str) -> None:
         seq.state = SeqState.FINISHED
         seq.finish_reason = "error"
         seq.error = message
         if self.on_finish is not None:
             self.on_finish(seq)
-
-    def _fail_queued(self, seqs: list[Sequence], what: str) -> None:
-        for seq in seqs:
-            seq.state = SeqState.FINISHED
-            seq.finish_reason = "error"
-            seq.error = (
-                f"sequence of {len(seq.token_ids)} tokens can never be {what}: it needs more "
-                f"KV blocks than the cache admits (free {self.cache.num_free_blocks()} minus "
-                "the watermark)"
-            )
-            if self.on_finish is not None:
-                self.on_finish(seq)
 
     # -- the step -------------------------------------------------------------------------
 
