@@ -12,7 +12,7 @@ Training: AdamW (written here in a few lines of jax), warmup + cosine schedule, 
 clipping, fixed seeds (numpy batch sampler + model init), float32.
 
 Usage:
-    python scripts/train_tiny.py [--steps 700] [--out paxcache/models/tiny]
+    python scripts/train_tiny.py [--steps 2000] [--out paxcache/models/tiny]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def lr_at(step: jax.Array, peak: float, warmup: int, total: int) -> jax.Array:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
