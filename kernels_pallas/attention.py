@@ -37,21 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import reference
+from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
 
 __all__ = ["IMPLS", "paged_attention", "ragged_paged_attention"]
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
-
 
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
-
-
-def _is_int_dtype(x: Any) -> bool:
-    return jnp.issubdtype(jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.integer)
 
 
 def _check_common(
@@ -72,36 +67,8 @@ def _check_common(
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
     if q.ndim != 3:
         raise ValueError(f"{name}: q must have rank 3 [tokens, H, D], got shape {q.shape}")
-    if k_pages.ndim not in (4, 5):
-        raise ValueError(
-            f"{name}: k_pages must have rank 4 [K, N, S, D] or 5 [L, K, N, S, D], "
-            f"got shape {k_pages.shape}"
-        )
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(
-            f"{name}: k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}"
-        )
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(
-            f"{name}: k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}"
-        )
-    if k_pages.ndim == 5:
-        if layer is None:
-            raise ValueError(
-                f"{name}: pages of rank 5 [L, K, N, S, D] need layer= (int or i32 scalar)"
-            )
-        if isinstance(layer, (int, np.integer)):
-            if not 0 <= int(layer) < k_pages.shape[0]:
-                raise ValueError(
-                    f"{name}: layer={int(layer)} out of range for {k_pages.shape[0]} layers"
-                )
-        elif jnp.ndim(layer) != 0 or not _is_int_dtype(layer):
-            raise ValueError(f"{name}: layer must be an integer scalar, got {layer!r}")
-    elif layer is not None:
-        raise ValueError(
-            f"{name}: layer= given but pages have rank 4 {k_pages.shape}; pass stacked "
-            "[L, K, N, S, D] pages to select a layer"
-        )
+    check_pages_pair(name, k_pages, v_pages)
+    check_layer(name, k_pages, layer)
     _, h, d = q.shape
     kh, _, _, dk = k_pages.shape[-4:]
     if kh == 0 or h % kh != 0:
@@ -116,7 +83,7 @@ def _check_common(
         raise ValueError(
             f"{name}: block_tables must have rank 2 [B, M], got shape {block_tables.shape}"
         )
-    if not _is_int_dtype(block_tables):
+    if not is_int_dtype(block_tables):
         raise ValueError(f"{name}: block_tables must be integer, got {block_tables.dtype}")
     if sm_scale is not None and not isinstance(sm_scale, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name}: sm_scale must be a Python float or None, got {sm_scale!r}")
@@ -136,7 +103,7 @@ def _check_vector(name: str, what: str, x: Any, n: int, n_desc: str) -> None:
     shape = jnp.shape(x)
     if len(shape) != 1 or shape[0] != n:
         raise ValueError(f"{name}: {what} must have shape ({n},) ({n_desc}), got {shape}")
-    if not _is_int_dtype(x):
+    if not is_int_dtype(x):
         raise ValueError(f"{name}: {what} must be integer, got {jnp.asarray(x).dtype}")
 
 
@@ -349,7 +316,7 @@ def ragged_paged_attention(
     b = block_tables.shape[0]
     _check_vector(name, "kv_lens", kv_lens, b, "B = block_tables.shape[0]")
     _check_vector(name, "cu_q_lens", cu_q_lens, b + 1, "B + 1")
-    if jnp.ndim(num_seqs) > 1 or jnp.size(num_seqs) != 1 or not _is_int_dtype(num_seqs):
+    if jnp.ndim(num_seqs) > 1 or jnp.size(num_seqs) != 1 or not is_int_dtype(num_seqs):
         raise ValueError(
             f"{name}: num_seqs must be an integer scalar, got shape {jnp.shape(num_seqs)}"
         )

@@ -57,12 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import reference
+from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
 
 __all__ = ["IMPLS", "bucket_size", "copy_blocks", "swap_blocks", "write_kv"]
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
 
 #: ``impl="auto"`` on a GPU uses the Mosaic GPU kernels only when this is True (see module doc).
 GPU_KERNELS_BY_DEFAULT = False
@@ -79,10 +79,6 @@ def _dtype_of(x: Any) -> np.dtype:
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
-def _is_int(x: Any) -> bool:
-    return jnp.issubdtype(_dtype_of(x), jnp.integer)
-
-
 def _host_value(x: Any) -> np.ndarray | None:
     """``x`` as numpy when it is a host value (numpy / list / tuple / int), else None."""
     if isinstance(x, (np.ndarray, list, tuple, int, np.integer)):
@@ -94,7 +90,7 @@ def _check_ids(name: str, what: str, ids: Any, length: int | None) -> int:
     shape = np.shape(ids)
     if len(shape) != 1:
         raise ValueError(f"{name}: {what} must be a 1-D integer array, got shape {shape}")
-    if not _is_int(ids):
+    if not is_int_dtype(ids):
         raise ValueError(f"{name}: {what} must be integer, got dtype {_dtype_of(ids)}")
     if length is not None and shape[0] != length:
         raise ValueError(f"{name}: {what} has length {shape[0]}, expected {length}")
@@ -124,40 +120,6 @@ def _check_distinct_dst(name: str, src: Any, dst: Any, *, dst_not_src: bool) -> 
         raise ValueError(
             f"{name}: a destination is also a source ({np.intersect1d(d, hs[live]).tolist()}); "
             "in-place block copies need destinations disjoint from sources"
-        )
-
-
-def _check_pages_pair(name: str, k_pages: Any, v_pages: Any) -> None:
-    if k_pages.ndim not in (4, 5):
-        raise ValueError(
-            f"{name}: k_pages must have rank 4 [K, N, S, D] or 5 [L, K, N, S, D], "
-            f"got shape {k_pages.shape}"
-        )
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(
-            f"{name}: k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}"
-        )
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(
-            f"{name}: k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}"
-        )
-
-
-def _check_layer(name: str, pages: Any, layer: Any) -> None:
-    if pages.ndim == 5:
-        if layer is None:
-            raise ValueError(f"{name}: pages of rank 5 [L, K, N, S, D] need layer= (int or i32)")
-        if isinstance(layer, (int, np.integer)):
-            if not 0 <= int(layer) < pages.shape[0]:
-                raise ValueError(
-                    f"{name}: layer={int(layer)} out of range for {pages.shape[0]} layers"
-                )
-        elif np.ndim(layer) != 0 or not _is_int(layer):
-            raise ValueError(f"{name}: layer must be an integer scalar, got {layer!r}")
-    elif layer is not None:
-        raise ValueError(
-            f"{name}: layer= given but pages have rank 4 {pages.shape}; pass stacked "
-            "[L, K, N, S, D] pages to select a layer"
         )
 
 
@@ -339,8 +301,8 @@ def write_kv(
         duplicate slots.
     """
     name = "write_kv"
-    _check_pages_pair(name, k_pages, v_pages)
-    _check_layer(name, k_pages, layer)
+    check_pages_pair(name, k_pages, v_pages)
+    check_layer(name, k_pages, layer)
     kh, n, s, d = k_pages.shape[-4:]
     if k.ndim != 3 or k.shape != v.shape:
         raise ValueError(
@@ -405,7 +367,7 @@ def copy_blocks(
         range, duplicate destinations or a destination that is also a source.
     """
     name = "copy_blocks"
-    _check_pages_pair(name, k_pages, v_pages)
+    check_pages_pair(name, k_pages, v_pages)
     p = _check_ids(name, "src", src, None)
     _check_ids(name, "dst", dst, p)
     n = k_pages.shape[-3]
