@@ -374,9 +374,9 @@ def main() -> None:
     if args.peer:
         # The peer benchmark has its own workload flags; --model passes through when given.
         model = [] if args.model == "tiny" else ["--model", args.model]
-        sys.exit(
-            subprocess.call([sys.executable, str(ROOT / "scripts/bench_peer.py"), *model, *rest])
-        )
+        out = [] if args.out is None else ["--out", args.out]
+        cmd = [sys.executable, str(ROOT / "scripts/bench_peer.py"), *model, *out, *rest]
+        sys.exit(subprocess.call(cmd))
     if args.tp:
         sys.exit(
             subprocess.call(
