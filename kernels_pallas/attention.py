@@ -165,9 +165,10 @@ def _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, **kw):
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _ragged_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, **kw):
-    k_pages, v_pages = _select_layer(k_pages, layer), _select_layer(v_pages, layer)
+    # Stacked pages go in whole: the XLA path gathers (layer, block) rows directly, where
+    # slicing pages[layer] first would copy the layer's whole cache every call.
     return reference.ragged_paged_attention_xla(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, **kw
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer=layer, **kw
     )
 
 

@@ -2,8 +2,9 @@
 
 These functions define the semantics the Pallas kernels must meet; tests compare every kernel
 against them. They are written to be obviously correct first (plain gathers and a masked
-softmax in float32). ``ragged_paged_attention_xla`` is a memory-light formulation of the same
-math (an online softmax over block columns) that ``impl="auto"`` runs on CPU.
+softmax in float32). ``ragged_paged_attention_xla`` is a fast, memory-light formulation of the
+same math (an online softmax over chunks of block columns, gathering straight from stacked
+``[L, K, N, S, D]`` pages) that ``impl="auto"`` runs on CPU.
 
 Shape letters: B batch, T tokens, H query heads, K kv heads (G = H // K query heads per kv
 head), D head dim, N blocks, S block size, M max blocks per sequence.
@@ -199,6 +200,18 @@ def ragged_paged_attention_reference(
     return out.reshape(t, h, d).astype(q.dtype)
 
 
+#: Target bytes of one loop iteration's gathered K (and again V) in
+#: :func:`ragged_paged_attention_xla`: big enough that the loop runs a few iterations (each
+#: one has a fixed cost on CPU), small enough to stay in cache.
+XLA_CHUNK_BYTES = 2 << 20
+
+
+def _chunk_blocks(t: int, k_heads: int, s: int, d: int, m: int, itemsize: int) -> int:
+    """Block columns per loop iteration of the XLA path (static): ~``XLA_CHUNK_BYTES``."""
+    per_block = t * k_heads * s * d * max(itemsize, 4)
+    return int(max(1, min(m, XLA_CHUNK_BYTES // per_block)))
+
+
 def ragged_paged_attention_xla(
     q: jax.Array,
     k_pages: jax.Array,
@@ -211,36 +224,69 @@ def ragged_paged_attention_xla(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
-    """Same math as :func:`ragged_paged_attention_reference`, memory-light for XLA backends.
+    """Same math as :func:`ragged_paged_attention_reference`, fast and memory-light on XLA.
 
-    A loop over the block columns keeps an online softmax per query row, so the working set is
-    one block per row (``[K, T, S, D]``) instead of the whole sequence. The loop runs only over
-    the columns some real row can see (dynamic bounds, so not reverse-differentiable); within
-    them, slots past each row's position are masked, never read into the result.
+    A loop over chunks of ``C`` block columns (``C`` static, so that one chunk's gathered K
+    is about ``XLA_CHUNK_BYTES``) keeps an online softmax per query row: the working set is
+    ``[T, C, K, S, D]``, never a row's whole sequence. The loop runs only over the chunks
+    some real row can see (dynamic bounds, so not reverse-differentiable); within them, slots
+    past each row's position are masked, never read into the result. A column that a row
+    does not see gathers block 0 instead of the row's own block (any block: it is masked), so
+    rows with short contexts in a long batch (prefill rows next to long decodes) cost cache
+    hits, not memory traffic.
+
+    Args:
+      q, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, soft_cap, sliding_window: as
+        in :func:`ragged_paged_attention_reference`.
+      k_pages, v_pages: ``[K, N, S, D]``, or stacked ``[L, K, N, S, D]`` with ``layer``: the
+        gathers index the stacked pages directly (no copy of the layer's pages is made).
+      layer: layer index (int or traced ``i32`` scalar) into stacked pages.
+
+    Returns:
+      ``[T, H, D]`` in ``q.dtype``.
     """
     q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     )
+    if k_pages.ndim == 4:
+        k_pages, v_pages = k_pages[None], v_pages[None]
+        layer = 0
+    elif layer is None:
+        raise ValueError("ragged_paged_attention_xla: stacked [L, K, N, S, D] pages need layer=")
+    layer = jnp.asarray(layer, jnp.int32)
     t, h, d = q.shape
-    k_heads, _, s, _ = k_pages.shape
+    _, k_heads, _, s, _ = k_pages.shape
     g = h // k_heads
     m = block_tables.shape[1]
+    c = _chunk_blocks(t, k_heads, s, d, m, jnp.dtype(k_pages.dtype).itemsize)
+    num_chunks = -(-m // c)
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     seq, pos, valid = ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)
     tables = jnp.maximum(block_tables[seq], 0)  # [T, M]
+    if num_chunks * c > m:  # pad to whole chunks; padded columns are never visible
+        tables = jnp.pad(tables, ((0, 0), (0, num_chunks * c - m)))
     qg = q.reshape(t, k_heads, g, d).astype(jnp.float32) * sm_scale
     lo = pos - (sliding_window if sliding_window is not None else (m * s + 1))  # exclusive
+    first_col = jnp.maximum(lo + 1, 0) // s  # [T] first block column a row sees
+    last_col = pos // s  # [T] last one
+    offs = jnp.arange(c * s, dtype=jnp.int32)  # key offsets within a chunk
 
-    def body(j, carry):
+    def body(i, carry):
         m_i, l_i, acc = carry  # [T,K,G], [T,K,G], [T,K,G,D]
-        blk = tables[:, j]  # [T]
-        kb = k_pages[:, blk].astype(jnp.float32)  # [K, T, S, D]
-        vb = v_pages[:, blk].astype(jnp.float32)
-        kpos = j * s + jnp.arange(s)[None, :]  # [1, S]
-        mask = (kpos <= pos[:, None]) & (kpos > lo[:, None]) & valid[:, None]  # [T, S]
-        vb = jnp.where(mask[None, :, :, None], vb, 0.0)
-        logits = jnp.einsum("tkgd,ktsd->tkgs", qg, kb)
+        cols = i * c + jnp.arange(c, dtype=jnp.int32)  # [C]
+        seen = (cols[None, :] >= first_col[:, None]) & (cols[None, :] <= last_col[:, None])
+        blk = jnp.where(seen & valid[:, None], jax.lax.dynamic_slice_in_dim(tables, i * c, c, 1), 0)
+        # [T, C, K, S, D] -> [T, K, C*S, D]
+        kb = k_pages[layer, :, blk].astype(jnp.float32)
+        vb = v_pages[layer, :, blk].astype(jnp.float32)
+        kb = jnp.swapaxes(kb, 1, 2).reshape(t, k_heads, c * s, d)
+        vb = jnp.swapaxes(vb, 1, 2).reshape(t, k_heads, c * s, d)
+        kpos = i * c * s + offs[None, :]  # [1, C*S]
+        mask = (kpos <= pos[:, None]) & (kpos > lo[:, None]) & valid[:, None]  # [T, C*S]
+        vb = jnp.where(mask[:, None, :, None], vb, 0.0)
+        logits = jnp.einsum("tkgd,tksd->tkgs", qg, kb)
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         mask4 = mask[:, None, None, :]
@@ -250,7 +296,7 @@ def ragged_paged_attention_xla(
         alpha = jnp.where(jnp.isfinite(m_i), jnp.exp(m_i - m_safe), 0.0)
         p = jnp.where(mask4, jnp.exp(logits - m_safe[..., None]), 0.0)
         l_new = alpha * l_i + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("tkgs,ktsd->tkgd", p, vb)
+        acc = alpha[..., None] * acc + jnp.einsum("tkgs,tksd->tkgd", p, vb)
         return m_new, l_new, acc
 
     init = (
@@ -258,11 +304,13 @@ def ragged_paged_attention_xla(
         jnp.zeros((t, k_heads, g), jnp.float32),
         jnp.zeros((t, k_heads, g, d), jnp.float32),
     )
-    # Walk only the block columns some real row can see (a column no row sees changes nothing),
-    # so short sequences in a wide table cost what they need.
-    col_end = jnp.minimum(jnp.max(jnp.where(valid, pos // s + 1, 0)), m)
-    col_start = jnp.min(jnp.where(valid, jnp.maximum(lo + 1, 0) // s, m))
-    _, l_i, acc = jax.lax.fori_loop(jnp.minimum(col_start, col_end), col_end, body, init)
+    # Walk only the chunks some real row can see (a column no row sees changes nothing), so
+    # short sequences in a wide table cost what they need.
+    col_end = jnp.minimum(jnp.max(jnp.where(valid, last_col + 1, 0)), m)
+    col_start = jnp.min(jnp.where(valid, first_col, m))
+    chunk_end = (col_end + c - 1) // c
+    chunk_start = jnp.minimum(col_start, col_end) // c
+    _, l_i, acc = jax.lax.fori_loop(chunk_start, chunk_end, body, init)
     out = acc / jnp.where(l_i > 0, l_i, 1.0)[..., None]
     return out.reshape(t, h, d).astype(q.dtype)
 

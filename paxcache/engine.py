@@ -23,6 +23,7 @@ compiles again.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from paxcache import allocator, kv_cache
+from paxcache import compile_cache as compile_cache_lib
 from paxcache.attention import metadata_from_state, paged_attention_op
 from paxcache.config import CacheConfig
 from paxcache.errors import DuplicateSequenceError, SequenceTooLongError
@@ -70,6 +72,25 @@ def _token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+# Default (max_num_seqs, max_num_batched_tokens) by backend, chosen like vLLM's (which picks
+# them by hardware and usage): enough rows and tokens per step to keep the device busy, few
+# enough that the largest step stays short (decode latency for everyone waits on it) and the
+# warm-up compiles few buckets.
+# * TPU / GPU: vLLM's OpenAI-server defaults on most GPUs (256 sequences, 2048 tokens).
+# * CPU: a matmul over few rows is bound by reading the weights, so a decode step of 64 rows
+#   costs little more than one of 32 and halves the steps of a busy batch (1.6x the
+#   throughput on the workload of scripts/bench_peer.py); a 256-token step already runs the
+#   matmuls at full speed, while 1024 tokens made the XLA attention path (which gathers
+#   each token row's context) the bottleneck: 3x slower (bench/results/step_profile_*.md).
+DEFAULT_BATCH_LIMITS = {"cpu": (64, 256)}
+DEFAULT_BATCH_LIMITS_ACCELERATOR = (256, 2048)
+
+
+def default_batch_limits(backend: str) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` the engine uses on ``backend`` by default."""
+    return DEFAULT_BATCH_LIMITS.get(backend, DEFAULT_BATCH_LIMITS_ACCELERATOR)
+
+
 class _Request:
     def __init__(
         self,
@@ -101,8 +122,10 @@ class Engine:
         sequences, capped by ``kv_memory_bytes`` (or 1 GiB on CPU, 90% of free memory on
         accelerators).
       block_size: tokens per block.
-      max_num_seqs: most sequences running (and rows in one step).
-      max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+      max_num_seqs: most sequences running (and rows in one step); default by backend
+        (``default_batch_limits``: 64 on CPU, 256 on TPU/GPU).
+      max_num_batched_tokens: token budget of one step (decodes + prefill chunks); default
+        by backend (256 on CPU, 2048 on TPU/GPU).
       num_host_blocks: host (pinned memory) blocks for swap preemption.
       enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
       preemption_mode: ``"swap"`` (needs host blocks) or ``"recompute"``.
@@ -114,6 +137,14 @@ class Engine:
       watermark: fraction of blocks kept free at admission.
       impl: kernel implementation (``"auto"``: Pallas on TPU/GPU, XLA on CPU).
       seed: seed for requests that do not set one.
+      compile_cache: JAX's persistent compilation cache (process-wide, see
+        :mod:`paxcache.compile_cache`): ``None`` (default) uses the directory JAX already
+        has, else ``$XDG_CACHE_HOME/paxcache/jax`` (``~/.cache/paxcache/jax``); a path uses
+        that directory; ``False`` leaves the cache as it is (off unless JAX was told
+        otherwise).
+      warmup: compile every step bucket on first use (the first :meth:`step`), logging one
+        line per bucket, so no later step compiles; ``False`` compiles each bucket when a
+        step first needs it (or call :meth:`warmup` yourself).
     """
 
     def __init__(
@@ -124,8 +155,8 @@ class Engine:
         model_name: str = "model",
         num_blocks: int | None = None,
         block_size: int = 16,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 256,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
@@ -137,8 +168,16 @@ class Engine:
         impl: str = "auto",
         interpret: bool = False,
         seed: int | None = None,
+        compile_cache: str | os.PathLike[str] | bool | None = None,
+        warmup: bool = True,
     ) -> None:
         cfg = model.config
+        cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
+        backend_defaults = default_batch_limits(jax.default_backend())
+        if max_num_seqs is None:
+            max_num_seqs = backend_defaults[0]
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = backend_defaults[1]
         if preemption_mode not in ("swap", "recompute"):
             raise ValueError(
                 f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}"
@@ -169,6 +208,9 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tp = tp
         self._rng = np.random.default_rng(seed)
+        self.compile_cache_dir = None if cache_dir is None else compile_cache_lib.enable(cache_dir)
+        self._auto_warmup = bool(warmup)
+        self._warmed_up = False
 
         model_max = int(getattr(cfg, "max_position_embeddings", 2048))
         self.max_model_len = int(max_model_len or model_max)
@@ -244,6 +286,7 @@ class Engine:
         )
         self._num_traces = 0
         self._compiles_at_start = _BACKEND_COMPILES[0]
+        self._cache_hits_at_start = compile_cache_lib.cache_hits()
         self._jit_step = jax.jit(self._step_impl, donate_argnums=(0, 1))
         self._jit_allocate = jax.jit(self._count(allocator.allocate), static_argnames=("commit",))
         self._jit_fork = jax.jit(self._count(allocator.fork))
@@ -277,6 +320,18 @@ class Engine:
             policy=policy,
             on_finish=self._on_scheduler_finish,
         )
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB on %s), max_num_seqs %d, "
+            "max_num_batched_tokens %d, max_model_len %d, step buckets %s",
+            self.cache_config.num_blocks,
+            block_size,
+            self.bytes_per_block * self.cache_config.num_blocks / 2**20,
+            jax.default_backend(),
+            max_num_seqs,
+            max_num_batched_tokens,
+            self.max_model_len,
+            list(self.buckets),
+        )
 
     # ------------------------------------------------------------------ construction
 
@@ -296,8 +351,17 @@ class Engine:
         """
         from paxcache.models import load_pretrained
 
+        t0 = time.perf_counter()
         m, tok = load_pretrained(model, dtype=dtype)
         name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
+        logger.info(
+            "loaded %s (%s, %d layers, %s) in %.1fs",
+            name,
+            m.config.model_type,
+            m.config.num_hidden_layers,
+            jnp.dtype(dtype).name,
+            time.perf_counter() - t0,
+        )
         return cls(m, tok, model_name=name, **kwargs)
 
     def _count(self, fn):
@@ -580,6 +644,9 @@ class Engine:
           with cumulative ``token_ids``/``text`` and this step's deltas in
           ``new_token_ids``/``new_text``.
         """
+        if self._auto_warmup and not self._warmed_up:
+            logger.info("first step: warming up %d step shapes first", len(self.buckets))
+            self.warmup()
         outputs, self._pending_outputs = self._pending_outputs, []
         plan = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
@@ -836,13 +903,31 @@ class Engine:
         )
 
     def warmup(self) -> None:
-        """Compiles every shape bucket and allocator function, so serving never compiles."""
+        """Compiles every shape bucket and allocator function, so serving never compiles.
+
+        Logs one line per compiled step bucket (``logging`` INFO, logger ``paxcache.engine``)
+        and a summary. With the persistent compile cache (see :mod:`paxcache.compile_cache`)
+        a restart loads the executables instead of compiling them. :meth:`step` calls this
+        on first use unless the engine was built with ``warmup=False``.
+        """
         t0 = time.perf_counter()
+        hits0 = compile_cache_lib.cache_hits()
+        compiles0 = self._num_compiled()
         b = self.cache_config.max_seqs
         z = np.zeros
-        for t in self.buckets:
+        for i, t in enumerate(self.buckets):
+            tb = time.perf_counter()
+            hb = compile_cache_lib.cache_hits()
             self._state, self._kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
-        jax.block_until_ready(out.tokens)
+            jax.block_until_ready(out.tokens)
+            logger.info(
+                "warm-up %d/%d: step for %d tokens ready in %.1fs%s",
+                i + 1,
+                len(self.buckets),
+                t,
+                time.perf_counter() - tb,
+                " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
+            )
         # Refused / empty calls compile the allocator functions without changing the state.
         padded = z(self.cache_config.max_model_len, np.int32)
         self._jit_allocate(
@@ -854,11 +939,21 @@ class Engine:
             self._jit_swap_out(self._state, z(b, bool))
             self._jit_swap_in(self._state, z(b, bool))
         self.stats()
+        self._warmed_up = True
         logger.info(
-            "warm-up compiled %d functions in %.1fs",
-            self._num_traces,
+            "warm-up done in %.1fs: %d compiled, %d loaded from the compile cache%s",
             time.perf_counter() - t0,
+            self._num_compiled() - compiles0,
+            compile_cache_lib.cache_hits() - hits0,
+            f" ({self.compile_cache_dir})" if self.compile_cache_dir else " (cache off)",
         )
+
+    def _num_compiled(self) -> int:
+        """XLA compilations in this process since the engine was made. JAX's compile event
+        also fires for executables loaded from the persistent cache; those are not counted
+        here (they are ``num_compile_cache_hits``)."""
+        events = _BACKEND_COMPILES[0] - self._compiles_at_start
+        return events - (compile_cache_lib.cache_hits() - self._cache_hits_at_start)
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges (see DESIGN.md); cheap enough to poll every second."""
@@ -875,7 +970,8 @@ class Engine:
             "prefix_cache_hits": hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swaps": self.scheduler.num_swaps,
-            "num_compilations": _BACKEND_COMPILES[0] - self._compiles_at_start,
+            "num_compilations": self._num_compiled(),
+            "num_compile_cache_hits": compile_cache_lib.cache_hits() - self._cache_hits_at_start,
             "num_traces": self._num_traces,
             "num_running": len(self.scheduler.running),
             "num_waiting": self.scheduler.num_waiting,

@@ -20,12 +20,16 @@ compilations, and the share of a decode step spent on block allocation (the fuse
 timed against the same step fed a precomputed block table).
 
 Other modes: ``--url URL`` drives a running server over HTTP (``scripts/bench_http.py``);
-``--tp N`` runs the tensor-parallel benchmark (``scripts/bench_tp.py``).
+``--tp N`` runs the tensor-parallel benchmark (``scripts/bench_tp.py``); ``--peer
+transformers`` runs transformers' ``generate_batch`` and the engine with its defaults on the
+same HF checkpoint and workload, in the same run, and prints the ratio
+(``scripts/bench_peer.py``; needs the ``bench`` extra).
 
 Usage:
   python scripts/bench_serving.py                       # tiny model, default workload
   python scripts/bench_serving.py --shared-prefix 192   # prefix-caching workload
   python scripts/bench_serving.py --url http://127.0.0.1:8000
+  python scripts/bench_serving.py --peer transformers   # vs transformers, random HF Llama
 """
 
 from __future__ import annotations
@@ -334,6 +338,12 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--url", default=None, help="benchmark a running server over HTTP")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel benchmark")
+    ap.add_argument(
+        "--peer",
+        choices=["transformers"],
+        default=None,
+        help="compare with a peer engine (scripts/bench_peer.py; other flags pass through)",
+    )
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
@@ -361,6 +371,12 @@ def main() -> None:
                 [sys.executable, str(ROOT / "scripts/bench_http.py"), "--url", args.url, *rest]
             )
         )
+    if args.peer:
+        # The peer benchmark has its own workload flags; --model passes through when given.
+        model = [] if args.model == "tiny" else ["--model", args.model]
+        out = [] if args.out is None else ["--out", args.out]
+        cmd = [sys.executable, str(ROOT / "scripts/bench_peer.py"), *model, *out, *rest]
+        sys.exit(subprocess.call(cmd))
     if args.tp:
         sys.exit(
             subprocess.call(

@@ -8,8 +8,12 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (``"stream": true`` f
 GET /v1/models, GET /health (503 until warmed up), GET /metrics (Prometheus).
 
 Start-up prints one line with the address, model, devices, KV blocks and KV memory, then
-compiles every shape bucket before /health reports ready. SIGINT/SIGTERM stop accepting
-connections, let in-flight requests finish (up to ``--shutdown-timeout`` seconds) and exit 0.
+compiles every shape bucket (one log line each) before /health reports ready. Compiled steps
+are kept in JAX's persistent compilation cache (``--compile-cache DIR``, default
+``$XDG_CACHE_HOME/paxcache/jax`` i.e. ``~/.cache/paxcache/jax``; ``--no-compile-cache`` turns
+it off), so a restart with the same model and flags loads them instead of compiling.
+SIGINT/SIGTERM stop accepting connections, let in-flight requests finish (up to
+``--shutdown-timeout`` seconds) and exit 0.
 
 Multi-host (one process per host, e.g. a TPU pod slice): start the same command with
 ``--multihost`` on every host (plus ``--coordinator-address/--num-processes/--process-id``
@@ -48,9 +52,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (None: $PAXCACHE_API_KEY if set)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences running at once")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=256, help="token budget per engine step"
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences running at once (None: the engine's default for the backend, "
+        "64 on CPU, 256 on TPU/GPU)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per engine step (None: the engine's default, 256 on CPU, 2048 on "
+        "TPU/GPU)",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     p.add_argument(
@@ -90,6 +104,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--process-id", type=int, default=None, help="--multihost: this process (None: detected)"
+    )
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR",
+        help="persistent compilation cache directory (None: $XDG_CACHE_HOME/paxcache/jax, "
+        "i.e. ~/.cache/paxcache/jax); a restart loads the compiled steps instead of compiling",
+    )
+    cache.add_argument(
+        "--no-compile-cache", action="store_true", help="do not use a persistent compile cache"
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -157,6 +182,7 @@ def _load_engine(
         preemption_mode=preemption,
         tp=args.tp,
         max_model_len=args.max_model_len,
+        compile_cache=False if args.no_compile_cache else args.compile_cache,
     )
 
 
@@ -166,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level in ("warning", "info"):
+        # Start-up progress (model load, KV pool, one line per compiled step shape) is shown
+        # whatever the log level, short of errors only.
+        for name in ("paxcache.engine", "paxcache.compile_cache"):
+            logging.getLogger(name).setLevel(logging.INFO)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning(
             "binding %s without --api-key: anyone who can reach it can use it", args.host

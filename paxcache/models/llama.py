@@ -262,6 +262,15 @@ class LlamaConfig:
             qkv_bias, o_bias = ab, ab
 
         rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        # transformers >= 5 writes both into one dict, rope_parameters = {"rope_theta": ...,
+        # "rope_type": ..., scaling fields}; a missed theta would silently rotate wrong.
+        rope_params = d.get("rope_parameters")
+        if isinstance(rope_params, Mapping):
+            if rope_theta is None:
+                rope_theta = rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         head_dim = d.get("head_dim")
         return cls(
             vocab_size=int(d["vocab_size"]),
@@ -272,7 +281,7 @@ class LlamaConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or d["num_attention_heads"]),
             head_dim=int(head_dim) if head_dim is not None else None,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

@@ -1,0 +1,142 @@
+"""JAX's persistent compilation cache, on by default for the engine and the server.
+
+Compiling an engine's step for every token bucket takes seconds per bucket on a CPU and
+minutes for a real model on an accelerator, at every start. JAX can keep the compiled
+executables on disk (``jax_compilation_cache_dir``) and load them instead of compiling when
+the same program is built again (same HLO, JAX/jaxlib version, backend, devices and flags).
+:func:`enable` points JAX at a per-user directory:
+
+* ``$PAXCACHE_COMPILE_CACHE`` if set, else
+* ``$XDG_CACHE_HOME/paxcache/jax`` (``~/.cache/paxcache/jax`` when ``XDG_CACHE_HOME`` is
+  unset),
+
+created with mode ``0700``: JAX loads executables from this directory and runs them, so it
+must not be writable by anyone you do not trust (JAX's own warning).
+
+Every program is cached, however fast it compiled (``jax_persistent_cache_min_compile_time_secs
+= 0``) and however small (``jax_persistent_cache_min_entry_size_bytes = -1``): on CPU the
+engine's step compiles in a few seconds, below JAX's 1 s / filesystem-dependent defaults only
+for the small allocator programs, and a warm start should compile nothing. Donated buffers
+are fine: donation is part of the compiled program, and a loaded executable aliases its
+inputs like a freshly compiled one.
+
+The setting is process-wide (JAX has one cache). :func:`enable` with the directory already
+in use does nothing; with another directory it switches JAX to it (JAX's cache object is
+reset so the change takes effect even after earlier compilations). A directory the user set
+through JAX itself (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept when no
+directory is asked for.
+
+Counters: :func:`cache_hits` counts executables loaded from the cache in this process (JAX's
+``/jax/compilation_cache/cache_hits`` event); compilations that miss are counted by the
+engine's ``num_compilations``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+__all__ = ["cache_hits", "current_dir", "default_dir", "disable", "enable", "resolve"]
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "PAXCACHE_COMPILE_CACHE"
+
+_HITS = [0]
+_MISSES = [0]
+
+
+def _on_event(event: str, **kwargs: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _HITS[0] += 1
+    elif event == "/jax/compilation_cache/cache_misses":
+        _MISSES[0] += 1
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+def cache_hits() -> int:
+    """Executables loaded from the persistent cache by this process so far."""
+    return _HITS[0]
+
+
+def cache_misses() -> int:
+    """Programs looked up in the persistent cache and not found (then compiled and stored)."""
+    return _MISSES[0]
+
+
+def default_dir() -> Path:
+    """The per-user cache directory (see the module docstring); not created here."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "paxcache" / "jax"
+
+
+def current_dir() -> str | None:
+    """The directory JAX's persistent cache uses now, or None when it is off."""
+    return jax.config.jax_compilation_cache_dir or None
+
+
+def resolve(compile_cache: str | os.PathLike[str] | bool | None) -> Path | None:
+    """The directory an engine's ``compile_cache`` argument asks for (None: leave JAX alone).
+
+    Args:
+      compile_cache: ``None`` or ``True``: the default (a directory already configured in
+        JAX, else :func:`default_dir`); a path: that directory; ``False``: no cache.
+
+    Raises:
+      ValueError: a value of another type, or an empty path.
+    """
+    if compile_cache is False:
+        return None
+    if compile_cache is None or compile_cache is True:
+        configured = current_dir()
+        return Path(configured) if configured else default_dir()
+    if isinstance(compile_cache, (str, os.PathLike)) and str(compile_cache):
+        return Path(compile_cache).expanduser()
+    raise ValueError(
+        "compile_cache must be a directory path, None (the default per-user directory) or "
+        f"False (off), got {compile_cache!r}"
+    )
+
+
+def enable(path: str | os.PathLike[str] | None = None) -> Path | None:
+    """Turns on JAX's persistent compilation cache in ``path`` (default :func:`default_dir`).
+
+    Returns:
+      The directory in use, or None when it cannot be created or written (then the cache
+      stays off and a warning says why: a read-only home must not stop the engine).
+    """
+    target = Path(path).expanduser() if path is not None else default_dir()
+    try:
+        target.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise PermissionError(f"{target} is not writable")
+    except OSError as e:
+        logger.warning("persistent compile cache off: cannot use %s (%s)", target, e)
+        return None
+    target = target.resolve()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if current_dir() != str(target):
+        from jax.experimental.compilation_cache import compilation_cache as cc
+
+        jax.config.update("jax_compilation_cache_dir", str(target))
+        cc.reset_cache()  # JAX initializes its cache once; make it pick up the new directory
+        logger.info("persistent compile cache: %s", target)
+    return target
+
+
+def disable() -> None:
+    """Turns JAX's persistent compilation cache off for this process."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    cc.reset_cache()
