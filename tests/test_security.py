@@ -1,0 +1,299 @@
+"""Hostile checkpoints, hostile requests and other tenants (SECURITY.md).
+
+Every test here reproduces an attack first (it failed before the fix) and checks the defense:
+
+- checkpoints: a chat template that tries to run code, shard paths that leave the checkpoint
+  directory, absurd config values, malformed safetensors headers;
+- the multi-host round channel: a follower never unpickles what reaches it;
+- the engine: one request's failure (host work or its device step) fails only that request;
+- the tokenizer: incremental detokenization is linear in the output length;
+- the server (tests/test_server.py holds the protocol tests): auth before the body is read,
+  limits that name themselves, per-tenant cache salts, a client that stops reading, lone
+  surrogates -- each against the real engine while a second tenant is being served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hf_reference import base_config, random_tensors, write_checkpoint
+
+from paxcache import errors
+from paxcache.models import HFTokenizer, load_pretrained
+from paxcache.models.loading import CONFIG_LIMITS, load_config, load_model
+from paxcache.models.tokenizer import ChatTemplateError
+
+# ----------------------------------------------------------------------------------------------
+# Hostile checkpoints
+
+
+def _bpe_tokenizer(path: Path, chat_template: str | None) -> None:
+    """A small byte-level BPE tokenizer.json (trained here) and a tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["def add(a, b):\n    return a + b\n", "héllo wörld ✓ €uro", "the quick fox"] * 20
+    tk.train_from_iterator(corpus, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tk.save(str(path / "tokenizer.json"))
+    cfg: dict = {"bos_token": "<s>", "eos_token": "</s>"}
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+ESCAPES = [
+    "{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}",
+    "{{ joiner.__init__.__globals__.os.system('touch MARKER') }}",
+    "{{ lipsum.__globals__['os'].popen('touch MARKER').read() }}",
+    "{{ namespace.__init__.__globals__.os.popen('touch MARKER').read() }}",
+    "{% for c in ''.__class__.__mro__[1].__subclasses__() %}{% if c.__name__ == 'Popen' %}"
+    "{{ c('touch MARKER', shell=True) }}{% endif %}{% endfor %}",
+    "{{ self.__init__.__globals__.__builtins__.__import__('os').system('touch MARKER') }}",
+    "{{ raise_exception.__globals__['os'].system('touch MARKER') }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{% set x = messages.append({'role': 'x'}) %}{{ x }}",
+]
+
+
+@pytest.mark.parametrize("template", ESCAPES)
+def test_a_chat_template_cannot_run_code(tmp_path: Path, template: str) -> None:
+    marker = tmp_path / "pwned"
+    _bpe_tokenizer(tmp_path / "ckpt", template.replace("MARKER", str(marker)))
+    tok = HFTokenizer(tmp_path / "ckpt")
+    with pytest.raises(ChatTemplateError) as info:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert not marker.exists()
+    err = info.value
+    assert isinstance(err, errors.PaxcacheError) and not err.client_error
+    assert "chat_template" in str(err) and "chat_template" in err.public_message
+    assert str(tmp_path) not in err.public_message
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 'x' * 1000000000 }}",
+        "{{ [1] * 1000000000 }}",
+        "{{ 7 ** 100000000 }}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}",
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "{% for %}",
+    ],
+)
+def test_a_chat_template_cannot_exhaust_memory_or_cpu(tmp_path: Path, template: str) -> None:
+    _bpe_tokenizer(tmp_path, template)
+    with pytest.raises(ChatTemplateError, match="chat_template"):
+        HFTokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_chat_templates_get_transformers_helpers(tmp_path: Path) -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% if loop.index > 3 %}{% break %}{% endif %}"
+        "{% generation %}{{ m | tojson }}{% endgeneration %}"
+        "{% endfor %}{{ strftime_now('%Y')[:2] }}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    _bpe_tokenizer(tmp_path, template)
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "<é>"}]
+    out = HFTokenizer(tmp_path).apply_chat_template(msgs)
+    assert out == '<s>{"role": "user", "content": "<é>"}20<a>'  # tojson: no HTML escaping
+
+
+def test_raise_exception_in_a_template_is_a_client_error(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'user' and loop.index0 % 2 %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}{% endfor %}"
+    )
+    _bpe_tokenizer(tmp_path, template)
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(ChatTemplateError) as info:
+        HFTokenizer(tmp_path).apply_chat_template(msgs)
+    assert info.value.client_error
+    assert "roles must alternate" in info.value.public_message
+
+
+def _ckpt(tmp_path: Path, **overrides) -> tuple[Path, dict, dict]:
+    cfg = base_config("llama", **overrides)
+    tensors = random_tensors(base_config("llama"))
+    return write_checkpoint(tmp_path / "ckpt", cfg, tensors, shards=2), cfg, tensors
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "nested_dotdot", "symlink", "dir_link"])
+def test_shards_cannot_leave_the_checkpoint_directory(tmp_path: Path, kind: str) -> None:
+    path, _, tensors = _ckpt(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = "model-00002-of-00002.safetensors"
+    # A loadable copy of the shard outside the checkpoint: the attack would succeed silently.
+    (outside / "x.safetensors").write_bytes((path / shard).read_bytes())
+    if kind == "dotdot":
+        target = "../outside/x.safetensors"
+    elif kind == "absolute":
+        target = str(outside / "x.safetensors")
+    elif kind == "nested_dotdot":
+        (path / "sub").mkdir()
+        target = "sub/../../outside/x.safetensors"
+    elif kind == "symlink":
+        (path / shard).unlink()
+        (path / shard).symlink_to(outside / "x.safetensors")
+        target = shard
+    else:
+        (path / "linked").symlink_to(outside, target_is_directory=True)
+        target = "linked/x.safetensors"
+    index["weight_map"] = {k: (target if v == shard else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(errors.CheckpointError, match="checkpoint directory") as info:
+        load_model(path)
+    assert "model.safetensors.index.json" in str(info.value) or shard in str(info.value)
+
+
+def test_a_symlinked_single_file_checkpoint_outside_is_refused(tmp_path: Path) -> None:
+    cfg = base_config("llama")
+    src = write_checkpoint(tmp_path / "real", cfg, random_tensors(cfg))
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "model.safetensors").symlink_to(src / "model.safetensors")
+    with pytest.raises(errors.CheckpointError, match="outside the checkpoint directory"):
+        load_model(path)
+    (path / "tokenizer.json").symlink_to("/etc/hostname")
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    with pytest.raises(errors.CheckpointError, match="tokenizer.json"):
+        load_pretrained(path)
+
+
+def test_hugging_face_cache_snapshot_symlinks_into_blobs_still_load(tmp_path: Path) -> None:
+    cfg = base_config("llama")
+    src = write_checkpoint(tmp_path / "src", cfg, random_tensors(cfg))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        blob = repo / "blobs" / f"sha-{name}"
+        blob.write_bytes((src / name).read_bytes())
+        (snap / name).symlink_to(Path("../../blobs") / blob.name)
+    model, _ = load_pretrained(snap)
+    assert model.config.vocab_size == cfg["vocab_size"]
+
+
+ABSURD = [
+    ("max_position_embeddings", 1e13),
+    ("max_position_embeddings", 10**13),
+    ("vocab_size", 2**40),
+    ("hidden_size", -32),
+    ("num_hidden_layers", 10**6),
+    ("num_attention_heads", 0),
+    ("num_key_value_heads", 10**9),
+    ("head_dim", 2**20),
+    ("intermediate_size", "48"),
+    ("vocab_size", True),
+    ("rope_theta", float("nan")),
+    ("rms_norm_eps", -1.0),
+    ("tie_word_embeddings", "yes"),
+    ("eos_token_id", 10**12),
+    ("eos_token_id", [2, "x"]),
+    ("rope_scaling", "linear"),
+    ("rope_scaling", {"rope_type": "linear", "factor": float("inf")}),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("sliding_window", 2**40),
+    ("layer_types", "sliding_attention"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), ABSURD)
+def test_absurd_config_values_are_refused_naming_the_field(
+    tmp_path: Path, field: str, value
+) -> None:
+    path, cfg, _ = _ckpt(tmp_path)
+    cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(errors.CheckpointError) as info:
+        load_model(path)
+    msg = str(info.value)
+    assert "config.json" in msg and field.split(".")[0] in msg, msg
+
+
+@pytest.mark.parametrize(
+    "config_text",
+    ["[1, 2]", '"llama"', "{", '{"model_type": "llama"}', "\udcff", "[" * 100_000 + "]" * 100_000],
+)
+def test_malformed_configs_are_checkpoint_errors(tmp_path: Path, config_text: str) -> None:
+    path, _, _ = _ckpt(tmp_path)
+    (path / "config.json").write_bytes(config_text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(errors.CheckpointError, match="config.json"):
+        load_config(path)
+
+
+def _header_file(path: Path, header: bytes, data: bytes = b"", declared: int | None = None) -> None:
+    n = len(header) if declared is None else declared
+    path.write_bytes(struct.pack("<Q", n) + header + data)
+
+
+MALFORMED_SAFETENSORS = {
+    "garbage": lambda p: p.write_bytes(os.urandom(64)),
+    "empty": lambda p: p.write_bytes(b""),
+    "huge_header_length": lambda p: _header_file(p, b"{}", declared=2**62),
+    "header_not_json": lambda p: _header_file(p, b"{not json"),
+    "header_a_list": lambda p: _header_file(p, b"[1, 2, 3]"),
+    "offsets_past_the_end": lambda p: _header_file(
+        p,
+        json.dumps(
+            {"model.norm.weight": {"dtype": "F32", "shape": [32], "data_offsets": [0, 10**12]}}
+        ).encode(),
+    ),
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED_SAFETENSORS))
+def test_malformed_safetensors_are_checkpoint_errors_naming_the_file(
+    tmp_path: Path, kind: str
+) -> None:
+    path, _, _ = _ckpt(tmp_path)
+    shard = path / "model-00001-of-00002.safetensors"
+    MALFORMED_SAFETENSORS[kind](shard)
+    with pytest.raises(errors.CheckpointError, match="model-00001-of-00002") as info:
+        load_model(path)
+    assert isinstance(info.value, ValueError)
+
+
+def test_wrong_dtype_or_shape_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    cfg = base_config("llama", num_hidden_layers=2)
+    tensors = random_tensors(cfg)
+    tensors["model.layers.1.mlp.down_proj.weight"] = np.zeros((2, 2), np.float32)
+    path = write_checkpoint(tmp_path / "a", cfg, tensors)
+    with pytest.raises(errors.CheckpointError, match="down_proj"):
+        load_model(path)
+    tensors = random_tensors(cfg)
+    tensors["model.norm.weight"] = np.zeros(32, np.int64)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(errors.CheckpointError, match="dtype I64"):
+        load_model(path)
+
+
+def test_config_limits_cover_every_sized_field() -> None:
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
+        lo, hi = CONFIG_LIMITS[field]
+        assert 1 <= lo < hi
