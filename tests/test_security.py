@@ -297,3 +297,274 @@ def test_config_limits_cover_every_sized_field() -> None:
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
         lo, hi = CONFIG_LIMITS[field]
         assert 1 <= lo < hi
+
+
+# ----------------------------------------------------------------------------------------------
+# Incremental detokenization: exact and linear
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and counts the ids every ``decode`` call is given."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_incremental_decoder_matches_a_full_decode_with_a_bpe_tokenizer(tmp_path: Path) -> None:
+    from paxcache.models import IncrementalDecoder
+
+    _bpe_tokenizer(tmp_path, None)
+    tok = HFTokenizer(tmp_path)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = rng.integers(0, tok.vocab_size, size=int(rng.integers(1, 60))).tolist()
+        dec = IncrementalDecoder(tok)
+        text = "".join(dec.push(i) for i in ids) + dec.flush()
+        assert text == tok.decode(ids), ids
+    text = "héllo wörld ✓ €uro def add(a, b):"
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(i) for i in tok.encode(text, add_special_tokens=False)]
+    assert "".join(pieces) + dec.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_incremental_decoder_is_linear_in_the_output_length(tmp_path: Path) -> None:
+    from paxcache.models import ByteTokenizer, IncrementalDecoder
+
+    _bpe_tokenizer(tmp_path, None)
+    rng = np.random.default_rng(1)
+    for base in (HFTokenizer(tmp_path), ByteTokenizer()):
+        for n in (1000, 8000):
+            tok = _CountingTokenizer(base)
+            ids = rng.integers(0, 256, size=n).tolist()  # includes invalid UTF-8 runs
+            dec = IncrementalDecoder(tok)
+            text = "".join(dec.push(i) for i in ids) + dec.flush()
+            assert text == base.decode(ids)
+            # Each push decodes a window of a few tokens; a whole-list decode would be ~n^2/2.
+            assert tok.decoded <= 40 * n, (type(base).__name__, n, tok.decoded)
+
+
+def test_incremental_decoder_holds_at_most_a_few_tokens_of_invalid_utf8() -> None:
+    from paxcache.models import ByteTokenizer, IncrementalDecoder
+    from paxcache.models.tokenizer import MAX_HELD_TOKENS
+
+    dec = IncrementalDecoder(ByteTokenizer())
+    out = [dec.push(0x80) for _ in range(3 * MAX_HELD_TOKENS)]
+    assert sum(1 for p in out if p) >= 2  # emitted as U+FFFD instead of held forever
+    assert "".join(out) + dec.flush() == b"\x80".decode("utf-8", "replace") * 3 * MAX_HELD_TOKENS
+
+
+# ----------------------------------------------------------------------------------------------
+# SamplingParams bounds
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", 2**40),
+        ("top_k", -1),
+        ("max_tokens", 2**31),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("stop_token_ids", [2**31]),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("top_p", float("nan")),
+        ("min_p", float("nan")),
+        ("n", 10**6),
+        ("logprobs", 10**6),
+        ("output_kind", "final"),
+    ],
+)
+def test_sampling_params_refuse_values_the_engine_cannot_represent(field: str, value) -> None:
+    from paxcache import SamplingParams
+
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_accept_the_edges() -> None:
+    from paxcache import SamplingParams
+
+    SamplingParams(top_k=2**31 - 1, seed=2**64 - 1, max_tokens=2**31 - 1, stop_token_ids=[0])
+    SamplingParams(seed=-(2**63), output_kind="delta")
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine: one request's failure is that request's alone
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from paxcache import Engine
+
+    return Engine.from_pretrained(
+        "tiny", max_num_seqs=4, max_num_batched_tokens=16, num_blocks=96, block_size=16
+    )
+
+
+PROMPT_A = "def fibonacci(n):\n    " * 2  # 46 tokens: 3 prefill steps of 16
+PROMPT_B = "import numpy as np\n"
+
+
+def _drain(engine, ids) -> dict:
+    final = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if set(ids) <= final.keys():
+            return final
+    raise AssertionError(f"requests did not finish: {set(ids) - final.keys()}")
+
+
+def _idle(engine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert engine.free_slots() == engine.cache_config.max_seqs
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def _reference(engine, prompt: str, **kw):
+    from paxcache import SamplingParams
+
+    return engine.generate([prompt], SamplingParams(max_tokens=12, **kw))[0].outputs[0]
+
+
+def test_a_request_failing_in_host_work_fails_alone(engine) -> None:
+    from paxcache import SamplingParams
+
+    want = _reference(engine, PROMPT_B)
+    params = SamplingParams(max_tokens=12)
+    engine.add_request("a", PROMPT_A, params)
+    engine.add_request("b", PROMPT_B, params)
+
+    class Exploding:
+        def push(self, *ids):
+            raise RuntimeError("tokenizer bug at /secret/path")
+
+        def flush(self):
+            return ""
+
+    engine._requests["a"].seqs[0].decoder = Exploding()
+    final = _drain(engine, ["a", "b"])
+    a, b = final["a"], final["b"]
+    assert a.outputs[0].finish_reason == "error" and "/secret" not in (a.error or "")
+    assert a.error == "internal error while processing this request"
+    assert b.outputs[0].text == want.text and b.outputs[0].finish_reason == want.finish_reason
+    _idle(engine)
+
+
+def test_a_request_with_unrepresentable_params_fails_alone(engine) -> None:
+    """The issue's repro: a value that overflows the step's int32/float32 inputs. Validation
+    now refuses it at the door; if one ever slips through, only its request fails."""
+    from paxcache import SamplingParams
+
+    want = _reference(engine, PROMPT_B, temperature=0.0)
+    bad = SamplingParams(max_tokens=12, temperature=1.0)
+    object.__setattr__(bad, "temperature", 10**400)  # bypasses __post_init__
+    engine.add_request("bad", PROMPT_B, bad)
+    engine.add_request("good", PROMPT_B, SamplingParams(max_tokens=12))
+    final = _drain(engine, ["bad", "good"])
+    assert final["bad"].outputs[0].finish_reason == "error"
+    assert final["good"].outputs[0].text == want.text
+    _idle(engine)
+
+
+@pytest.mark.parametrize("after_donation", [False, True])
+def test_a_failed_device_step_fails_only_the_requests_in_it(engine, after_donation) -> None:
+    from paxcache import SamplingParams
+
+    want = _reference(engine, PROMPT_B)
+    params = SamplingParams(max_tokens=12)
+    # Its prefill (46 tokens, none cached) fills the whole first step (16 tokens).
+    engine.add_request("in-step", f"# fresh {after_donation}\n" + PROMPT_A, params)
+    engine.add_request("queued", PROMPT_B, params)
+    real = engine._jit_step
+    calls = []
+
+    def faulty(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            if after_donation:
+                real(*args)  # consumes (donates) the block state and the KV cache
+            raise RuntimeError("injected device failure")
+        return real(*args)
+
+    engine._jit_step = faulty
+    try:
+        final = _drain(engine, ["in-step", "queued"])
+    finally:
+        engine._jit_step = real
+    assert final["in-step"].outputs[0].finish_reason == "error"
+    assert final["queued"].outputs[0].text == want.text
+    _idle(engine)
+    # The engine keeps serving afterwards.
+    assert _reference(engine, PROMPT_B).text == want.text
+
+
+def test_cached_tokens_are_reported_and_never_cross_salts(engine) -> None:
+    from paxcache import SamplingParams
+
+    prompt = "class Tenant:\n    secret = 'x'\n" * 3  # > 3 blocks
+    p = SamplingParams(max_tokens=2)
+
+    def run(rid: str, salt) -> int:
+        engine.add_request(rid, prompt, p, cache_salt=salt)
+        return _drain(engine, [rid])[rid].num_cached_tokens
+
+    assert run("t1", "tenant-1") == 0
+    hit = run("t1-again", "tenant-1")
+    assert hit >= 3 * engine.block_size
+    assert run("t2", "tenant-2") == 0
+    assert run("none", None) == 0
+    assert run("t2-again", "tenant-2") == hit
+
+
+def test_delta_outputs_concatenate_to_the_cumulative_output(engine) -> None:
+    from paxcache import SamplingParams
+
+    kw = dict(max_tokens=20, temperature=0.8, seed=3, n=2, logprobs=1)
+    full = engine.generate([PROMPT_B], SamplingParams(**kw))[0]
+    engine.add_request("d", PROMPT_B, SamplingParams(**kw, output_kind="delta"))
+    text, ids, lps = ["", ""], [[], []], [[], []]
+    for out in iter(lambda: engine.step(), None):
+        for o in out:
+            for c in o.outputs:
+                text[c.index] += c.text
+                ids[c.index] += c.token_ids
+                lps[c.index] += c.logprobs
+        if any(o.finished for o in out):
+            break
+    for c in full.outputs:
+        assert text[c.index] == c.text and ids[c.index] == c.token_ids
+        assert [e["token_id"] for e in lps[c.index]] == c.token_ids
+
+
+def test_the_cache_salt_map_stays_bounded_and_never_reuses_an_id(engine, monkeypatch) -> None:
+    from paxcache import SamplingParams
+
+    import paxcache.engine
+
+    monkeypatch.setattr(paxcache.engine, "_SALT_GC_THRESHOLD", 8)
+    monkeypatch.setattr(engine, "_salt_gc_at", 8)
+    seen: dict = {}
+    for i in range(40):
+        salt = f"tenant-{i}"
+        sid = engine._salt_id(salt)
+        assert sid not in seen.values()
+        seen[salt] = sid
+    assert len(engine._salts) <= 16
+    # A salt whose blocks are still cached keeps its id (and its hits) across a collection.
+    prompt = "def cached_for_keeper(): pass\n" * 2
+    engine.generate([prompt], SamplingParams(max_tokens=1))  # warms nothing for the salt
+    engine.add_request("k1", prompt, SamplingParams(max_tokens=1), cache_salt="keeper")
+    _drain(engine, ["k1"])
+    for i in range(40):
+        engine._salt_id(f"filler-{i}")
+    engine.add_request("k2", prompt, SamplingParams(max_tokens=1), cache_salt="keeper")
+    assert _drain(engine, ["k2"])["k2"].num_cached_tokens > 0
