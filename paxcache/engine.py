@@ -36,7 +36,7 @@ from paxcache import allocator, kv_cache
 from paxcache.attention import metadata_from_state, paged_attention_op
 from paxcache.config import CacheConfig
 from paxcache.errors import DuplicateSequenceError, SequenceTooLongError
-from paxcache.outputs import CompletionOutput, RequestOutput
+from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput
 from paxcache.sampling import SamplingParams, request_keys, sample
 from paxcache.scheduler import Scheduler, SeqState
 from paxcache.scheduler import Sequence as Seq
@@ -49,8 +49,6 @@ MAX_LOGPROBS = 20  # top log-probabilities computed every step (static shape)
 
 _SALT_GC_THRESHOLD = 4096  # cache-salt map size that triggers dropping unused salts
 
-_REQUEST_FAILED = "internal error while processing this request"
-"""What a request that failed inside the engine reports (details go to the log)."""
 
 # Every XLA backend compilation in this process, counted through JAX's monitoring events (so
 # a cache miss that re-lowers a cached trace counts too, not only retraces).
@@ -786,7 +784,7 @@ class Engine:
                 self.scheduler.remove([seq])
                 self.release(seq)
         for req in failed.values():
-            self._fail_request(req, _REQUEST_FAILED)
+            self._fail_request(req, INTERNAL_ERROR)
             touched[req.request_id] = req
 
     def _isolate(self, seq: Seq, failed: dict[str, _Request], doing: str) -> None:
@@ -835,7 +833,7 @@ class Engine:
         for rid in victims:
             req = self._requests.get(rid)
             if req is not None:
-                self._fail_request(req, _REQUEST_FAILED)
+                self._fail_request(req, INTERNAL_ERROR)
                 touched[rid] = req
 
     def _check_stop(self, seq: Seq, tok: int) -> None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+INTERNAL_ERROR = "internal error while processing this request"
+"""``RequestOutput.error`` of a request that failed inside the engine (the details are logged,
+never reported: they may hold paths or internals)."""
+
 
 @dataclass
 class CompletionOutput:

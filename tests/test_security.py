@@ -546,9 +546,8 @@ def test_delta_outputs_concatenate_to_the_cumulative_output(engine) -> None:
 
 
 def test_the_cache_salt_map_stays_bounded_and_never_reuses_an_id(engine, monkeypatch) -> None:
-    from paxcache import SamplingParams
-
     import paxcache.engine
+    from paxcache import SamplingParams
 
     monkeypatch.setattr(paxcache.engine, "_SALT_GC_THRESHOLD", 8)
     monkeypatch.setattr(engine, "_salt_gc_at", 8)
@@ -568,3 +567,417 @@ def test_the_cache_salt_map_stays_bounded_and_never_reuses_an_id(engine, monkeyp
         engine._salt_id(f"filler-{i}")
     engine.add_request("k2", prompt, SamplingParams(max_tokens=1), cache_salt="keeper")
     assert _drain(engine, ["k2"])["k2"].num_cached_tokens > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The multi-host round channel: JSON of known fields, never pickle
+
+
+def test_rounds_round_trip_through_the_json_channel() -> None:
+    from paxcache import SamplingParams, sharding
+    from paxcache.server import EngineRound, RoundAdd
+
+    rnd = EngineRound(
+        stop=False,
+        aborts=("cmpl-1",),
+        adds=(
+            RoundAdd("cmpl-2", "héllo", SamplingParams(stop=["\n"], seed=2**64 - 1, n=2), "k/s"),
+            RoundAdd("cmpl-3", [1, 2, 3], SamplingParams(output_kind="delta", logprobs=3)),
+        ),
+        stats=True,
+    )
+    wire = sharding.decode_message(sharding.encode_message(rnd.to_wire()))
+    assert EngineRound.from_wire(wire) == rnd
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_on_the_channel_is_refused_without_running_it(tmp_path: Path) -> None:
+    import pickle
+
+    from paxcache import sharding
+
+    marker = tmp_path / "pwned"
+    with pytest.raises(sharding.BroadcastError):
+        sharding.decode_message(pickle.dumps(_Evil(marker)))
+    assert not marker.exists()
+    with pytest.raises(sharding.BroadcastError):
+        sharding.encode_message({"x": _Evil(marker)})  # the leader cannot send objects either
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda w: w.update(extra=1),
+        lambda w: w.update(stop="yes"),
+        lambda w: w.update(aborts=[1]),
+        lambda w: w["adds"][0].update(prompt={"a": 1}),
+        lambda w: w["adds"][0].update(prompt=[1, True]),
+        lambda w: w["adds"][0].update(request_id="x" * 1000),
+        lambda w: w["adds"][0]["params"].update(top_k=2**40),
+        lambda w: w["adds"][0]["params"].update(evil="__import__('os')"),
+        lambda w: w["adds"][0]["params"].pop("n"),
+        lambda w: w["adds"][0].update(cache_salt=5),
+    ],
+)
+def test_a_malformed_round_is_refused(mutate) -> None:
+    from paxcache import SamplingParams
+    from paxcache.server import EngineRound, RoundAdd, RoundError
+
+    wire = EngineRound(False, (), (RoundAdd("r", "p", SamplingParams()),), False).to_wire()
+    mutate(wire)
+    with pytest.raises(RoundError, match="invalid multi-host round"):
+        EngineRound.from_wire(wire)
+
+
+# ----------------------------------------------------------------------------------------------
+# The server, with the real engine and two tenants
+
+KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
+
+
+@pytest.fixture()
+def served(engine):
+    """The real engine behind the real app, keys for two tenants, short timeouts."""
+    import contextlib
+
+    from test_server import serve_in_thread
+
+    from paxcache.server import ServerLimits, create_app
+
+    @contextlib.contextmanager
+    def serve(**limits):
+        lim = ServerLimits(
+            **{
+                "stream_stall_timeout_s": 2.0,
+                "body_timeout_s": 2.0,
+                "max_inflight_per_tenant": 6,
+                **limits,
+            }
+        )
+        app = create_app(engine, api_key=[KEY_A, KEY_B], limits=lim, warmup=False)
+        with serve_in_thread(app) as base:
+            yield base, app
+
+    return serve
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _assert_clean_error(r, status_range=(400, 500)) -> dict:
+    assert status_range[0] <= r.status_code < status_range[1], (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["message"] and err["request_id"] == r.headers["x-request-id"]
+    for leak in ("Traceback", 'File "', "/work", "site-packages", ".py"):
+        assert leak not in r.text, (leak, r.text[:300])
+    return err
+
+
+class _Tenant:
+    """Tenant B's streaming request, run in a thread while tenant A attacks."""
+
+    def __init__(self, base: str, body: dict) -> None:
+        import threading
+
+        self.base, self.body = base, body
+        self.text, self.error, self.seconds = "", None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import time
+
+        import httpx
+
+        t0 = time.monotonic()
+        try:
+            with httpx.stream(
+                "POST",
+                f"{self.base}/v1/completions",
+                json={**self.body, "stream": True},
+                headers=_auth(KEY_B),
+                timeout=120,
+            ) as s:
+                assert s.status_code == 200, s.read()
+                for line in s.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        ev = json.loads(line[6:])
+                        assert "error" not in ev, ev
+                        self.text += ev["choices"][0]["text"]
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+        self.seconds = time.monotonic() - t0
+
+    def __enter__(self) -> _Tenant:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.thread.join(120)
+
+
+VICTIM = {"prompt": "def quicksort(xs):\n", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+
+def _victim_reference(engine) -> str:
+    from paxcache import SamplingParams
+
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    return engine.generate([VICTIM["prompt"]], params)[0].outputs[0].text
+
+
+def _hostile_requests(vocab: int) -> list[tuple[str, object, str | None]]:
+    """(path, JSON body or raw bytes, the param the 400 must name or None)."""
+    chat = "/v1/chat/completions"
+    cmpl = "/v1/completions"
+    msg = [{"role": "user", "content": "hi"}]
+    return [
+        (cmpl, {"prompt": "x", "top_k": 2**40, "temperature": 1}, "top_k"),
+        (cmpl, {"prompt": "x", "top_k": vocab + 1, "temperature": 1}, "top_k"),
+        (cmpl, {"prompt": "x", "stop": ["ab"] * 85_000}, "stop"),
+        (cmpl, {"prompt": "x", "stop": ["s" * 5000]}, "stop"),
+        (cmpl, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (cmpl, {"prompt": "x", "stop_token_ids": [10**12]}, "stop_token_ids"),
+        (cmpl, {"prompt": "x", "stop_token_ids": [vocab]}, "stop_token_ids"),
+        (cmpl, {"prompt": "x", "stop_token_ids": list(range(100))}, "stop_token_ids"),
+        (cmpl, {"prompt": ["x"] * 4096, "n": 16}, "prompt"),
+        (cmpl, {"prompt": ["x"] * 8, "n": 16}, "n"),
+        (cmpl, {"prompt": "x", "n": 65}, "n"),
+        (cmpl, {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (cmpl, {"prompt": "x", "seed": 2**64}, "seed"),
+        (cmpl, {"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+        (cmpl, {"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+        (cmpl, {"prompt": list(range(1, 200)) * 500}, "prompt"),
+        (cmpl, {"prompt": "x", "temperature": float("nan")}, "temperature"),
+        (cmpl, {"prompt": "x", "top_p": float("inf")}, "top_p"),
+        (cmpl, {"prompt": "x", "cache_salt": "s" * 1000}, "cache_salt"),
+        (cmpl, {"prompt": "x", "cache_salt": ""}, "cache_salt"),
+        (cmpl, {"prompt": "x", "unknown_field": 1}, "unknown_field"),
+        (cmpl, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        (cmpl, {"prompt": "\ud800"}, "prompt"),
+        (cmpl, {"prompt": "x", "model": "\ud800"}, "model"),
+        (cmpl, {"prompt": "x", "stop": ["\udfff"]}, "stop"),
+        (cmpl, {"prompt": "x", "cache_salt": "\ud800"}, "cache_salt"),
+        (cmpl, {"prompt": "x", "user": "\ud800"}, "user"),
+        (chat, {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+            None,
+        ),
+        (chat, {"messages": msg * 600}, "messages"),
+        (chat, {"messages": msg, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        (chat, {"messages": msg, "n": 65}, "n"),
+        (chat, {"messages": msg, "tools": [{"type": "function"}]}, "tools"),
+        (cmpl, b"[" * 200_000 + b"]" * 200_000, None),
+        (cmpl, b'{"prompt": "\xff\xfe"}', None),
+        (cmpl, b'{"prompt": "x", "n": 1e400}', None),
+        (cmpl, b"\x00" * 100, None),
+    ]
+
+
+def test_hostile_requests_are_4xx_and_the_other_tenant_is_served(engine, served) -> None:
+    import time
+
+    import httpx
+
+    want = _victim_reference(engine)
+    vocab = engine.model.config.vocab_size
+    with served() as (base, _):
+        with _Tenant(base, VICTIM) as alone:
+            pass
+        assert alone.error is None and alone.text == want
+        with _Tenant(base, VICTIM) as victim:
+            for path, body, param in _hostile_requests(vocab):
+                t0 = time.monotonic()
+                if isinstance(body, bytes):
+                    headers = {**_auth(KEY_A), "content-type": "application/json"}
+                    r = httpx.post(f"{base}{path}", content=body, headers=headers, timeout=30)
+                else:
+                    content = json.dumps(body).encode()  # NaN/inf as JSON extensions
+                    headers = {**_auth(KEY_A), "content-type": "application/json"}
+                    r = httpx.post(f"{base}{path}", content=content, headers=headers, timeout=30)
+                err = _assert_clean_error(r, (400, 414))
+                if param is not None:
+                    assert err["param"] == param, (path, str(body)[:80], err)
+                assert time.monotonic() - t0 < 10, (path, str(body)[:80])
+        assert victim.error is None, victim.error
+        assert victim.text == want  # untouched: the same greedy text as alone
+        assert victim.seconds < 3 * alone.seconds + 10, (victim.seconds, alone.seconds)
+        ok = httpx.post(
+            f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=_auth(KEY_A)
+        )
+        assert ok.status_code == 200
+
+
+def test_auth_is_checked_before_the_body_is_read(served) -> None:
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    import httpx
+
+    with served() as (base, _):
+        # A malformed body without a key is a 401, not a 400: the body is never parsed.
+        r = httpx.post(f"{base}/v1/completions", content=b"{oops")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        # Headers announce a body that never comes: the 401 still arrives at once.
+        u = urlparse(base)
+        with socket.create_connection((u.hostname, u.port), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 900000\r\n\r\n"
+            )
+            head = s.recv(4096)
+            assert head.startswith(b"HTTP/1.1 401"), head[:100]
+            assert time.monotonic() - t0 < 1.5  # < the 2 s body timeout
+        for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+            assert httpx.get(f"{base}{path}").status_code == 401, path
+            assert httpx.get(f"{base}{path}", headers=_auth(KEY_B)).status_code == 200, path
+        assert httpx.get(f"{base}/health").status_code == 200
+        r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY_A}x"})
+        assert r.status_code == 401
+
+
+def test_a_slow_body_gets_408_and_frees_the_connection(served) -> None:
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    with served() as (base, _):
+        u = urlparse(base)
+        with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+            t0 = time.monotonic()
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + KEY_A.encode() + b"\r\nContent-Length: 100\r\n\r\n"
+                b'{"prompt":'
+            )
+            head = s.recv(4096)
+            assert head.startswith(b"HTTP/1.1 408"), head[:200]
+            assert b"body_timeout_s" in head
+            assert 1.5 < time.monotonic() - t0 < 6
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(engine, served) -> None:
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    import httpx
+
+    want = _victim_reference(engine)
+    with served(stream_stall_timeout_s=1.5) as (base, app):
+        u = urlparse(base)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # tiny window: fills at once
+        s.connect((u.hostname, u.port))
+        body = json.dumps(
+            {
+                "prompt": "x",
+                "max_tokens": 900,
+                "n": 4,
+                "logprobs": 20,
+                "temperature": 1,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY_A.encode() + b"\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+        try:
+            with _Tenant(base, VICTIM) as victim:
+                pass
+            assert victim.error is None and victim.text == want
+            runner = app.state.runner
+            deadline = time.monotonic() + 60
+            while runner.num_inflight or engine.has_unfinished_requests():
+                assert time.monotonic() < deadline, "the stalled stream was never aborted"
+                time.sleep(0.1)
+        finally:
+            s.close()
+        metrics = httpx.get(f"{base}/metrics", headers=_auth(KEY_B)).text
+        assert "paxcache_streams_stalled_total 1.0" in metrics
+        _idle(engine)
+
+
+def test_one_tenant_cannot_take_every_slot(engine, served) -> None:
+    import threading
+
+    import httpx
+
+    with served(max_inflight_per_tenant=4) as (base, _):
+        codes: list[int] = []
+        body = {"prompt": "x", "max_tokens": 64, "ignore_eos": True, "n": 2}
+
+        def flood() -> None:
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=_auth(KEY_A), timeout=120)
+            codes.append(r.status_code)
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "tenant_limit"
+                assert "max_inflight_per_tenant" in r.json()["error"]["message"]
+
+        threads = [threading.Thread(target=flood) for _ in range(6)]
+        for t in threads:
+            t.start()
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": "y", "max_tokens": 4},
+            headers=_auth(KEY_B),
+            timeout=120,
+        )
+        for t in threads:
+            t.join(120)
+        assert r.status_code == 200  # the other tenant is not refused
+        assert codes.count(200) >= 2 and 429 in codes, codes
+
+
+def test_prefix_cache_hits_never_cross_tenants_or_salts(served) -> None:
+    import httpx
+
+    prompt = "# tenant secret: 7f3a9c\n" * 6  # several blocks
+
+    with served() as (base, _):
+
+        def cached(key: str, **extra) -> int:
+            r = httpx.post(
+                f"{base}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 1, **extra},
+                headers=_auth(key),
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(KEY_A) == 0
+        hit = cached(KEY_A)
+        assert hit >= 32  # the same tenant reuses its own cache
+        assert cached(KEY_B) == 0  # another tenant never sees it
+        assert cached(KEY_B, cache_salt="shared") == 0
+        assert cached(KEY_A, cache_salt="shared") == 0  # salts are namespaced per key
+        assert cached(KEY_A, cache_salt="shared") == hit
+        # Streaming usage reports cached tokens too.
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 1,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            headers=_auth(KEY_B),
+        ) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
