@@ -489,6 +489,7 @@ class _Exchange:
         self.refusal: _Failed | None = None  # a request the engine did not accept
         self.failure: _Failed | None = None  # an accepted request that failed later
         self.disconnected = False
+        self.streaming = False  # a stream generator started (and owns the cleanup)
 
     def disconnect(self) -> None:
         """The client went away: wakes the handler (``take`` returns at once from now on)."""
@@ -1253,11 +1254,13 @@ class _EventStream(Response):
         *,
         on_stall: Callable[[], None] | None = None,
         on_disconnect: Callable[[], None] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.events = events
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = on_stall
         self.on_disconnect = on_disconnect
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.closed = False
@@ -1304,6 +1307,8 @@ class _EventStream(Response):
                 pumping.cancel()
             await asyncio.gather(pumping, watching, return_exceptions=True)
             await self.events.aclose()  # runs the generator's cleanup: aborts what is unfinished
+            if self.on_close is not None:  # also when the generator never started
+                self.on_close()
         if not pumping.cancelled() and pumping.exception() is not None:
             raise pumping.exception()
 
@@ -1312,16 +1317,56 @@ class _EventStream(Response):
 # Request -> engine helpers
 
 
-def _check_limits(body: _SamplingFields, limits: ServerLimits, vocab_size: int | None) -> None:
+def _too_many(param: str, what: str, limit: int, name: str) -> APIError:
+    return APIError(400, f"{what}; at most {limit} are allowed (limit {name})", param=param)
+
+
+def _completion_prompts(body: CompletionRequest, limits: ServerLimits) -> list[str | list[int]]:
+    """The prompts of a completions request, within ``max_prompts`` and ``max_choices``."""
+    p = body.prompt
+    if isinstance(p, str):
+        raw: list[str | list[int]] = [p]
+    elif not p:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    elif isinstance(p[0], int):
+        raw = [list(p)]
+    else:
+        raw = list(p)
+    if len(raw) > limits.max_prompts:
+        raise _too_many("prompt", f"{len(raw)} prompts", limits.max_prompts, "max_prompts")
+    if len(raw) * body.n > limits.max_choices:
+        what = f"{len(raw)} prompts x n={body.n} = {len(raw) * body.n} completions"
+        raise _too_many("n", what, limits.max_choices, "max_choices")
+    return raw
+
+
+def _check_chat_limits(body: ChatCompletionRequest, limits: ServerLimits) -> None:
+    if len(body.messages) > limits.max_messages:
+        what = f"{len(body.messages)} messages"
+        raise _too_many("messages", what, limits.max_messages, "max_messages")
+    if body.n > limits.max_choices:
+        raise _too_many("n", f"n={body.n} completions", limits.max_choices, "max_choices")
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+def _check_limits(
+    body: _SamplingFields,
+    limits: ServerLimits,
+    vocab_size: int | None,
+    logprobs: int | None,
+    logprobs_param: str,
+) -> None:
     """The per-request limits every endpoint shares (400 naming the limit)."""
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stops) > limits.max_stop:
+    if logprobs is not None and logprobs > limits.max_logprobs:
         raise APIError(
             400,
-            f"stop has {len(stops)} strings; at most {limits.max_stop} are allowed "
-            f"(limit max_stop)",
-            param="stop",
+            f"{logprobs_param}={logprobs}; at most {limits.max_logprobs} (limit max_logprobs)",
+            param=logprobs_param,
         )
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > limits.max_stop:
+        raise _too_many("stop", f"{len(stops)} stop strings", limits.max_stop, "max_stop")
     for s in stops:
         if len(s) > limits.max_stop_chars:
             raise APIError(
@@ -1332,12 +1377,8 @@ def _check_limits(body: _SamplingFields, limits: ServerLimits, vocab_size: int |
             )
     ids = body.stop_token_ids or []
     if len(ids) > limits.max_stop_token_ids:
-        raise APIError(
-            400,
-            f"stop_token_ids has {len(ids)} ids; at most {limits.max_stop_token_ids} are "
-            "allowed (limit max_stop_token_ids)",
-            param="stop_token_ids",
-        )
+        what = f"{len(ids)} stop_token_ids"
+        raise _too_many("stop_token_ids", what, limits.max_stop_token_ids, "max_stop_token_ids")
     if vocab_size is not None:
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -1820,6 +1861,7 @@ def create_app(
     ) -> AsyncIterator[str]:
         totals = [_Progress() for _ in ids]
         reported: set[int] = set()
+        exchange.streaming = True
         try:
             for ch in first_chunks:
                 yield _sse(ch)
@@ -1852,6 +1894,19 @@ def create_app(
             unfinished = [rid for rid, t in zip(ids, totals, strict=True) if not t.finished]
             runner.abort(unfinished)
             release()
+
+    def stream_closer(
+        ids: list[str], exchange: _Exchange, release: Callable[[], None]
+    ) -> Callable[[], None]:
+        """Cleanup for a stream whose generator never ran (the client left before the first
+        event): abort its requests and free the tenant's slots (``release`` is idempotent)."""
+
+        def close() -> None:
+            if not exchange.streaming:
+                runner.abort(ids)
+            release()
+
+        return close
 
     def tenant_slots(request: Request, completions: int) -> Callable[[], None]:
         try:
@@ -1903,38 +1958,13 @@ def create_app(
             raise APIError(
                 400, "best_of must equal n (best_of > n is not supported)", param="best_of"
             )
-        _check_limits(body, limits, vocab_size)
-        p = body.prompt
-        raw: list[str | list[int]]
-        if isinstance(p, str):
-            raw = [p]
-        elif not p:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        elif isinstance(p[0], int):
-            raw = [list(p)]
-        else:
-            raw = list(p)
-        if len(raw) > limits.max_prompts:
-            raise APIError(
-                400,
-                f"{len(raw)} prompts in one request; at most {limits.max_prompts} are allowed "
-                "(limit max_prompts)",
-                param="prompt",
-            )
-        if len(raw) * body.n > limits.max_choices:
-            raise APIError(
-                400,
-                f"{len(raw)} prompts x n={body.n} = {len(raw) * body.n} completions; at most "
-                f"{limits.max_choices} are allowed (limit max_choices)",
-                param="n",
-            )
+        _check_limits(body, limits, vocab_size, body.logprobs, "logprobs")
+        raw = _completion_prompts(body, limits)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         check_max_tokens(max_tokens, "max_tokens")
         params = _sampling_params(
             body, max_tokens=max_tokens, logprobs=body.logprobs, logprobs_param="logprobs"
         )
-        if body.logprobs is not None and body.logprobs > limits.max_logprobs:
-            raise APIError(400, f"logprobs must be at most {limits.max_logprobs}", param="logprobs")
         prompts: list[list[int]] = []
         for q in raw:
             if isinstance(q, str):
@@ -2003,6 +2033,7 @@ def create_app(
                 limits.stream_stall_timeout_s,
                 on_stall=stalled.inc,
                 on_disconnect=exchange.disconnect,
+                on_close=stream_closer(ids, exchange, release),
             )
 
         try:
@@ -2042,27 +2073,8 @@ def create_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError(400, "this engine has no tokenizer; chat is unavailable")
-        _check_limits(body, limits, vocab_size)
-        if len(body.messages) > limits.max_messages:
-            raise APIError(
-                400,
-                f"{len(body.messages)} messages; at most {limits.max_messages} are allowed "
-                "(limit max_messages)",
-                param="messages",
-            )
-        if body.n > limits.max_choices:
-            raise APIError(
-                400,
-                f"n={body.n}; at most {limits.max_choices} completions are allowed "
-                "(limit max_choices)",
-                param="n",
-            )
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        if body.top_logprobs is not None and body.top_logprobs > limits.max_logprobs:
-            raise APIError(
-                400, f"top_logprobs must be at most {limits.max_logprobs}", param="top_logprobs"
-            )
+        _check_limits(body, limits, vocab_size, body.top_logprobs, "top_logprobs")
+        _check_chat_limits(body, limits)
         max_tokens = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(max_tokens, param)
@@ -2140,6 +2152,7 @@ def create_app(
                 limits.stream_stall_timeout_s,
                 on_stall=stalled.inc,
                 on_disconnect=exchange.disconnect,
+                on_close=stream_closer(ids, exchange, release),
             )
 
         try:

@@ -981,3 +981,208 @@ def test_prefix_cache_hits_never_cross_tenants_or_salts(served) -> None:
         ) as s:
             events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
         assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+
+
+# ----------------------------------------------------------------------------------------------
+# The server with a stand-in engine: templates, leaks, hosts, keys, connection limits
+
+
+def _fake_app(**kw):
+    from test_server import FakeEngine
+
+    from paxcache.server import create_app
+
+    engine = kw.pop("engine", None) or FakeEngine()
+    return engine, create_app(engine, **kw)
+
+
+@pytest.mark.parametrize("template", ESCAPES[:3])
+def test_a_hostile_chat_template_is_a_5xx_naming_the_template_and_runs_nothing(
+    tmp_path: Path, template: str
+) -> None:
+    import httpx
+    from test_server import FakeEngine, serve_in_thread
+
+    marker = tmp_path / "pwned"
+    _bpe_tokenizer(tmp_path / "ckpt", template.replace("MARKER", str(marker)))
+    engine = FakeEngine()
+    engine.tokenizer = HFTokenizer(tmp_path / "ckpt")
+    _, app = _fake_app(engine=engine)
+    with serve_in_thread(app) as base:
+        r = httpx.post(
+            f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+        )
+        err = _assert_clean_error(r, (500, 501))
+        assert "chat template" in err["message"] and "chat_template" in err["message"]
+        assert str(tmp_path) not in r.text
+        assert not marker.exists()
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_a_template_rejecting_the_messages_is_a_400(tmp_path: Path) -> None:
+    import httpx
+    from test_server import FakeEngine, serve_in_thread
+
+    _bpe_tokenizer(tmp_path, "{{ raise_exception('Only user and assistant roles are supported') }}")
+    engine = FakeEngine()
+    engine.tokenizer = HFTokenizer(tmp_path)
+    _, app = _fake_app(engine=engine)
+    with serve_in_thread(app) as base:
+        r = httpx.post(
+            f"{base}/v1/chat/completions", json={"messages": [{"role": "system", "content": "x"}]}
+        )
+        err = _assert_clean_error(r, (400, 401))
+        assert err["param"] == "messages" and "roles are supported" in err["message"]
+
+
+def test_internal_errors_never_reach_the_client(caplog) -> None:
+    import httpx
+    from test_server import FakeEngine, serve_in_thread
+
+    class Leaky(FakeEngine):
+        fail_add = False
+
+        def add_request(self, *a, **kw):
+            if self.fail_add:
+                raise RuntimeError("cannot open /root/.secret/weights.bin")
+            return super().add_request(*a, **kw)
+
+    engine = Leaky()
+    _, app = _fake_app(engine=engine)
+    with serve_in_thread(app) as base:
+        engine.fail_add = True
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
+        _assert_clean_error(r, (503, 504))
+        assert "secret" not in r.text
+        engine.fail_add = False
+        engine.fail_steps = 1
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
+        _assert_clean_error(r, (503, 504))
+        assert "injected" not in r.text
+        # A bug in a route: a 500 with the request id, the details only in the log.
+        app.state.runner.submit = None  # type: ignore[assignment]
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
+        err = _assert_clean_error(r, (500, 501))
+        assert "NoneType" not in r.text
+    assert any(err["request_id"] in rec.getMessage() for rec in caplog.records)
+
+
+def test_allowed_hosts_refuse_other_host_headers() -> None:
+    import httpx
+    from test_server import serve_in_thread
+
+    _, app = _fake_app(allowed_hosts=["localhost", "127.0.0.1"])
+    with serve_in_thread(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 200  # Host: 127.0.0.1:port
+        for host in ("evil.example", "localhost.evil.example", "127.0.0.1.nip.io:80"):
+            r = httpx.get(f"{base}/health", headers={"Host": host})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+        assert httpx.get(f"{base}/health", headers={"Host": "LOCALHOST:9"}).status_code == 200
+
+
+def test_without_keys_the_client_salt_is_used_and_tenants_are_addresses() -> None:
+    import httpx
+    from test_server import serve_in_thread
+
+    engine, app = _fake_app()
+    with serve_in_thread(app) as base:
+        for salt in (None, "s1"):
+            body = {"prompt": "x", "max_tokens": 1}
+            if salt:
+                body["cache_salt"] = salt
+            assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
+    assert engine.salts == [None, "s1"]
+
+
+def test_with_keys_every_request_gets_its_tenants_salt() -> None:
+    import httpx
+    from test_server import serve_in_thread
+
+    engine, app = _fake_app(api_key=[KEY_A, KEY_B])
+    with serve_in_thread(app) as base:
+        for key, salt in ((KEY_A, None), (KEY_B, None), (KEY_A, "x"), (KEY_B, "x")):
+            body = {"prompt": "x", "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=_auth(key))
+            assert r.status_code == 200
+    a, b, ax, bx = engine.salts
+    assert len({a, b, ax, bx}) == 4 and None not in engine.salts
+    assert KEY_A not in str(engine.salts)  # salts name the tenant by a hash, never the key
+
+
+def _serve_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
+    spec = importlib.util.spec_from_file_location("paxcache_serve_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_serve_reads_keys_from_the_environment_and_a_file(tmp_path: Path, caplog) -> None:
+    serve = _serve_script()
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# tenants\nfile-key-1\n\nfile-key-2\n")
+    args = serve.parse_args(["--api-key-file", str(keyfile)])
+    assert serve.api_keys(args, {"PAXCACHE_API_KEY": "env-a, env-b"}) == [
+        "file-key-1",
+        "file-key-2",
+        "env-a",
+        "env-b",
+    ]
+    args = serve.parse_args(["--api-key", "cli"])
+    assert serve.api_keys(args, {}) == ["cli"]
+    assert any("process list" in r.getMessage() for r in caplog.records)
+
+
+def test_serve_sets_uvicorn_connection_limits() -> None:
+    serve = _serve_script()
+    kw = serve.uvicorn_config_kwargs(serve.parse_args([]))
+    assert kw["limit_concurrency"] > 0 and kw["timeout_keep_alive"] > 0
+    assert kw["h11_max_incomplete_event_size"] == 16 * 1024
+    assert not isinstance(kw["http"], str)  # the header-timeout protocol
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed() -> None:
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from test_server import _free_port
+
+    serve = _serve_script()
+    _, app = _fake_app()
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            http=serve.header_timeout_protocol(1.0),
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            t0 = time.monotonic()
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(8):  # trickle header bytes: uvicorn's keep-alive timer never fires
+                time.sleep(0.25)
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    break
+            assert s.recv(100) == b""  # closed by the server
+            assert time.monotonic() - t0 < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(20)
