@@ -701,7 +701,10 @@ class Engine:
                 self._isolate(seq, failed, "preparing its sampling inputs")
         keys = request_keys(seeds, steps, index)
         try:
-            self._state, self._kv, out, row_ok, num_free = self._jit_step(
+            # Committed only once the results are on the host: a failure that surfaces at the
+            # transfer leaves self._state / self._kv as the (donated) inputs, which _recover
+            # then sees are gone.
+            state, kv, out, row_ok, num_free = self._jit_step(
                 self._state,
                 self._kv,
                 self._params,
@@ -722,14 +725,15 @@ class Engine:
             )
             toks = np.asarray(out.tokens)
             row_ok = np.asarray(row_ok)
-            self._num_free_cache = int(num_free)
+            num_free = int(num_free)
+            need_lp = any(s.params.logprobs is not None for s, _ in plan.samples)
+            if need_lp:
+                lps = np.asarray(out.logprob)
+                top_ids = np.asarray(out.top_ids)
+                top_lps = np.asarray(out.top_logprobs)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
             raise _StepFailed(failed) from e
-        need_lp = any(s.params.logprobs is not None for s, _ in plan.samples)
-        if need_lp:
-            lps = np.asarray(out.logprob)
-            top_ids = np.asarray(out.top_ids)
-            top_lps = np.asarray(out.top_logprobs)
+        self._state, self._kv, self._num_free_cache = state, kv, num_free
         # Advance the rows that ran.
         for i, (seq, q) in enumerate(plan.rows):
             if not row_ok[i] or seq.request_id in failed:

@@ -867,35 +867,77 @@ def test_a_slow_body_gets_408_and_frees_the_connection(served) -> None:
             assert 1.5 < time.monotonic() - t0 < 6
 
 
-def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(engine, served) -> None:
+def _never_reading_client(base: str, body: dict, key: str | None):
+    """A socket that sends a streaming request and never reads (a tiny receive window)."""
     import socket
-    import time
     from urllib.parse import urlparse
+
+    u = urlparse(base)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect((u.hostname, u.port))
+    data = json.dumps({**body, "stream": True}).encode()
+    auth = b"Authorization: Bearer " + key.encode() + b"\r\n" if key else b""
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + auth
+        + b"Content-Length: %d\r\n\r\n" % len(data)
+        + data
+    )
+    return s
+
+
+def test_a_client_that_stops_reading_is_dropped_while_others_are_served() -> None:
+    """Fast version (a stand-in engine that fills the socket buffers in a moment); the real
+    engine's version is marked slow (it takes ~20 s to fill loopback's buffers)."""
+    import time
+
+    import httpx
+    from test_server import FakeEngine, serve_in_thread
+
+    from paxcache.server import ServerLimits
+
+    class Verbose(FakeEngine):
+        """Every token decodes to 8 KiB of text: the socket buffers fill within a second."""
+
+        def step(self):
+            outs = super().step()
+            for o in outs:
+                for c in o.outputs:
+                    c.text *= 8192
+            return outs
+
+    engine = Verbose(max_model_len=1 << 22, max_num_seqs=16)
+    _, app = _fake_app(engine=engine, limits=ServerLimits(stream_stall_timeout_s=1.0))
+    with serve_in_thread(app) as base:
+        hog = {"prompt": "x", "max_tokens": 1 << 21, "n": 4, "temperature": 1}
+        s = _never_reading_client(base, hog, None)
+        try:
+            deadline = time.monotonic() + 60
+            while not app.state.runner.num_inflight:
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            r = httpx.post(f"{base}/v1/completions", json={"prompt": "y", "max_tokens": 5})
+            assert r.status_code == 200 and time.monotonic() - t0 < 5
+            while app.state.runner.num_inflight:
+                assert time.monotonic() < deadline, "the stalled stream was never aborted"
+                time.sleep(0.05)
+        finally:
+            s.close()
+        assert len(engine.aborted) == 1 and not engine.reqs
+        assert "paxcache_streams_stalled_total 1.0" in httpx.get(f"{base}/metrics").text
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(engine, served) -> None:
+    import time
 
     import httpx
 
     want = _victim_reference(engine)
     with served(stream_stall_timeout_s=1.5) as (base, app):
-        u = urlparse(base)
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # tiny window: fills at once
-        s.connect((u.hostname, u.port))
-        body = json.dumps(
-            {
-                "prompt": "x",
-                "max_tokens": 900,
-                "n": 4,
-                "logprobs": 20,
-                "temperature": 1,
-                "ignore_eos": True,
-                "stream": True,
-            }
-        ).encode()
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY_A.encode() + b"\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body) + body
-        )
+        hog = {"prompt": "x", "max_tokens": 900, "n": 4, "logprobs": 20, "temperature": 1}
+        s = _never_reading_client(base, {**hog, "ignore_eos": True}, KEY_A)
         try:
             with _Tenant(base, VICTIM) as victim:
                 pass
