@@ -38,7 +38,7 @@ from paxcache import compile_cache as compile_cache_lib
 from paxcache.attention import metadata_from_state, paged_attention_op
 from paxcache.config import CacheConfig
 from paxcache.errors import DuplicateSequenceError, SequenceTooLongError
-from paxcache.outputs import CompletionOutput, RequestOutput
+from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput
 from paxcache.sampling import SamplingParams, request_keys, sample
 from paxcache.scheduler import Scheduler, SeqState
 from paxcache.scheduler import Sequence as Seq
@@ -48,6 +48,9 @@ __all__ = ["Engine", "RequestOutput", "CompletionOutput"]
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top log-probabilities computed every step (static shape)
+
+_SALT_GC_THRESHOLD = 4096  # cache-salt map size that triggers dropping unused salts
+
 
 # Every XLA backend compilation in this process, counted through JAX's monitoring events (so
 # a cache miss that re-lowers a cached trace counts too, not only retraces).
@@ -91,6 +94,14 @@ def default_batch_limits(backend: str) -> tuple[int, int]:
     return DEFAULT_BATCH_LIMITS.get(backend, DEFAULT_BATCH_LIMITS_ACCELERATOR)
 
 
+class _StepFailed(Exception):
+    """The device step raised (the cause is chained); ``failed``: requests already failed."""
+
+    def __init__(self, failed: dict[str, Any]) -> None:
+        super().__init__("engine step failed")
+        self.failed = failed
+
+
 class _Request:
     def __init__(
         self,
@@ -108,6 +119,10 @@ class _Request:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.aborted = False
+        self.num_cached_tokens: int | None = None  # prompt tokens hit at first admission
+        # output_kind="delta": tokens / logprobs of each completion already reported.
+        self.sent_tokens = [0] * len(seqs)
+        self.sent_logprobs = [0] * len(seqs)
 
 
 class Engine:
@@ -267,14 +282,7 @@ class Engine:
 
             self.mesh, self._params = sharding.setup_tensor_parallel(model, self._params, tp)
 
-        # Committed to the device like every later (jit-produced) state, so the first step
-        # after warm-up hits the same compiled executable.
-        self._state = allocator.init(self.cache_config)
-        if self.mesh is None:
-            self._state = jax.device_put(self._state, jax.devices()[0])
-        else:  # replicated on every tp device (every host's, see sharding.place)
-            self._state = sharding.place(self._state, sharding.replicated(self.mesh))
-        self._kv = kv_cache.KVCache.create(
+        self._kv_spec = dict(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=kv_heads,
             head_dim=cfg.head_dim,
@@ -282,8 +290,8 @@ class Engine:
             block_size=block_size,
             dtype=kv_dtype,
             num_host_blocks=num_host_blocks,
-            **({} if self.mesh is None else {"sharding": sharding.kv_sharding(self.mesh)}),
         )
+        self._state, self._kv = self._new_device_state()
         self._num_traces = 0
         self._compiles_at_start = _BACKEND_COMPILES[0]
         self._cache_hits_at_start = compile_cache_lib.cache_hits()
@@ -302,7 +310,9 @@ class Engine:
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._computed = np.zeros(num_slots, np.int32)  # host mirror for commit
         self._num_free_cache: int | None = None
-        self._salts: dict[Any, int] = {None: 0}
+        self._salts: dict[Any, int] = {None: 0}  # cache_salt -> allocator salt id (never reused)
+        self._next_salt = 1
+        self._salt_gc_at = _SALT_GC_THRESHOLD
         self._requests: dict[str, _Request] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._failed: list[Seq] = []
@@ -363,6 +373,21 @@ class Engine:
             time.perf_counter() - t0,
         )
         return cls(m, tok, model_name=name, **kwargs)
+
+    def _new_device_state(self) -> tuple[Any, kv_cache.KVCache]:
+        """A fresh (empty) block state and KV cache, placed as the step expects."""
+        # Committed to the device like every later (jit-produced) state, so the first step
+        # after warm-up hits the same compiled executable.
+        state = allocator.init(self.cache_config)
+        if self.mesh is None:
+            state = jax.device_put(state, jax.devices()[0])
+            kv = kv_cache.KVCache.create(**self._kv_spec)
+        else:  # replicated on every tp device (every host's, see sharding.place)
+            from paxcache import sharding
+
+            state = sharding.place(state, sharding.replicated(self.mesh))
+            kv = kv_cache.KVCache.create(**self._kv_spec, sharding=sharding.kv_sharding(self.mesh))
+        return state, kv
 
     def _count(self, fn):
         def counted(*args, **kwargs):
@@ -484,6 +509,9 @@ class Engine:
             return False
         self._free_slots.pop()
         cached = int(res.num_cached_tokens)
+        req = self._requests.get(lead.request_id)
+        if req is not None and req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
         lead.slot, lead.num_computed, lead.num_allocated = slot, cached, n
         lead.shared_last = len(seqs) > 1
         for f in seqs[1:]:
@@ -548,8 +576,9 @@ class Engine:
             :class:`~paxcache.errors.DuplicateSequenceError`).
           prompt: text (tokenized with the engine's tokenizer) or token ids.
           params: sampling parameters (default greedy, 64 tokens).
-          cache_salt: optional tenant key; prefix-cache blocks are shared only between
-            requests with equal salts.
+          cache_salt: optional tenant key (any hashable, e.g. a string); prefix-cache blocks
+            are shared only between requests with equal salts (see the README's prefix-cache
+            threat model).
 
         Raises:
           SequenceTooLongError: the prompt leaves no room to generate within
@@ -587,7 +616,7 @@ class Engine:
             )
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
-        salt = self._salts.setdefault(cache_salt, len(self._salts))
+        salt = self._salt_id(cache_salt)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
         seqs = [
             Seq(
@@ -612,6 +641,29 @@ class Engine:
         self._requests[request_id] = _Request(request_id, text, list(ids), params, seqs)
         self._num_prompt_tokens += len(ids)
         self.scheduler.add(seqs)
+
+    def _salt_id(self, cache_salt: Any) -> int:
+        """The allocator's int32 salt for a ``cache_salt``: exact (a dict, never a hash) and
+        never reused, so two salts never share blocks. Entries whose id no block or live
+        sequence carries any more are dropped now and then, so the map stays bounded."""
+        try:
+            sid = self._salts.get(cache_salt)
+        except TypeError:
+            raise ValueError(
+                f"cache_salt must be hashable, got {type(cache_salt).__name__}"
+            ) from None
+        if sid is not None:
+            return sid
+        if len(self._salts) >= self._salt_gc_at:
+            in_use = set(np.asarray(self._state.block_salt).tolist())
+            in_use.update(s.salt for r in self._requests.values() for s in r.seqs)
+            self._salts = {k: v for k, v in self._salts.items() if k is None or v in in_use}
+            self._salt_gc_at = max(_SALT_GC_THRESHOLD, 2 * len(self._salts))
+        if self._next_salt > np.iinfo(np.int32).max:
+            raise ValueError("cache salt ids are exhausted (2**31 distinct salts); restart")
+        sid = self._salts[cache_salt] = self._next_salt
+        self._next_salt += 1
+        return sid
 
     def abort(self, request_id: str) -> None:
         """Stops a request now and frees its blocks; unknown or finished ids are ignored."""
@@ -656,7 +708,10 @@ class Engine:
                 touched[seq.request_id] = self._requests[seq.request_id]
         self._failed = []
         if plan.rows:
-            self._run(plan, touched)
+            try:
+                self._run(plan, touched)
+            except _StepFailed as e:
+                self._recover(plan, touched, e)
         for req in touched.values():
             finished = all(s.is_finished for s in req.seqs)
             outputs.append(self._output(req, finished=finished))
@@ -699,42 +754,56 @@ class Engine:
         top_k = np.zeros(r, np.int32)
         top_p = np.ones(r, np.float32)
         min_p = np.zeros(r, np.float32)
+        vocab = self.model.config.vocab_size
+        failed: dict[str, _Request] = {}  # requests whose host work raised: only they fail
         for j, (seq, row) in enumerate(plan.samples):
-            p = seq.params
             sample_rows[j] = row_end[row]
-            seeds[j], steps[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
-            temperature[j], top_k[j], top_p[j], min_p[j] = p.temperature, p.top_k, p.top_p, p.min_p
+            try:
+                p = seq.params
+                seeds[j], steps[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
+                temperature[j], top_k[j] = p.temperature, min(p.top_k, vocab)
+                top_p[j], min_p[j] = p.top_p, p.min_p
+            except Exception:  # noqa: BLE001 - this request fails, the batch runs
+                temperature[j], top_k[j], top_p[j], min_p[j] = 0.0, 0, 1.0, 0.0
+                self._isolate(seq, failed, "preparing its sampling inputs")
         keys = request_keys(seeds, steps, index)
-        self._state, self._kv, out, row_ok, num_free = self._jit_step(
-            self._state,
-            self._kv,
-            self._params,
-            tokens,
-            slot_ids,
-            q_lens,
-            kv_lens,
-            np.int32(len(plan.rows)),
-            append_counts,
-            append_tokens,
-            self._computed.copy(),
-            sample_rows,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            keys,
-        )
-        toks = np.asarray(out.tokens)
-        row_ok = np.asarray(row_ok)
-        self._num_free_cache = int(num_free)
-        need_lp = any(s.params.logprobs is not None for s, _ in plan.samples)
-        if need_lp:
-            lps = np.asarray(out.logprob)
-            top_ids = np.asarray(out.top_ids)
-            top_lps = np.asarray(out.top_logprobs)
+        try:
+            # Committed only once the results are on the host: a failure that surfaces at the
+            # transfer leaves self._state / self._kv as the (donated) inputs, which _recover
+            # then sees are gone.
+            state, kv, out, row_ok, num_free = self._jit_step(
+                self._state,
+                self._kv,
+                self._params,
+                tokens,
+                slot_ids,
+                q_lens,
+                kv_lens,
+                np.int32(len(plan.rows)),
+                append_counts,
+                append_tokens,
+                self._computed.copy(),
+                sample_rows,
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                keys,
+            )
+            toks = np.asarray(out.tokens)
+            row_ok = np.asarray(row_ok)
+            num_free = int(num_free)
+            need_lp = any(s.params.logprobs is not None for s, _ in plan.samples)
+            if need_lp:
+                lps = np.asarray(out.logprob)
+                top_ids = np.asarray(out.top_ids)
+                top_lps = np.asarray(out.top_logprobs)
+        except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
+            raise _StepFailed(failed) from e
+        self._state, self._kv, self._num_free_cache = state, kv, num_free
         # Advance the rows that ran.
         for i, (seq, q) in enumerate(plan.rows):
-            if not row_ok[i]:
+            if not row_ok[i] or seq.request_id in failed:
                 continue
             self._num_prefill_computed += max(
                 0, min(seq.num_prompt, seq.num_computed + q) - seq.num_computed
@@ -747,7 +816,7 @@ class Engine:
         finished: list[Seq] = []
         now = time.monotonic()
         for j, (seq, row) in enumerate(plan.samples):
-            if not row_ok[row]:
+            if not row_ok[row] or seq.request_id in failed:
                 continue
             lead = plan.rows[row][0]
             if seq is not lead:  # a follower samples from its leader's last row
@@ -764,22 +833,79 @@ class Engine:
             req = self._requests[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
-            if seq.logprobs is not None:
-                k = seq.params.logprobs
-                seq.logprobs.append(
-                    {
-                        "token_id": tok,
-                        "logprob": float(lps[j]),
-                        "top": [(int(top_ids[j, i]), float(top_lps[j, i])) for i in range(k)],
-                    }
-                )
-            self._check_stop(seq, tok)
+            try:
+                if seq.logprobs is not None:
+                    k = seq.params.logprobs
+                    seq.logprobs.append(
+                        {
+                            "token_id": tok,
+                            "logprob": float(lps[j]),
+                            "top": [(int(top_ids[j, i]), float(top_lps[j, i])) for i in range(k)],
+                        }
+                    )
+                self._check_stop(seq, tok)  # detokenizes
+            except Exception:  # noqa: BLE001 - this request fails, the others go on
+                self._isolate(seq, failed, "detokenizing or checking stop conditions")
+                continue
             touched[seq.request_id] = req
             if seq.is_finished:
                 finished.append(seq)
         for seq in finished:
-            self.scheduler.remove([seq])
-            self.release(seq)
+            if seq.request_id not in failed:
+                self.scheduler.remove([seq])
+                self.release(seq)
+        for req in failed.values():
+            self._fail_request(req, INTERNAL_ERROR)
+            touched[req.request_id] = req
+
+    def _isolate(self, seq: Seq, failed: dict[str, _Request], doing: str) -> None:
+        """Marks ``seq``'s request failed (logged with the traceback); ``_run`` skips it."""
+        req = self._requests.get(seq.request_id)
+        if req is not None and seq.request_id not in failed:
+            logger.exception("request %s failed while %s; failing it alone", seq.request_id, doing)
+            failed[seq.request_id] = req
+
+    def _fail_request(self, req: _Request, message: str) -> None:
+        """Finishes every completion of ``req`` with ``"error"`` and frees its blocks."""
+        self.scheduler.remove(req.seqs)
+        for s in req.seqs:
+            self.release(s)
+            if not s.is_finished:
+                s.state = SeqState.FINISHED
+                s.finish_reason = "error"
+                s.error = message
+
+    def _recover(self, plan: Any, touched: dict[str, _Request], err: _StepFailed) -> None:
+        """After the device step raised: fails the requests of that step only. If the step had
+        already consumed (donated) the cache, the cache is rebuilt empty and every request
+        holding blocks fails too (their KV is gone); queued requests are unaffected."""
+        cause = err.__cause__
+        logger.error(
+            "engine step failed (%s: %s); failing the %d requests in it",
+            type(cause).__name__,
+            cause,
+            len({s.request_id for s, _ in plan.rows}),
+            exc_info=cause,
+        )
+        victims = {s.request_id for s, _ in plan.rows} | {s.request_id for s, _ in plan.samples}
+        victims |= set(err.failed)
+        leaves = jax.tree.leaves((self._state, self._kv))
+        if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+            logger.error("the step consumed the KV cache; rebuilding it empty")
+            for req in self._requests.values():
+                if any(s.slot >= 0 for s in req.seqs):
+                    victims.add(req.request_id)
+                    for s in req.seqs:
+                        s.slot = -1  # the old state is gone: nothing to free
+            self._state, self._kv = self._new_device_state()
+            self._free_slots = list(range(self.cache_config.max_seqs - 1, -1, -1))
+            self._computed[:] = 0
+            self._num_free_cache = None
+        for rid in victims:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._fail_request(req, INTERNAL_ERROR)
+                touched[rid] = req
 
     def _check_stop(self, seq: Seq, tok: int) -> None:
         p = seq.params
@@ -812,17 +938,31 @@ class Engine:
         comps = []
         stops = req.params.stop or ()
         hold = max((len(s) for s in stops), default=1) - 1
-        for s in req.seqs:
+        delta = req.params.output_kind == "delta"
+        for i, s in enumerate(req.seqs):
             visible = len(s.text) if s.is_finished else max(s.emitted, len(s.text) - hold)
             new_text = s.text[s.emitted : visible]
             s.emitted = visible
+            if delta:  # only what is new: linear in the output length, however long
+                start = s.num_prompt + req.sent_tokens[i]
+                token_ids = s.token_ids[start:] if s.num_generated > 0 else []
+                req.sent_tokens[i] += len(token_ids)
+                logprobs = None
+                if s.logprobs is not None:
+                    logprobs = s.logprobs[req.sent_logprobs[i] :]
+                    req.sent_logprobs[i] = len(s.logprobs)
+                text = new_text
+            else:
+                token_ids = list(s.token_ids[s.num_prompt :]) if s.num_generated > 0 else []
+                logprobs = list(s.logprobs) if s.logprobs is not None else None
+                text = s.text[:visible]
             comps.append(
                 CompletionOutput(
                     index=s.index,
-                    token_ids=list(s.token_ids[s.num_prompt :]) if s.num_generated > 0 else [],
-                    text=s.text[:visible],
+                    token_ids=token_ids,
+                    text=text,
                     finish_reason=s.finish_reason,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    logprobs=logprobs,
                     new_token_ids=list(s.new_ids),
                     new_text=new_text,
                 )
@@ -835,6 +975,7 @@ class Engine:
             outputs=comps,
             finished=finished,
             error=error,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     # ------------------------------------------------------------------ conveniences

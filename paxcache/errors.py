@@ -10,6 +10,7 @@ before the call.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "DuplicateSequenceError",
     "NoFreeSlotError",
     "OutOfBlocksError",
@@ -53,3 +54,13 @@ class SequenceTooLongError(PaxcacheError):
 
 class SequenceSwappedError(PaxcacheError):
     """The operation needs the sequence on the device (or on the host) and it is not there."""
+
+
+class CheckpointError(PaxcacheError):
+    """A checkpoint is unusable or unsafe: missing or malformed file, a shard path outside the
+    checkpoint directory, a config value out of range, a missing or mis-shaped tensor.
+
+    The message names the file and the field or tensor. ``paxcache.models.loading`` raises
+    only this class and its subclasses for a bad checkpoint (never a raw ``TypeError`` or
+    ``safetensors`` error).
+    """

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+INTERNAL_ERROR = "internal error while processing this request"
+"""``RequestOutput.error`` of a request that failed inside the engine (the details are logged,
+never reported: they may hold paths or internals)."""
+
 
 @dataclass
 class CompletionOutput:
@@ -11,11 +15,14 @@ class CompletionOutput:
 
     Attributes:
       index: which of the ``n`` completions this is.
-      token_ids: every generated token so far (cumulative).
-      text: the detokenized text so far, ending before a matched stop string.
-      finish_reason: ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
+      token_ids: every generated token so far (cumulative); with
+        ``SamplingParams(output_kind="delta")`` only the tokens new since the previous output.
+      text: the detokenized text so far, ending before a matched stop string (delta: the new
+        text only).
+      finish_reason: ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or
+        ``"error"``.
       logprobs: per generated token, ``{"token_id", "logprob", "top": [(id, logprob), ...]}``
-        when the request asked for logprobs, else ``None``.
+        when the request asked for logprobs, else ``None`` (delta: the new tokens' entries).
       new_token_ids: the tokens generated in the step that produced this output.
       new_text: the text added in the step that produced this output.
     """
@@ -31,7 +38,19 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """Everything known about one request after a step (or at the end of ``generate``)."""
+    """Everything known about one request after a step (or at the end of ``generate``).
+
+    Attributes:
+      request_id: the id given to ``add_request``.
+      prompt: the prompt text (``None`` for a token-id prompt).
+      prompt_token_ids: the prompt's tokens.
+      outputs: the completions (with ``output_kind="delta"``, possibly only those that
+        progressed).
+      finished: no more outputs will come for this request.
+      error: why the request failed, if it did (its completions finish with ``"error"``).
+      num_cached_tokens: prompt tokens served from the prefix cache at admission (``None``
+        until the request is admitted); OpenAI's ``usage.prompt_tokens_details.cached_tokens``.
+    """
 
     request_id: str
     prompt: str | None
@@ -39,3 +58,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None
+    num_cached_tokens: int | None = None

@@ -42,6 +42,7 @@ __all__ = [
     "GREEDY_EPS",
     "MAX_LOGPROBS",
     "MAX_N",
+    "OUTPUT_KINDS",
     "SampleOutput",
     "SamplingParams",
     "pack_params",
@@ -60,7 +61,13 @@ MAX_N = 64
 MAX_LOGPROBS = 20
 """Largest allowed ``logprobs`` (top log-probabilities per token), as in OpenAI's API."""
 
+OUTPUT_KINDS = ("cumulative", "delta")
+"""``SamplingParams.output_kind`` values: every ``RequestOutput`` carries the whole output so
+far (``"cumulative"``), or only what is new since the previous one (``"delta"``)."""
+
 _U64 = (1 << 64) - 1
+_I32_MAX = (1 << 31) - 1
+_SEED_MIN, _SEED_MAX = -(1 << 63), _U64
 
 
 def _is_int(x: object) -> bool:
@@ -76,20 +83,28 @@ class SamplingParams:
     """How to sample one request's completions.
 
     Attributes:
-      max_tokens: most tokens to generate per completion (>= 1).
+      max_tokens: most tokens to generate per completion, in [1, 2**31 - 1].
       temperature: softmax temperature (>= 0, finite); 0 means greedy.
-      top_k: keep only the ``top_k`` most likely tokens; 0 turns the filter off.
+      top_k: keep only the ``top_k`` most likely tokens, in [0, 2**31 - 1]; 0 turns the filter
+        off (a ``top_k`` at or above the vocabulary size keeps every token).
       top_p: nucleus sampling mass in (0, 1]; 1 turns the filter off.
       min_p: keep tokens with probability >= ``min_p`` * max probability, in [0, 1]; 0 is off.
-      seed: per-request seed (int) for reproducible sampling; ``None`` draws a fresh one.
+      seed: per-request seed for reproducible sampling, an int in [-2**63, 2**64 - 1];
+        ``None`` draws a fresh one.
       stop: stop string(s), matched on detokenized text; the returned text ends before the
         match. Normalized to a tuple of non-empty strings (``None`` -> ``()``).
-      stop_token_ids: token ids that end a completion (the id is kept in ``token_ids``).
-        Normalized to a tuple of ints (``None`` -> ``()``).
+      stop_token_ids: token ids that end a completion (the id is kept in ``token_ids``), each
+        in [0, 2**31 - 1]. Normalized to a tuple of ints (``None`` -> ``()``).
       n: number of completions for the prompt, in [1, ``MAX_N``].
       logprobs: ``None`` for no log-probabilities; an int in [0, ``MAX_LOGPROBS``] reports the
         sampled token's log-probability plus that many top alternatives per token.
       ignore_eos: keep generating past the tokenizer's EOS token.
+      output_kind: ``"cumulative"`` (every output holds the whole completion so far) or
+        ``"delta"`` (only the tokens, text and logprobs new since the previous output; what a
+        streaming server wants: linear, not quadratic, in the output length).
+
+    Every bound is what the engine can represent (int32 token ids and counts, 64-bit seeds,
+    finite floats); a server sets tighter limits of its own.
 
     Raises:
       ValueError: naming the offending field, for any out-of-range or wrongly typed value.
@@ -106,24 +121,33 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     ignore_eos: bool = False
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _I32_MAX:
+            raise ValueError(
+                f"max_tokens must be an int in [1, {_I32_MAX}], got {self.max_tokens!r}"
+            )
         if (
             not _is_real(self.temperature)
             or not math.isfinite(self.temperature)
             or self.temperature < 0
         ):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _I32_MAX:
+            raise ValueError(
+                f"top_k must be an int in [0, {_I32_MAX}] (0 = off), got {self.top_k!r}"
+            )
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}"
+            )
         if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if self.logprobs is not None and (
@@ -134,6 +158,8 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
 
         stop = self.stop
         if stop is None:
@@ -157,8 +183,8 @@ class SamplingParams:
         else:
             raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
         for t in ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
+            if not _is_int(t) or not 0 <= t <= _I32_MAX:
+                raise ValueError(f"stop_token_ids must be ints in [0, {_I32_MAX}], got {t!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
     @property

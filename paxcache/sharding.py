@@ -36,7 +36,8 @@ Multi-host: the mesh is built from ``jax.devices()``, which after
 ``jax.distributed.initialize()`` lists every host's devices, so the same code runs on a TPU
 pod slice with one process per host. Every process must run the same engine steps with the
 same requests (multi-controller SPMD); :func:`broadcast_from_leader` sends process 0's
-requests to the others, and :func:`place` puts values on devices of other processes.
+requests to the others as JSON (never pickle: a follower must not run whatever reaches the
+channel), and :func:`place` puts values on devices of other processes.
 
 Limitation: the weights are sharded *after* the model is built, so the whole model must
 first fit on one device (the engine also keeps the unsharded model object, whose arrays
@@ -45,6 +46,7 @@ stay on that device); loading a checkpoint straight into shards is not implement
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -57,10 +59,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "MAX_BROADCAST_BYTES",
     "TP_AXIS",
+    "BroadcastError",
     "broadcast_from_leader",
     "cache_kv_heads",
     "collectives",
+    "decode_message",
+    "encode_message",
     "kv_sharding",
     "make_mesh",
     "param_specs",
@@ -75,6 +81,15 @@ logger = logging.getLogger(__name__)
 
 TP_AXIS = "tp"
 """Name of the tensor-parallel mesh axis."""
+
+MAX_BROADCAST_BYTES = 256 << 20
+"""Largest message :func:`broadcast_from_leader` sends or accepts (encoded JSON)."""
+
+
+class BroadcastError(ValueError):
+    """A value cannot be sent (not JSON-serializable, too big) or a received message is not
+    valid JSON within :data:`MAX_BROADCAST_BYTES`."""
+
 
 # Stacked layer weights are [L, in, out]; biases [L, out].
 _COLUMN = {"q_proj", "gate_proj", "up_proj"}  # split the output features
@@ -290,6 +305,35 @@ _COLLECTIVE_RE = re.compile(
 _SHAPE_RE = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
 
 
+def encode_message(obj: Any) -> bytes:
+    """``obj`` as compact JSON bytes (no NaN/inf), at most :data:`MAX_BROADCAST_BYTES`.
+
+    Raises:
+      BroadcastError: ``obj`` holds something JSON cannot carry, or is too big.
+    """
+    try:
+        data = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as e:
+        raise BroadcastError(f"cannot broadcast {type(obj).__name__}: {e}") from None
+    if len(data) > MAX_BROADCAST_BYTES:
+        raise BroadcastError(f"message of {len(data)} bytes exceeds {MAX_BROADCAST_BYTES}")
+    return data
+
+
+def decode_message(data: bytes) -> Any:
+    """Parses bytes from :func:`encode_message`; never evaluates anything (plain JSON).
+
+    Raises:
+      BroadcastError: too big, not UTF-8 or not JSON.
+    """
+    if len(data) > MAX_BROADCAST_BYTES:
+        raise BroadcastError(f"message of {len(data)} bytes exceeds {MAX_BROADCAST_BYTES}")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise BroadcastError(f"received message is not valid JSON: {e}") from None
+
+
 def broadcast_from_leader(obj: Any) -> Any:
     """Returns process 0's ``obj`` on every process (identity with one process).
 
@@ -299,23 +343,31 @@ def broadcast_from_leader(obj: Any) -> Any:
     (e.g. ``None``), and all of them then add the result and call ``engine.step()``. The
     engine's scheduling is deterministic, so the hosts stay in lockstep.
 
+    The value travels as JSON (:func:`encode_message`), never pickle, so receiving a message
+    cannot run code; the receiver still validates what it got against its own schema (the
+    server's rounds: ``paxcache.server.EngineRound``).
+
     Args:
-      obj: any picklable value (only process 0's is used).
+      obj: a JSON-serializable value (only process 0's is used); tuples arrive as lists.
+
+    Raises:
+      BroadcastError: on process 0, ``obj`` cannot be encoded; elsewhere, the received bytes
+        are not valid JSON.
     """
     if jax.process_count() == 1:
         return obj
-    import pickle
-
     from jax.experimental import multihost_utils
 
     leader = jax.process_index() == 0
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if leader else np.zeros(0, np.uint8)
+    payload = np.frombuffer(encode_message(obj), np.uint8) if leader else np.zeros(0, np.uint8)
     n = int(multihost_utils.broadcast_one_to_all(np.int32(payload.size)))
+    if not 0 <= n <= MAX_BROADCAST_BYTES:
+        raise BroadcastError(f"announced message size {n} is out of range")
     buf = np.zeros(n, np.uint8)
     if leader:
         buf[:] = payload
     buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-    return pickle.loads(buf.tobytes())
+    return decode_message(buf.tobytes())
 
 
 def collectives(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -2,10 +2,18 @@
 """Serve a model over an OpenAI-compatible HTTP API.
 
     python scripts/serve.py                       # bundled tiny model on 127.0.0.1:8000 (CPU ok)
-    python scripts/serve.py --model /ckpt/llama --port 8080 --api-key "$KEY"
+    PAXCACHE_API_KEY="$KEY" python scripts/serve.py --model /ckpt/llama --port 8080
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``"stream": true`` for SSE),
 GET /v1/models, GET /health (503 until warmed up), GET /metrics (Prometheus).
+
+API keys: put them in ``PAXCACHE_API_KEY`` (one key, or several separated by commas) or in a
+file (``--api-key-file``, one per line), not on the command line (``--api-key`` works but any
+local user can read it in the process list). Each key is a tenant with its own prefix-cache
+salt and in-flight limit (see SECURITY.md). ``--allowed-hosts`` checks the Host header.
+uvicorn runs with ``limit_concurrency``, a keep-alive timeout, a header size limit and a
+header-read timeout (a connection that has not sent a whole request head in
+``--header-timeout`` seconds is closed).
 
 Start-up prints one line with the address, model, devices, KV blocks and KV memory, then
 compiles every shape bucket (one log line each) before /health reports ready. Compiled steps
@@ -29,6 +37,8 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("paxcache.serve")
 
@@ -49,8 +59,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (KV heads split)")
     p.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (None: $PAXCACHE_API_KEY if set)",
+        help="require 'Authorization: Bearer KEY' on every route but /health (repeatable: one "
+        "key per tenant). Prefer $PAXCACHE_API_KEY or --api-key-file: a key on the command line "
+        "is visible to every local user",
+    )
+    p.add_argument(
+        "--api-key-file", default=None, help="file with one API key per line ('#' comments)"
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header values to accept (e.g. 'localhost,127.0.0.1'); "
+        "others get 400. Guards a key-less server against DNS rebinding",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -83,6 +105,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="model id shown to clients")
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit")
+    p.add_argument(
+        "--max-inflight-per-tenant",
+        type=int,
+        default=128,
+        help="completions one API key (or client address without keys) may have in flight",
+    )
+    p.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a streaming client may read nothing before its request is aborted",
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds for a request body to arrive"
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="uvicorn: most open connections and tasks; beyond it new connections get 503",
+    )
+    p.add_argument(
+        "--timeout-keep-alive", type=int, default=5, help="uvicorn: idle keep-alive seconds"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's head (slow-header clients)",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -167,6 +219,94 @@ def _follow(engine: object, run_follower, index: int, count: int) -> int:  # noq
     return 0
 
 
+def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[str]:
+    """The API keys from ``--api-key``, ``--api-key-file`` and ``$PAXCACHE_API_KEY`` (comma-
+    separated), in that order, without duplicates.
+
+    Raises:
+      SystemExit: the key file cannot be read, or a key is empty or has surrounding spaces.
+    """
+    environ = os.environ if environ is None else environ
+    keys: list[str] = list(args.api_key or [])
+    if args.api_key:
+        logger.warning(
+            "--api-key puts the key in the process list; prefer PAXCACHE_API_KEY or --api-key-file"
+        )
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise SystemExit(f"paxcache: cannot read --api-key-file: {e}") from None
+        keys += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    env = environ.get("PAXCACHE_API_KEY", "")
+    keys += [k.strip() for k in env.split(",") if k.strip()]
+    for k in keys:
+        if not k or k != k.strip():
+            raise SystemExit("paxcache: API keys must be non-empty and without spaces around")
+    return list(dict.fromkeys(keys))
+
+
+def header_timeout_protocol(header_timeout_s: float) -> Any:
+    """uvicorn's h11 protocol plus a header-read timeout: a connection that has not sent a
+    complete request head ``header_timeout_s`` after it opened (or after its previous
+    response) is closed. uvicorn's own keep-alive timer restarts on every byte, so a client
+    trickling a header byte at a time would otherwise hold a connection forever.
+
+    Returns ``"h11"`` (uvicorn's plain protocol) when uvicorn's internals differ from what
+    this subclass expects."""
+    try:
+        import h11
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+    except ImportError:  # pragma: no cover - depends on the uvicorn version
+        logger.warning("uvicorn's h11 protocol not found; no header-read timeout")
+        return "h11"
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
+def uvicorn_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The uvicorn settings the server runs with (connection and header limits included)."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "access_log": args.log_level in ("debug", "info"),
+        "timeout_graceful_shutdown": args.shutdown_timeout,
+        "lifespan": "on",
+        "limit_concurrency": args.limit_concurrency,
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "h11_max_incomplete_event_size": 16 * 1024,  # request line + headers
+        "http": header_timeout_protocol(args.header_timeout),
+        "server_header": False,
+    }
+
+
 def _load_engine(
     engine_cls: type, args: argparse.Namespace, dtype: object, preemption: str
 ) -> object:
@@ -188,7 +328,6 @@ def _load_engine(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.api_key = args.api_key or os.environ.get("PAXCACHE_API_KEY") or None
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -197,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         # whatever the log level, short of errors only.
         for name in ("paxcache.engine", "paxcache.compile_cache"):
             logging.getLogger(name).setLevel(logging.INFO)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    keys = api_keys(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         logger.warning(
             "binding %s without --api-key: anyone who can reach it can use it", args.host
         )
@@ -217,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from paxcache.engine import Engine
-    from paxcache.server import create_app, run_follower
+    from paxcache.server import ServerLimits, create_app, run_follower
 
     platform = jax.devices()[0].platform
     dtype_name = args.dtype
@@ -241,13 +381,26 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() != 0:
         return _follow(engine, run_follower, jax.process_index(), jax.process_count())
     name = args.served_model_name or engine.model_name
+    try:
+        limits = ServerLimits(
+            max_queue=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+            max_inflight_per_tenant=args.max_inflight_per_tenant,
+            stream_stall_timeout_s=args.stream_stall_timeout,
+            body_timeout_s=args.body_timeout,
+        )
+    except ValueError as e:
+        print(f"paxcache: {e}", file=sys.stderr)
+        return 2
     app = create_app(
         engine,
-        api_key=args.api_key,
-        max_queue=args.max_queue,
+        api_key=keys,
         served_model_name=name,
-        max_body_bytes=args.max_body_bytes,
         warmup=True,
+        limits=limits,
+        allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        if args.allowed_hosts
+        else None,
     )
     print(
         f"paxcache serving {name} on http://{args.host}:{args.port} | "
@@ -258,15 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(/health 503 until ready)",
         flush=True,
     )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.log_level in ("debug", "info"),
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        lifespan="on",
-    )
+    config = uvicorn.Config(app, **uvicorn_config_kwargs(args))
     server = uvicorn.Server(config)
     # uvicorn handles SIGINT/SIGTERM gracefully, then re-raises the signal under the handlers
     # that were installed before it started; make those no-ops so a graceful stop exits 0.

@@ -45,7 +45,9 @@ class FakeEngine:
 
     Greedy completions spell ``"hello world, "`` repeatedly (shifted by the prompt length);
     sampled ones draw lowercase letters from ``random.Random((seed, index, step))``. Every
-    request holds ``ceil((prompt + generated) / block_size)`` blocks while alive.
+    request holds ``ceil((prompt + generated) / block_size)`` blocks while alive. Honours
+    ``output_kind="delta"`` and models a prefix cache per ``cache_salt`` (a prompt seen before
+    under the same salt reports its whole blocks as cached).
     """
 
     model_name = "fake-model"
@@ -75,14 +77,20 @@ class FakeEngine:
         self.warmed_up = False
         self.aborted: list[str] = []
         self.lock = threading.Lock()  # proves single-thread ownership: never contended
+        self.seen: set[tuple] = set()  # (cache_salt, prompt ids) already prefilled
+        self.salts: list = []  # cache_salt of every request added
 
     def warmup(self) -> None:
         self.warmed_up = True
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, cache_salt=None) -> None:
         if request_id in self.reqs:
             raise DuplicateSequenceError(request_id)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.salts.append(cache_salt)
+        key = (cache_salt, tuple(ids))
+        cached = (len(ids) // self.block_size) * self.block_size if key in self.seen else 0
+        self.seen.add(key)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise SequenceTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -99,6 +107,8 @@ class FakeEngine:
                 for j in range(params.n)
             ],
             "order": len(self.reqs) + len(self.aborted) + self.generated,
+            "cached": cached,
+            "sent": [(0, 0, 0)] * params.n,  # delta: (tokens, text chars, logprobs) reported
         }
 
     def _next_token(self, r: dict, j: int, step: int) -> int:
@@ -152,16 +162,15 @@ class FakeEngine:
                     if c.finish_reason is None and len(c.token_ids) >= p.max_tokens:
                         c.finish_reason = "length"
                 finished = all(c.finish_reason is not None for c in r["outs"])
+                shown = progressed if self.partial_outputs else r["outs"]
                 results.append(
                     RequestOutput(
                         request_id=rid,
                         prompt=r["prompt"],
                         prompt_token_ids=list(r["ids"]),
-                        outputs=[
-                            CompletionOutput(**vars(c))
-                            for c in (progressed if self.partial_outputs else r["outs"])
-                        ],
+                        outputs=[self._report(r, c) for c in shown],
                         finished=finished,
+                        num_cached_tokens=r["cached"],
                     )
                 )
                 if finished:
@@ -169,6 +178,21 @@ class FakeEngine:
             return results
         finally:
             self.lock.release()
+
+    @staticmethod
+    def _report(r: dict, c: CompletionOutput) -> CompletionOutput:
+        out = CompletionOutput(**vars(c))
+        if r["params"].output_kind != "delta":
+            return out
+        n_tok, n_text, n_lp = r["sent"][c.index]
+        # As the engine: hold back text a stop string may still cut (deltas cannot shrink).
+        hold = max((len(s) for s in r["params"].stop), default=1) - 1
+        visible = len(c.text) if c.finish_reason else max(n_text, len(c.text) - hold)
+        out.token_ids = c.token_ids[n_tok:]
+        out.text = c.text[n_text:visible]
+        out.logprobs = None if c.logprobs is None else c.logprobs[n_lp:]
+        r["sent"][c.index] = (len(c.token_ids), visible, len(c.logprobs or []))
+        return out
 
     def abort(self, request_id: str) -> None:
         if self.reqs.pop(request_id, None) is not None:
@@ -230,11 +254,16 @@ def serve_in_thread(app) -> Iterator[str]:
         thread.join(20)
 
 
-def _wait_idle(base: str, engine: FakeEngine | None = None, timeout: float = 10.0) -> str:
+def _wait_idle(
+    base: str,
+    engine: FakeEngine | None = None,
+    timeout: float = 10.0,
+    headers: dict[str, str] | None = None,
+) -> str:
     """Waits until /metrics reports nothing running and no blocks used; returns the text."""
     deadline = time.monotonic() + timeout
     while True:
-        text = httpx.get(f"{base}/metrics").text
+        text = httpx.get(f"{base}/metrics", headers=headers).text
         vals = _metric_values(text)
         if (
             vals.get("paxcache_requests_running") == 0
@@ -458,7 +487,8 @@ def test_bad_input_gets_openai_style_error_and_server_keeps_serving(
         r = httpx.post(f"{base}{path}", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert set(err) == {"message", "type", "param", "code", "request_id"} and err["message"]
+    assert err["request_id"] == r.headers["x-request-id"]
     if param is not None:
         assert err["param"] == param, err
     ok = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1})
@@ -492,11 +522,14 @@ def test_body_size_limit_413_declared_and_chunked():
         assert r.status_code == 200
 
 
-def test_api_key_required_on_v1_routes_only():
+def test_api_key_required_on_every_route_but_health():
     app = create_app(FakeEngine(), api_key="sekret")
     with serve_in_thread(app) as base:
         assert httpx.get(f"{base}/health").status_code == 200
-        assert httpx.get(f"{base}/metrics").status_code == 200
+        for path in ("/metrics", "/docs", "/openapi.json", "/v1/models", "/nothing"):
+            assert httpx.get(f"{base}{path}").status_code == 401, path
+        auth = {"Authorization": "Bearer sekret"}
+        assert httpx.get(f"{base}/metrics", headers=auth).status_code == 200
         r = httpx.get(f"{base}/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = httpx.post(
@@ -565,8 +598,16 @@ def test_engine_failure_fails_only_inflight_requests_and_server_recovers():
         _wait_idle(base)
 
 
-def test_concurrent_streams_with_disconnects_free_everything(fake):
-    base, engine = fake
+def test_concurrent_streams_with_disconnects_free_everything():
+    # Dropped streams ask for far more tokens than they could ever finish while the test runs:
+    # only an abort on disconnect ends them.
+    engine = FakeEngine(step_delay=0.002, max_model_len=1 << 20, max_num_seqs=40)
+    app = create_app(engine, max_queue=64)
+    with serve_in_thread(app) as base:
+        _concurrent_streams_with_disconnects(base, engine)
+
+
+def _concurrent_streams_with_disconnects(base: str, engine: FakeEngine) -> None:
     n_total, n_drop = 40, 12
     texts: dict[int, str] = {}
     errors: list[BaseException] = []
@@ -580,7 +621,7 @@ def test_concurrent_streams_with_disconnects_free_everything(fake):
                 timeout=30,
                 json={
                     "prompt": f"req {i}",
-                    "max_tokens": 40 if drop else 12,
+                    "max_tokens": 500_000 if drop else 12,
                     "temperature": 0,
                     "stream": True,
                 },
@@ -684,7 +725,9 @@ API_KEY = "test-key"
 class ServerProcess:
     """``scripts/serve.py`` in a subprocess on a free port; output collected by a thread."""
 
-    def __init__(self, *extra: str, startup_timeout: float = 300.0) -> None:
+    def __init__(
+        self, *extra: str, startup_timeout: float = 300.0, env: dict[str, str] | None = None
+    ) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -700,7 +743,7 @@ class ServerProcess:
             "64",
             *extra,
         ]
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
         )
@@ -754,7 +797,7 @@ def real():
     reason = _real_skip_reason()
     if reason:
         pytest.skip(reason)
-    server = ServerProcess("--api-key", API_KEY)
+    server = ServerProcess(env={"PAXCACHE_API_KEY": API_KEY})  # the recommended form
     try:
         yield server
     finally:
@@ -907,7 +950,7 @@ def test_real_40_concurrent_streams_some_disconnect_then_nothing_held(real):
         t.join(150)
     assert not errors, errors[:3]
     assert len(done) == n_total - n_drop
-    vals = _metric_values(_wait_idle(real.base, timeout=60))
+    vals = _metric_values(_wait_idle(real.base, timeout=60, headers=real.headers()))
     assert vals["paxcache_kv_blocks_total"] > 0
     assert vals["paxcache_requests_waiting"] == 0 and vals["paxcache_requests_swapped"] == 0
 

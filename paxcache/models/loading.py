@@ -5,12 +5,26 @@ listed in ``model.safetensors.index.json`` (any other ``*.safetensors`` set is a
 Tensors are read one at a time with the ``safetensors`` library (numpy framework), converted
 to the requested dtype, and stacked per layer into our ``[L, ...]`` parameters. HF linear
 weights ``[out, in]`` are transposed to ``[in, out]``; q/k rows keep HF's rotate-half order.
+
+A checkpoint is untrusted input (see SECURITY.md). Loading therefore:
+
+* reads only files inside the checkpoint directory: shard names from
+  ``model.safetensors.index.json`` must be plain relative names, and every file's resolved path
+  (symlinks followed) must stay inside the directory; the one exception is the Hugging Face
+  cache layout, where ``snapshots/<rev>/*`` are symlinks into the repository's ``blobs/``;
+* checks every ``config.json`` field it uses for type and range (``CONFIG_LIMITS``) before
+  anything is sized from it;
+* checks every tensor's name, dtype and shape from the safetensors headers before it
+  allocates the model, so memory is never sized by a number the weights do not back;
+* raises only :class:`CheckpointError` subclasses, naming the file and the field or tensor
+  (never a raw ``SafetensorError``, ``TypeError`` or ``KeyError``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -25,7 +39,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from paxcache.errors import PaxcacheError
+from paxcache.errors import CheckpointError
 from paxcache.models.llama import ConfigError, LlamaConfig, LlamaForCausalLM
 from paxcache.models.tokenizer import Tokenizer, load_tokenizer
 
@@ -52,12 +66,37 @@ _LAYER_MAP: dict[str, tuple[str, bool]] = {
 
 _LOG_BYTES = 256 * 2**20  # log progress for checkpoints bigger than this
 
+CONFIG_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 19),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 4096),
+    "max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),
+    "max_window_layers": (0, 1024),
+}
+"""Inclusive ``(min, max)`` of the integer ``config.json`` fields, checked before anything is
+sized from them. The largest released models are well inside (vocabularies ~256K, hidden size
+~16K, ~130 layers, 128 heads, contexts ~10M tokens)."""
 
-class CheckpointError(PaxcacheError):
-    """A checkpoint is unusable: missing file, missing or mis-shaped tensor, bad config.
-
-    A ``paxcache.errors.PaxcacheError``, hence a ``ValueError``.
-    """
+_FLOAT_LIMITS: dict[str, tuple[float, float]] = {
+    "rms_norm_eps": (0.0, 1.0),  # exclusive min
+    "rope_theta": (0.0, 1e12),
+}
+_REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
+_MAX_CONFIG_BYTES = 16 << 20
+_MAX_INDEX_BYTES = 64 << 20
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 
 class MissingFileError(CheckpointError, FileNotFoundError):
@@ -108,46 +147,192 @@ def hf_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_config(path: str | os.PathLike[str]) -> LlamaConfig:
-    """Reads ``config.json`` from a checkpoint directory.
+    """Reads and checks ``config.json`` from a checkpoint directory.
 
     Raises:
         MissingFileError: no config.json.
         UnsupportedModelError: unsupported model_type or feature.
-        CheckpointError: malformed JSON or fields.
+        CheckpointError: malformed JSON, a field of the wrong type or out of
+            ``CONFIG_LIMITS``, a file outside the directory; the message names the field.
     """
-    cfg_path = Path(path) / "config.json"
+    root = Path(path)
+    cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise MissingFileError(f"checkpoint file not found: {cfg_path}")
-    try:
-        d = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+    d = _read_json(_confined(root, cfg_path), _MAX_CONFIG_BYTES)
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object, got {type(d).__name__}")
     mt = d.get("model_type")
     if mt not in ("llama", "mistral", "qwen2"):
         raise UnsupportedModelError(
             f"{cfg_path}: unsupported model_type {mt!r}; supported: llama, mistral, qwen2"
         )
+    check_config_values(d, cfg_path.name)
     try:
         return LlamaConfig.from_hf_dict(d)
     except ConfigError as e:
-        raise UnsupportedModelError(f"{cfg_path}: {e}") from e
+        raise UnsupportedModelError(f"{cfg_path}: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid config: {type(e).__name__}: {e}") from None
+
+
+def check_config_values(d: Mapping[str, Any], where: str = "config.json") -> None:
+    """Checks the type and range of every ``config.json`` field the loader uses.
+
+    Args:
+      d: the parsed config.
+      where: the file name, for messages.
+
+    Raises:
+      CheckpointError: naming the first bad field, its value and the allowed range.
+    """
+
+    def bad(field: str, value: Any, want: str) -> CheckpointError:
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return CheckpointError(f"{where}: field {field} must be {want}, got {shown}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for field, (lo, hi) in CONFIG_LIMITS.items():
+        v = d.get(field)
+        optional = field in ("num_key_value_heads", "head_dim", "sliding_window")
+        if v is None and (optional or field not in _REQUIRED_FIELDS):
+            continue
+        if not is_int(v) or not lo <= v <= hi:
+            raise bad(field, v, f"an int in [{lo}, {hi}]")
+    for field, (lo, hi) in _FLOAT_LIMITS.items():
+        v = d.get(field)
+        if v is None:
+            continue
+        if (
+            not isinstance(v, (int, float))
+            or isinstance(v, bool)
+            or not math.isfinite(v)
+            or not lo < v <= hi
+        ):
+            raise bad(field, v, f"a finite number in ({lo:g}, {hi:g}]")
+    for field in _BOOL_FIELDS:
+        v = d.get(field)
+        if v is not None and not isinstance(v, bool):
+            raise bad(field, v, "true or false")
+    for field in ("hidden_act", "torch_dtype"):
+        v = d.get(field)
+        if v is not None and not isinstance(v, str):
+            raise bad(field, v, "a string")
+    vocab = d.get("vocab_size")
+    for field in ("bos_token_id", "pad_token_id", "eos_token_id"):
+        v = d.get(field)
+        ids = v if field == "eos_token_id" and isinstance(v, list) else [v]
+        if v is None or (isinstance(v, list) and not v):
+            continue
+        if len(ids) > 1024 or not all(is_int(t) and 0 <= t < vocab for t in ids):
+            kind = "a token id or a list of token ids" if field == "eos_token_id" else "a token id"
+            raise bad(field, v, f"{kind} in [0, vocab_size={vocab})")
+    rs = d.get("rope_scaling")
+    if rs is not None:
+        if not isinstance(rs, dict):
+            raise bad("rope_scaling", rs, "an object or null")
+        for k, v in rs.items():
+            if k in ("rope_type", "type"):
+                if not isinstance(v, str):
+                    raise bad(f"rope_scaling.{k}", v, "a string")
+            elif (
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and (not math.isfinite(v) or not 0 < v <= 1e12)
+            ):
+                raise bad(f"rope_scaling.{k}", v, "a finite number in (0, 1e12]")
+    layer_types = d.get("layer_types")
+    if layer_types is not None and (
+        not isinstance(layer_types, list)
+        or len(layer_types) != d.get("num_hidden_layers")
+        or not all(isinstance(t, str) for t in layer_types)
+    ):
+        raise bad("layer_types", layer_types, "a list of num_hidden_layers strings")
+
+
+def _read_json(path: Path, max_bytes: int) -> Any:
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise CheckpointError(f"{path}: {size} bytes, over the {max_bytes >> 20} MiB limit")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {type(e).__name__}: {e}") from None
+
+
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where a checkpoint's files may resolve to: the directory itself and, for a Hugging
+    Face cache snapshot (``models--org--name/snapshots/<rev>``), the repository's ``blobs``."""
+    real = root.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        roots.append(real.parent.parent / "blobs")
+    return roots
+
+
+def _confined(root: Path, fpath: Path, listed_in: str | None = None) -> Path:
+    """``fpath`` with symlinks resolved, if it stays inside the checkpoint directory.
+
+    Raises:
+      CheckpointError: it resolves outside (``..``, an absolute path, a symlink pointing out).
+    """
+    try:
+        real = fpath.resolve(strict=True)
+    except FileNotFoundError:
+        return fpath  # the caller reports the missing file
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise CheckpointError(f"cannot resolve checkpoint file {fpath}: {e}") from None
+    if not any(real.is_relative_to(r) for r in _allowed_roots(root)):
+        where = f" (listed in {listed_in})" if listed_in else ""
+        raise CheckpointError(
+            f"checkpoint file {fpath.name}{where} resolves to {real}, outside the checkpoint "
+            f"directory {root}; refusing to read it"
+        )
+    return real
+
+
+def _open_safetensors(fpath: Path) -> Any:
+    try:
+        return safe_open(str(fpath), framework="np")
+    except Exception as e:  # noqa: BLE001 - SafetensorError is not a ValueError/OSError
+        raise CheckpointError(
+            f"{fpath.name}: not a valid safetensors file: {type(e).__name__}: {e}"
+        ) from None
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
-    """HF tensor name -> safetensors file containing it."""
+    """HF tensor name -> safetensors file containing it (resolved, inside the checkpoint)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        data = _read_json(_confined(path, index), _MAX_INDEX_BYTES)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map' object")
-        out = {}
+        out: dict[str, Path] = {}
+        checked: dict[str, Path] = {}
         for name, fname in weight_map.items():
-            fpath = path / fname
-            if not fpath.is_file():
-                raise MissingFileError(
-                    f"checkpoint shard not found: {fpath} (listed in {index.name} for {name})"
-                )
-            out[name] = fpath
+            if fname not in checked:
+                if not isinstance(fname, str) or not fname:
+                    raise CheckpointError(
+                        f"{index.name}: weight_map[{name!r}] must be a file name, got {fname!r}"
+                    )
+                rel = Path(fname)
+                if rel.is_absolute() or ".." in rel.parts or "\\" in fname:
+                    raise CheckpointError(
+                        f"{index.name}: weight_map[{name!r}] = {fname!r} is not a file name "
+                        "inside the checkpoint directory"
+                    )
+                fpath = path / rel
+                if not fpath.is_file():
+                    raise MissingFileError(
+                        f"checkpoint shard not found: {fpath} (listed in {index.name} for {name})"
+                    )
+                checked[fname] = _confined(path, fpath, index.name)
+            out[name] = checked[fname]
         return out
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -156,9 +341,10 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         )
     out = {}
     for fpath in files:
-        with safe_open(str(fpath), framework="np") as f:
+        real = _confined(path, fpath)
+        with _open_safetensors(real) as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
-                out[name] = fpath
+                out[name] = real
     return out
 
 
@@ -172,19 +358,51 @@ class _Reader:
         self._total = total
         self._t0 = time.monotonic()
         self._next_log = _LOG_BYTES
-        self.big = sum(p.stat().st_size for p in set(files.values())) > _LOG_BYTES
+        try:
+            size = sum(p.stat().st_size for p in set(files.values()))
+        except OSError as e:
+            raise CheckpointError(f"cannot stat a checkpoint shard: {e}") from None
+        self.big = size > _LOG_BYTES
 
-    def get(self, name: str, shape: tuple[int, ...], np_dtype: Any) -> np.ndarray:
+    def _file(self, name: str) -> tuple[Path, Any]:
         fpath = self._files.get(name)
         if fpath is None:
             raise MissingTensorError(f"checkpoint is missing tensor {name!r}")
         f = self._open.get(fpath)
         if f is None:
-            f = self._open[fpath] = safe_open(str(fpath), framework="np")
+            f = self._open[fpath] = _open_safetensors(fpath)
+        return fpath, f
+
+    def check(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Checks every tensor's presence, dtype and shape from the file headers alone, so
+        nothing is allocated for a checkpoint that cannot load."""
+        for name, shape in shapes.items():
+            fpath, f = self._file(name)
+            try:
+                sl = f.get_slice(name)
+                got, dtype = tuple(sl.get_shape()), str(sl.get_dtype())
+            except Exception as e:  # noqa: BLE001 - SafetensorError
+                raise MissingTensorError(
+                    f"cannot read tensor {name!r} from {fpath.name}: {type(e).__name__}: {e}"
+                ) from None
+            if dtype not in _FLOAT_DTYPES:
+                raise TensorShapeError(
+                    f"tensor {name!r} in {fpath.name} has dtype {dtype}, expected one of "
+                    f"{sorted(_FLOAT_DTYPES)}"
+                )
+            if got != tuple(shape):
+                raise TensorShapeError(
+                    f"tensor {name!r} in {fpath.name} has shape {got}, expected {tuple(shape)}"
+                )
+
+    def get(self, name: str, shape: tuple[int, ...], np_dtype: Any) -> np.ndarray:
+        fpath, f = self._file(name)
         try:
             arr = f.get_tensor(name)
-        except Exception as e:  # safetensors raises SafetensorError (not a ValueError)
-            raise MissingTensorError(f"cannot read tensor {name!r} from {fpath}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - SafetensorError (not a ValueError)
+            raise MissingTensorError(
+                f"cannot read tensor {name!r} from {fpath.name}: {type(e).__name__}: {e}"
+            ) from None
         if tuple(arr.shape) != tuple(shape):
             raise TensorShapeError(
                 f"tensor {name!r} in {fpath.name} has shape {tuple(arr.shape)}, "
@@ -215,8 +433,9 @@ def load_model(
         param_dtype: storage dtype of parameters.
 
     Raises:
-        MissingFileError, MissingTensorError, TensorShapeError, UnsupportedModelError:
-            all ``CheckpointError`` (a ``ValueError``), messages naming the file/tensor/field.
+        MissingFileError, MissingTensorError, TensorShapeError, UnsupportedModelError,
+            CheckpointError: all ``CheckpointError`` (a ``ValueError``), messages naming the
+            file and the tensor or field.
     """
     path = Path(path)
     if not path.is_dir():
@@ -228,6 +447,7 @@ def load_model(
     shapes = hf_param_shapes(cfg)
     total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
     reader = _Reader(files, total)
+    reader.check(shapes)
     t0 = time.monotonic()
     if reader.big:
         logger.info(
@@ -330,6 +550,8 @@ def load_pretrained(
     """
     p = TINY_DIR if str(path) == "tiny" else Path(path)
     model = load_model(p, dtype=dtype, param_dtype=param_dtype)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        _confined(p, p / name)
     tok = load_tokenizer(p, model.config)
     if tok.vocab_size > model.config.vocab_size:
         logger.warning(

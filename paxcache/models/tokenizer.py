@@ -3,7 +3,16 @@
 Both implement the ``Tokenizer`` protocol: ``encode`` (``add_special_tokens=True`` adds BOS
 the way HF ``tokenizer(text)`` does), ``decode``, ``bos_token_id``,
 ``eos_token_id``, ``vocab_size`` and ``apply_chat_template``. ``IncrementalDecoder`` turns a
-growing list of ids into text deltas without ever emitting a broken UTF-8 character.
+growing list of ids into text deltas without ever emitting a broken UTF-8 character, in time
+linear in the output length.
+
+Chat templates come from the checkpoint (``tokenizer_config.json``), so they are untrusted
+code: they are rendered in jinja2's ``ImmutableSandboxedEnvironment`` (as transformers does)
+with the same helpers transformers provides (``raise_exception``, ``strftime_now``, a
+``tojson`` filter, ``{% break %}``/``{% continue %}``, ``{% generation %}``), plus budgets on
+``range``, on ``*``/``**`` results and on the rendered length. Any failure is a
+:class:`ChatTemplateError`; a template never reaches Python internals (``__globals__``,
+``__subclasses__``, ...).
 """
 
 from __future__ import annotations
@@ -12,10 +21,45 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from paxcache.errors import CheckpointError, PaxcacheError
+
 logger = logging.getLogger(__name__)
+
+MAX_TEMPLATE_OUTPUT_CHARS = 4 << 20
+"""Longest rendered chat prompt (characters); a template that writes more fails."""
+
+MAX_TEMPLATE_RANGE_ITEMS = 1 << 20
+"""Total items all ``range()`` calls of one template rendering may produce."""
+
+MAX_TEMPLATE_SEQUENCE_LEN = 1 << 20
+"""Longest string or list a template may build with ``*`` (and largest ``**`` result bits)."""
+
+MAX_HELD_TOKENS = 8
+"""``IncrementalDecoder`` holds back at most this many tokens waiting for a UTF-8 character to
+complete; past that it emits U+FFFD (a model emitting invalid UTF-8 forever stays linear)."""
+
+_MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
+
+
+class ChatTemplateError(PaxcacheError):
+    """A chat template failed to compile or render.
+
+    Attributes:
+      public_message: what a client may be told (no paths, no Python internals).
+      client_error: True when the template itself rejected the messages (its
+        ``raise_exception``: e.g. roles that do not alternate), i.e. the request is at fault;
+        False when the template is broken or tried something the sandbox refuses.
+    """
+
+    def __init__(self, message: str, *, public_message: str, client_error: bool) -> None:
+        super().__init__(message)
+        self.public_message = public_message
+        self.client_error = client_error
+
 
 Message = Mapping[str, str]
 
@@ -132,13 +176,16 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HFTok
 
         path = Path(path)
-        self._tok = _HFTok.from_file(str(path / "tokenizer.json"))
+        tok_path = path / "tokenizer.json"
+        try:
+            self._tok = _HFTok.from_file(str(tok_path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exceptions
+            raise CheckpointError(f"{tok_path}: not a valid tokenizer.json: {e}") from None
         cfg_path = path / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = self.config.get("chat_template")
-        if isinstance(self.chat_template, list):  # [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in self.chat_template}
-            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.config: dict[str, Any] = _read_tokenizer_config(cfg_path)
+        self.template_source = f"{cfg_path.name}: chat_template"
+        self.chat_template = _pick_chat_template(self.config.get("chat_template"), cfg_path)
+        self._template: Any = None  # compiled on first use
         self.bos_token = _token_content(self.config.get("bos_token"))
         self.eos_token = _token_content(self.config.get("eos_token"))
         self._bos = self._tok.token_to_id(self.bos_token) if self.bos_token else None
@@ -151,6 +198,11 @@ class HFTokenizer:
             self._eos = eos_token_id
             if eos_token_id is not None:
                 self.eos_token = self._tok.id_to_token(eos_token_id)
+        # Other special tokens a template may reference (as transformers passes them).
+        self._special_tokens = {
+            name: _token_content(self.config.get(name)) or ""
+            for name in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -176,69 +228,274 @@ class HFTokenizer:
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True
     ) -> str:
-        """Renders the checkpoint's jinja ``chat_template`` if jinja2 is installed.
+        """Renders the checkpoint's jinja ``chat_template`` in a sandbox (see the module
+        docstring).
 
-        Falls back to ``simple_chat_template`` (see ``SIMPLE_CHAT_TEMPLATE_DOC``) when there is
-        no template or jinja2 is not installed.
+        Falls back to ``simple_chat_template`` (see ``SIMPLE_CHAT_TEMPLATE_DOC``) when the
+        checkpoint has no template or jinja2 is not installed.
+
+        Raises:
+          ChatTemplateError: the template does not compile, rejects the messages
+            (``raise_exception``), or fails or is stopped by the sandbox while rendering.
         """
-        if self.chat_template:
-            try:
-                import jinja2
-            except ImportError:
-                logger.warning("jinja2 not installed; using the simple chat template")
-            else:
-                env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        if not self.chat_template:
+            return simple_chat_template(messages, add_generation_prompt)
+        try:
+            import jinja2  # noqa: F401
+        except ImportError:
+            logger.warning("jinja2 not installed; using the simple chat template")
+            return simple_chat_template(messages, add_generation_prompt)
+        if self._template is None:
+            self._template = compile_chat_template(self.chat_template, self.template_source)
+        return render_chat_template(
+            self._template,
+            self.template_source,
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **self._special_tokens,
+        )
 
-                def raise_exception(msg: str) -> None:
-                    raise ValueError(f"chat template error: {msg}")
 
-                env.globals["raise_exception"] = raise_exception
-                return env.from_string(self.chat_template).render(
-                    messages=list(messages),
-                    add_generation_prompt=add_generation_prompt,
-                    bos_token=self.bos_token or "",
-                    eos_token=self.eos_token or "",
-                )
-        return simple_chat_template(messages, add_generation_prompt)
+def _read_tokenizer_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > _MAX_TOKENIZER_CONFIG_BYTES:
+            raise CheckpointError(
+                f"{path}: larger than {_MAX_TOKENIZER_CONFIG_BYTES >> 20} MiB; refusing to read it"
+            )
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _pick_chat_template(value: Any, cfg_path: Path) -> str | None:
+    """The default chat template from ``tokenizer_config.json``'s ``chat_template`` field (a
+    string, or HF's list of ``{"name", "template"}``)."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if isinstance(value, list):
+        named = {
+            t.get("name"): t.get("template")
+            for t in value
+            if isinstance(t, dict) and isinstance(t.get("template"), str)
+        }
+        picked = named.get("default") or next(iter(named.values()), None)
+        if picked is not None:
+            return picked
+    raise CheckpointError(
+        f"{cfg_path}: field chat_template must be a string or a list of "
+        f'{{"name", "template"}} objects, got {type(value).__name__}'
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Sandboxed chat templates
+
+
+def _template_error(source: str, what: str, detail: str, *, client_error: bool = False) -> Any:
+    return ChatTemplateError(
+        f"chat template ({source}) {what}: {detail}",
+        public_message=f"the model's chat template ({source}) {what}"
+        + (f": {detail}" if client_error else ""),
+        client_error=client_error,
+    )
+
+
+class _TemplateRejected(Exception):
+    """Raised by a template's ``raise_exception(msg)``."""
+
+
+def _make_environment() -> Any:
+    """An ``ImmutableSandboxedEnvironment`` with transformers' chat-template helpers and
+    budgets on the operations that could otherwise exhaust memory or CPU."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks assistant text with
+        it for training masks); renders its body unchanged."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    class ChatSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**":
+                if isinstance(left, int) and isinstance(right, int):
+                    bits = abs(left).bit_length() * max(right, 0)
+                    if bits > MAX_TEMPLATE_SEQUENCE_LEN:
+                        raise jinja2.sandbox.SecurityError("'**' result too large")
+                return super().call_binop(context, operator, left, right)
+            for seq, times in ((left, right), (right, left)):
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(times, int)
+                    and len(seq) * times > MAX_TEMPLATE_SEQUENCE_LEN
+                ):
+                    raise jinja2.sandbox.SecurityError("'*' result too long")
+            return super().call_binop(context, operator, left, right)
+
+    env = ChatSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationTag, loopcontrols],
+    )
+
+    def raise_exception(message: Any) -> None:
+        raise _TemplateRejected(str(message))
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # As transformers: no HTML escaping (jinja's own tojson escapes <, >, &, ').
+        if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= 16):
+            raise jinja2.sandbox.SecurityError("tojson indent must be an int in [0, 16]")
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(str(fmt))
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def compile_chat_template(template: str, source: str = "chat_template") -> Any:
+    """Compiles a checkpoint's chat template in the sandbox.
+
+    Args:
+      template: the jinja source.
+      source: where it came from, for messages (e.g. ``"tokenizer_config.json: chat_template"``).
+
+    Returns:
+      a ``jinja2.Template`` bound to a fresh sandboxed environment.
+
+    Raises:
+      ChatTemplateError: the template does not compile.
+    """
+    import jinja2
+
+    env = _make_environment()
+    try:
+        return env.from_string(template)
+    except (jinja2.TemplateError, RecursionError, MemoryError, ValueError, TypeError) as e:
+        raise _template_error(source, "does not compile", f"{type(e).__name__}: {e}") from None
+
+
+def render_chat_template(template: Any, source: str = "chat_template", **context: Any) -> str:
+    """Renders a template from :func:`compile_chat_template` within the module's budgets.
+
+    Raises:
+      ChatTemplateError: ``client_error=True`` when the template called
+        ``raise_exception(msg)`` (the messages are at fault); otherwise the template failed or
+        the sandbox stopped it (an unsafe attribute, a budget exceeded).
+    """
+    import jinja2
+    from jinja2.sandbox import SecurityError
+
+    budget = [MAX_TEMPLATE_RANGE_ITEMS]
+    sandbox_range = template.environment.globals["range"]
+
+    def budgeted_range(*args: Any) -> Any:
+        r = sandbox_range(*args)
+        budget[0] -= len(r)
+        if budget[0] < 0:
+            raise SecurityError(f"range() budget of {MAX_TEMPLATE_RANGE_ITEMS} items exceeded")
+        return r
+
+    parts: list[str] = []
+    size = 0
+    try:
+        for piece in template.generate(range=budgeted_range, **context):
+            size += len(piece)
+            if size > MAX_TEMPLATE_OUTPUT_CHARS:
+                raise SecurityError(f"output longer than {MAX_TEMPLATE_OUTPUT_CHARS} characters")
+            parts.append(piece)
+    except _TemplateRejected as e:
+        raise _template_error(source, "rejected the messages", str(e), client_error=True) from None
+    except SecurityError as e:
+        raise _template_error(source, "was stopped by the sandbox", str(e)) from None
+    except (jinja2.TemplateError, RecursionError, MemoryError, ArithmeticError) as e:
+        raise _template_error(source, "failed to render", f"{type(e).__name__}: {e}") from None
+    except (TypeError, ValueError, LookupError, AttributeError) as e:
+        raise _template_error(source, "failed to render", f"{type(e).__name__}: {e}") from None
+    return "".join(parts)
 
 
 class IncrementalDecoder:
-    """Streams text from a growing id list without emitting broken UTF-8.
+    """Streams text from a growing id list without emitting broken UTF-8, in linear time.
 
     Example:
         >>> dec = IncrementalDecoder(tok)
         >>> for tok_id in stream: print(dec.push(tok_id), end="")
         >>> print(dec.flush())
 
-    Decodes the whole id list and emits only the new suffix, holding back a trailing
-    U+FFFD (an incomplete multi-byte character) until more ids arrive or ``flush``.
+    Decodes only a short window of ids, never the whole list (as vLLM's incremental
+    detokenizer): ``ids[prefix:read]`` were emitted already, ``ids[read:]`` are new. Each push
+    decodes ``ids[prefix:read]`` and ``ids[prefix:]`` and emits the difference; the window
+    then slides to ``prefix = read, read = len(ids)``. Decoding from ``prefix`` (not from
+    ``read``) keeps context-dependent pieces right (e.g. SentencePiece's leading space). A
+    window whose text ends in U+FFFD (an incomplete multi-byte character) is held back, at
+    most ``MAX_HELD_TOKENS`` tokens, until more ids arrive or ``flush``.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self.ids: list[int] = []
-        self._emitted = ""
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this were emitted
 
     def push(self, *ids: int) -> str:
         """Adds ids; returns the newly completed text (maybe empty)."""
         self.ids.extend(int(i) for i in ids)
-        text = self._tok.decode(self.ids, skip_special_tokens=self._skip)
-        if text.endswith("\ufffd"):
-            return ""
-        return self._take(text)
+        return self._advance(final=False)
 
     def flush(self) -> str:
         """Returns any held-back text (incomplete characters as U+FFFD)."""
-        return self._take(self._tok.decode(self.ids, skip_special_tokens=self._skip))
+        return self._advance(final=True)
 
-    def _take(self, text: str) -> str:
-        # Emit only what lies past the already-emitted length. Byte-level and BPE decoders
-        # are prefix-stable once the held-back U+FFFD rule is applied; if a decoder ever
-        # rewrites earlier text, the rewrite is not re-emitted (streamed text can't be undone).
-        delta = text[len(self._emitted) :]
-        self._emitted = text
+    def _advance(self, *, final: bool) -> str:
+        if self._read >= len(self.ids):
+            return ""
+        seen = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        held = len(self.ids) - self._read
+        incomplete = text.endswith("\ufffd") or len(text) <= len(seen)
+        if incomplete and not final and held < MAX_HELD_TOKENS:
+            return ""
+        # If the decoder ever rewrote the window's earlier text (byte-level and BPE decoders
+        # do not), the rewrite is not re-emitted: streamed text cannot be undone.
+        delta = text[len(seen) :]
+        self._prefix, self._read = self._read, len(self.ids)
         return delta
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
 
 def load_tokenizer(path: str | os.PathLike[str], config: Any | None = None) -> Tokenizer:
