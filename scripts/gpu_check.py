@@ -16,8 +16,10 @@ and everything it learns is written as it goes, one JSON object per line, to
    NaN wherever no token was written): decode and ragged over head_dim x G x block_size,
    soft cap and sliding window, stacked ``[L, K, N, S, D]`` pages with a traced ``layer=``,
    4K-key contexts with ``num_splits=1`` at pipeline depths 1, 2 and 3 (the stage ring wraps
-   dozens of times), the float32 XLA fallback, and XLA's ``write_kv``/``copy_blocks``. If
-   any case fails, timing is skipped (exit status 1).
+   dozens of times), the float32 XLA fallback, and XLA's ``write_kv``/``copy_blocks``. Then
+   ``ptxas -v`` of every compiled kernel (``MOSAIC_GPU_DUMP_PTXAS`` into ``$OUT/mosaic_dump``):
+   registers and any spills (the head_dim 256 risk). If any case fails, timing is skipped
+   (exit status 1).
 3. **Timing** (bf16): every call runs inside one jit that loops over several disjoint sets of
    blocks of one page pool built on the device, so the working set is at least 256 MB and
    nothing is served from L2; each timed output is then checked against the oracle. Decode
@@ -513,6 +515,19 @@ def kv_ops_timing(bw, *, interpret=False) -> dict:
     )  # fmt: skip
 
 
+def ptxas_report(dump_dir: str) -> dict:
+    """Registers and spills per compiled kernel from Mosaic GPU's ptxas dumps (D = 256 risk)."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(dump_dir, "**", "*"), recursive=True)):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                lines += [x.strip() for x in f if "spill" in x or "Used " in x]
+    clean = "0 bytes spill stores, 0 bytes spill loads"
+    spilling = [x for x in lines if "spill" in x and clean not in x]
+    return dict(ok=True, files=len(glob.glob(os.path.join(dump_dir, "**"), recursive=True)),
+                usage=lines[:200], spilling=spilling[:50])  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
@@ -543,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
                 os.remove(p)
     dog = Watchdog(args.case_timeout, hang_and_exit(rec))
 
+    dump_dir = os.path.join(out, "mosaic_dump")
+    if not dry:  # ptxas -v of every Mosaic GPU kernel compiled: registers and spills
+        os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
+        os.environ.setdefault("MOSAIC_GPU_DUMP_TO", dump_dir)
     env = environment()
     env.update(mode="dry-run" if dry else "quick" if args.quick else "full")
     if "environment" not in done:
@@ -563,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in correctness_cases(args.quick, dry):
         if want(name):
             all_ok &= run_case(rec, dog, f"check: {name}", fn, done)
+    if not dry:
+        run_case(rec, dog, "ptxas resource usage", lambda: ptxas_report(dump_dir), set())
     if not all_ok:
         rec.write(dict(case="timing", status="skipped", detail="a correctness case failed"))
         return EXIT_FAILED
