@@ -53,7 +53,7 @@ def test_dry_run_writes_a_line_per_case_and_a_summary(tmp_path):
     assert recs[2]["GBps"] > 0 and recs[3]["copy_blocks_frac_copy_bw"] > 0
 
 
-def test_watchdog_records_a_hang_with_stacks_and_resume_finishes_the_rest(tmp_path):
+def test_watchdog_records_a_hang_with_stacks_and_resume_runs_the_rest(tmp_path):
     proc = _run("--dry-run", "--out", str(tmp_path), "--only", "kv", "--selftest-hang", "3")
     assert proc.returncode == 3, proc.stderr[-2000:]
     recs = _records(tmp_path)
@@ -61,10 +61,12 @@ def test_watchdog_records_a_hang_with_stacks_and_resume_finishes_the_rest(tmp_pa
     assert "watchdog" in (tmp_path / "tracebacks.txt").read_text()
     proc = _run("--dry-run", "--out", str(tmp_path), "--only", "kv", "--selftest-hang", "3",
                 "--resume")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cases = [r["case"] for r in _records(tmp_path)]
+    assert proc.returncode == 1, proc.stderr[-2000:]  # the run finished; the hang is a failure
+    recs = _records(tmp_path)
+    cases = [r["case"] for r in recs]
     assert cases.count("environment") == 1 and cases.count("selftest hang") == 1
-    assert cases[-1] == "summary"
+    assert "time: kv ops (XLA)" in cases
+    assert recs[-1]["case"] == "summary" and recs[-1]["failed"] == ["selftest hang"]
 
 
 def test_a_failing_check_skips_timing_and_keeps_its_traceback(tmp_path, monkeypatch):

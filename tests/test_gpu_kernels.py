@@ -139,6 +139,18 @@ def test_pipeline_has_no_smem_races_when_stages_are_reused():
     _check(out, want, jnp.float32)
 
 
+def test_few_live_sequences_get_split_by_need_and_dead_items_are_ignored():
+    """Default splits: one live sequence of 5 KV steps takes 5 items of the budget (the other
+    items, and the empty sequence, are dead: no Q load, no output write, ignored by the
+    combine), and the result is the oracle's."""
+    q, k, v, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 0])
+    items, item_tile = ga._items(ga.decode_work(lengths, None), 1, None, True)
+    np.testing.assert_array_equal(np.asarray(item_tile), [0, 0, 0, 0, 0, 2, 2, 2])
+    out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, interpret=INTERPRET)
+    want = reference.paged_attention_reference(q, k, v, lengths, tables, sm_scale=0.125)
+    _check(out, want, jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Ragged
 # ---------------------------------------------------------------------------------------------

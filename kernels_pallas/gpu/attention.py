@@ -113,6 +113,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NUM_SMS = 132  # H100 SXM / H200
+_INTERPRET_SMS = 4  # the budget rule in interpret mode, at toy size
 _ROWS = 64  # wgmma M: rows of one query tile (tokens x heads of a GQA group)
 _BLOCK_KV = 64  # tokens per KV pipeline step
 _OUT_COLS = 64  # columns per output store (keeps the float32 output stage at 16 KiB)
@@ -207,14 +208,15 @@ def _check_geometry(head_dim: int, block_size: int, g: int = 1) -> str | None:
     return None
 
 
-def default_item_budget(num_tiles: int, kv_heads: int) -> int:
-    """Static number of work items: every tile once, and at least ``2 * NUM_SMS`` blocks.
+def default_item_budget(num_tiles: int, kv_heads: int, num_sms: int = NUM_SMS) -> int:
+    """Static number of work items: every tile once, and at least ``2 * num_sms`` blocks.
 
     Args:
       num_tiles: W, query tiles (a static bound: sequences for decode).
       kv_heads: K (the grid's second axis).
+      num_sms: streaming multiprocessors to fill.
     """
-    return max(num_tiles, -(-2 * NUM_SMS // max(1, kv_heads)))
+    return max(num_tiles, -(-2 * num_sms // max(1, kv_heads)))
 
 
 def default_kv_stages(head_dim: int) -> int:
@@ -674,15 +676,21 @@ def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, i
     )  # fmt: skip
 
 
-def _items(tiles: jax.Array, kv_heads: int, num_splits: int | None):
-    """Work items for ``tiles`` (see :func:`split_work`): fixed splits, or by need."""
+def _items(tiles: jax.Array, kv_heads: int, num_splits: int | None, interpret: bool):
+    """Work items for ``tiles`` (see :func:`split_work`): fixed splits, or by need.
+
+    Interpret mode sizes the budget for a toy GPU of ``_INTERPRET_SMS`` SMs: the same rule,
+    without hundreds of (mostly dead) interpreted programs.
+    """
     w = tiles.shape[0]
     if num_splits is not None:
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         return split_work(tiles, w * num_splits, splits_per_tile=num_splits)
-    target = -(-2 * NUM_SMS // kv_heads)
-    return split_work(tiles, default_item_budget(w, kv_heads), target_items=target)
+    sms = _INTERPRET_SMS if interpret else NUM_SMS
+    return split_work(
+        tiles, default_item_budget(w, kv_heads, sms), target_items=-(-2 * sms // kv_heads)
+    )
 
 
 def _use_fallback(k_pages: jax.Array, interpret: bool, name: str) -> bool:
@@ -762,7 +770,8 @@ def paged_attention_gpu(
         sliding_window=sliding_window, interpret=interpret, kv_stages=kv_stages,
         out_rows=out_rows,
     )  # fmt: skip
-    items, item_tile = _items(decode_work(lengths, sliding_window, layer), kv_heads, num_splits)
+    tiles = decode_work(lengths, sliding_window, layer)
+    items, item_tile = _items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
     o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
     out = _combine(o, lse, item_tile, b)[:, :, :g]  # [B, K, G, D]
@@ -825,7 +834,7 @@ def ragged_paged_attention_gpu(
     tiles, tile_of_row, slot_of_row = ragged_work(
         kv_lens, cu_q_lens, num_seqs, t, tpt, sliding_window, layer
     )
-    items, item_tile = _items(tiles, kv_heads, num_splits)
+    items, item_tile = _items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
     o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
     out = _combine(o, lse, item_tile, tiles.shape[0])  # [W, K, 64, D]
