@@ -1,6 +1,7 @@
 """kernels_pallas: Pallas kernels for paged KV caches (TPU Mosaic and GPU Mosaic), with oracles.
 
-Depends on JAX only; never imports ``paxcache``.
+Depends on JAX only; never imports ``paxcache``. Supported JAX releases and every API
+difference between them: :mod:`kernels_pallas.compat` (paxcache uses it too).
 
 Public API (see DESIGN.md):
   ``paged_attention``, ``ragged_paged_attention`` (``kernels_pallas.attention``),

@@ -21,13 +21,18 @@ only those rows; tests check the compiled program has no full-size copy. On CPU,
 copies run as in-place update-slice loops over the live pairs only; and XLA:CPU, which has no
 native bf16, upcasts bf16 updates over the whole array, so keep CPU caches in float32.
 
-``impl``: ``"auto"`` (Mosaic TPU kernel on TPU; XLA scatter on GPU, see below, and on CPU),
+``impl``: ``"auto"`` (Mosaic TPU kernel on TPU; the XLA path on GPU and CPU),
 ``"reference"`` (the XLA path), ``"pallas"`` (the backend's kernel; on CPU the TPU kernel,
-which needs ``interpret=True``), ``"pallas_tpu"`` / ``"pallas_gpu"`` (force one family).
-The Mosaic GPU kernels (``kernels_pallas.gpu.kv_ops``) have only run in interpret mode so far,
-so ``"auto"`` on a GPU uses the XLA scatter, which XLA already performs in place on donated
-buffers; set ``kernels_pallas.kv_ops.GPU_KERNELS_BY_DEFAULT = True`` to make ``"auto"`` pick
-them once they are checked on a GPU.
+which needs ``interpret=True``), ``"pallas_tpu"`` (force the TPU kernels), ``"pallas_gpu"``
+(there are no Mosaic GPU KV kernels: the XLA path, as for swap_blocks).
+
+Why no GPU kernels for write_kv / copy_blocks: on a GPU, XLA's scatter of donated pages is
+already one in-place kernel with a thread per element, so a Mosaic GPU kernel moving the same
+rows through SMEM with one TMA per token (or per block) cannot read or write fewer bytes and
+issues far fewer memory operations in flight. ``write_kv`` moves ``T x K x D`` elements a
+step (kilobytes to a few MB), next to an attention that reads the whole live KV; block copies
+happen only on copy-on-write. ``scripts/gpu_check.py`` times both XLA ops on the device
+against its copy bandwidth, which is what would justify a kernel if they ever fall short.
 
 swap_blocks outside the TPU kernel (GPU, or ``impl="reference"``): one jitted program
 gathers the blocks on the source side into one array, moves it with ONE transfer (a
@@ -56,16 +61,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import reference
+from kernels_pallas import compat, reference
 from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
 
 __all__ = ["IMPLS", "bucket_size", "copy_blocks", "swap_blocks", "write_kv"]
 
 logger = logging.getLogger(__name__)
-
-
-#: ``impl="auto"`` on a GPU uses the Mosaic GPU kernels only when this is True (see module doc).
-GPU_KERNELS_BY_DEFAULT = False
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -138,18 +139,11 @@ def _resolve_family(name: str, impl: str, interpret: bool) -> str:
     if impl == "auto":
         if backend == "tpu":
             return "tpu"
-        if backend == "gpu" and GPU_KERNELS_BY_DEFAULT:
-            return "gpu"
         return "reference"
     family = ("gpu" if backend == "gpu" else "tpu") if impl == "pallas" else impl[7:]
     if family == "tpu" and backend != "tpu" and not interpret:
         raise ValueError(
             f"{name}: impl={impl!r} runs the Mosaic TPU kernel, which needs a TPU backend or "
-            f"interpret=True (backend is {backend!r})"
-        )
-    if family == "gpu" and backend != "gpu" and not interpret:
-        raise ValueError(
-            f"{name}: impl={impl!r} runs the Mosaic GPU kernel, which needs a GPU backend or "
             f"interpret=True (backend is {backend!r})"
         )
     return family
@@ -330,9 +324,9 @@ def write_kv(
     slots = jnp.asarray(slot_mapping, jnp.int32)
     if t == 0:
         return k_pages, v_pages
-    if family == "reference":
+    if family != "tpu":  # no Mosaic GPU KV kernels (module doc): the in-place XLA scatter
         return _write_xla(k_pages, k, slots, layer), _write_xla(v_pages, v, slots, layer)
-    fn = _kernels(family).write_kv_tpu if family == "tpu" else _kernels(family).write_kv_gpu
+    fn = _kernels(family).write_kv_tpu
     return fn(k_pages, v_pages, k, v, slots, 0 if layer is None else layer, interpret=interpret)
 
 
@@ -379,11 +373,9 @@ def copy_blocks(
         return k_pages, v_pages
     src = jnp.asarray(src, jnp.int32)
     dst = jnp.asarray(dst, jnp.int32)
-    if family == "reference":
+    if family != "tpu":  # no Mosaic GPU KV kernels (module doc)
         return _copy_xla(k_pages, src, dst), _copy_xla(v_pages, src, dst)
-    mod = _kernels(family)
-    fn = mod.copy_blocks_tpu if family == "tpu" else mod.copy_blocks_gpu
-    return fn(k_pages, v_pages, src, dst, interpret=interpret)
+    return _kernels(family).copy_blocks_tpu(k_pages, v_pages, src, dst, interpret=interpret)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,14 +435,12 @@ def _swap_program(
     and XLA elides that move. Otherwise: gather on the source side, one transfer of the
     gathered blocks, scatter (``loops``: update-slice loop) on the destination side.
     """
-    from jax.experimental.compute_on import compute_on
-
     host = jax.memory.Space.Host
 
     def on_dst(fn, *args):
         if not dst_host:
             return fn(*args)
-        return compute_on("device_host")(jax.jit(fn))(*args)
+        return compat.compute_on_host(fn)(*args)
 
     def program(srcs, dsts, src_ids, dst_ids):
         if use_tpu:
@@ -467,7 +457,7 @@ def _swap_program(
                 s, d, count = jax.device_put((s, d, count), host)
             return on_dst(_copy_between, dsts, srcs, s, d, count)
         if src_host:
-            blocks = compute_on("device_host")(jax.jit(_gather))(srcs, jax.device_put(s, host))
+            blocks = compat.compute_on_host(_gather)(srcs, jax.device_put(s, host))
         else:
             blocks = _gather(srcs, s)
         blocks = jax.device_put(blocks, host if dst_host else jax.memory.Space.Device)  # 1 move

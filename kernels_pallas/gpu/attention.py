@@ -3,43 +3,53 @@
 One kernel serves both entry points. :func:`ragged_paged_attention_gpu` handles any mix of
 decode rows, whole prefills, chunked prefills and prefix-cache hits;
 :func:`paged_attention_gpu` (decode: one query token per sequence) is the same kernel fed a
-trivial work list. Semantics are exactly those of the oracles in
-:mod:`kernels_pallas.reference`.
+trivial tile list. Semantics are exactly those of the oracles in :mod:`kernels_pallas.reference`.
 
 Shape letters: B sequences, T query tokens, H query heads, K kv heads, G = H // K query heads
-per kv head, D head dim, N blocks, S block size, M max blocks per sequence, W work tiles,
-P KV splits (flash-decoding), R = 64 rows of one wgmma tile.
+per kv head, D head dim, N blocks, S block size, M max blocks per sequence, W query tiles,
+I work items (tile x KV split), R = 64 rows of one wgmma tile.
 
 Design (what one CUDA block does)
 ---------------------------------
-* **Work tiles.** The host side (plain XLA, jit-traceable, no Python loop over sequences)
+* **Query tiles.** The host side (plain XLA, jit-traceable, no Python loop over sequences)
   cuts every sequence's query rows into tiles of ``R // G`` tokens, so one tile holds
   ``R // G`` tokens x ``G`` heads = 64 rows: GQA query heads are packed into the wgmma M
   dimension and each KV page is read once per group. A decode row is a tile with one token.
-  Tile metadata ``i32[W, 8]`` (sequence, first query row, key range ``[lo, hi)``, ...) lives
-  in GMEM and is read as scalars.
-* **Grid** ``(W, P, K)``: tile x KV split x kv head, one warpgroup per block.
-* **KV pipeline.** A KV step is ``64`` tokens = ``64 // S`` pages. Each page is one TMA copy
-  ``k_pages[kh, block_table[seq, j]] -> smem`` (the block id is read from GMEM, clamped to
-  ``>= 0``); ``kv_stages`` (3, or 2 at D = 256) stages of K and V buffers in 128B-swizzled SMEM
-  with one mbarrier per stage, so the TMA of steps ``i+1 .. i+stages-1`` overlaps the math of
-  step ``i``. Pages wholly outside the tile's key range are not fetched (the barrier gets a
-  plain arrive instead, so its arrival count stays ``64 // S``).
+* **Work items (flash-decoding).** Each live tile's key range is split into KV splits, and a
+  work item is one (tile, split). Splits are assigned at run time from the tiles that are
+  actually live, in proportion to their key ranges, within a static item budget
+  (:func:`split_work`): a small decode batch in a wide padded batch still gets enough items to
+  fill the GPU. Item metadata ``i32[I, 10]`` (sequence, first query row, key range ``[lo, hi)``,
+  the split's first KV step and step count, layer) lives in GMEM and is read as scalars.
+* **Grid** ``(I, K)``: work item x kv head, one warpgroup per block. A dead item (no steps:
+  padding tiles, unused budget) returns at once: no Q load, no output write; the combine
+  ignores it.
+* **KV pipeline.** A KV step is ``64`` tokens: ``64 // S`` whole pages for ``S <= 64``, a
+  64-token slice of one page for ``S >= 64``. Each piece is one TMA copy
+  ``k_pages[kh, block_table[seq, j], off:off+64] -> smem`` (block id read from GMEM, clamped to
+  ``>= 0``). ``kv_stages`` (3, or 2 at D = 256) stages of K and V in 128B-swizzled SMEM,
+  each with an mbarrier the TMA arrives on, so the TMA of steps ``i+1 .. i+stages-1``
+  overlaps the math of step ``i``. A stage is refilled by the same warpgroup that read it,
+  after both wgmmas on it have completed (their accumulators were read, which waits for
+  them) and after the V scrub's generic-proxy writes were fenced (``commit_smem``), so
+  program order is the whole synchronization; no "consumed" barrier is needed as it is
+  where a separate producer warpgroup issues the copies (JAX's ``attention_mgpu``). Pieces
+  wholly outside the tile's key range are not fetched (a plain arrive keeps the count).
 * **Math.** ``S = Q K^T`` with ``wgmma`` (A = Q tile from SMEM, B = transposed K stage),
   optional soft cap, causal / sliding-window / length mask applied with ``where``, online
-  softmax in float32 (``m``, ``l`` in the WGMMA row layout), ``O += P V`` with ``wgmma``
-  (A = P from registers in the input dtype, B = V stage). float32 accumulation throughout.
+  softmax in float32 (``m``, ``l`` in the WGMMA row layout), ``O = alpha O + P V`` with
+  ``wgmma`` accumulating in place into the one live f32 accumulator (A = P from registers in
+  the input dtype, B = V stage). At D = 256 the accumulator alone is 128 registers a thread,
+  so a second one (a fresh ``P V`` result added afterwards) would spill.
 * **Never read what was not written.** K columns outside the key range are masked with
   ``where`` (NaN cannot pass a select). On the first and last step of a range, V rows outside
   it (stale SMEM, unwritten slots, skipped pages) are zeroed in SMEM before the ``P V`` wgmma,
   because ``0 * NaN`` would leak through a matmul.
-* **Flash-decoding.** The key range of a tile is split over ``P`` blocks (balanced per tile at
-  run time). Each writes its normalized partial output (float32) and log-sum-exp; a small XLA
-  combine merges them (``P = 1`` for large batches). ``P`` defaults to enough blocks to fill
-  the GPU twice (132 SMs on H100/H200) and can be forced with ``num_splits``.
+* **Combine.** Each item writes its normalized partial output (float32) and log-sum-exp; a
+  small XLA segment reduction over the items of each tile merges them.
 
-Hardware minimums of the compiled kernel (reported by :func:`check_compiled_support`)
---------------------------------------------------------------------------------------
+Hardware minimums of the compiled kernel (:func:`unsupported_reason`)
+---------------------------------------------------------------------
 * Hopper (sm_90a): ``wgmma`` and TMA. The wgmma M dimension is 64, so query rows are padded to
   64 per tile (a decode tile with ``G = 1`` computes 63 dead rows; decode is memory bound).
 * ``bfloat16`` / ``float16`` pages. wgmma reads float32 as tf32 (too coarse for the 1e-5
@@ -47,29 +57,31 @@ Hardware minimums of the compiled kernel (reported by :func:`check_compiled_supp
   not, so float32 inputs on a real GPU are routed to the exact XLA path
   (:func:`kernels_pallas.reference.ragged_paged_attention_xla`) with a logged notice.
   Interpret mode runs float32 through the kernel itself.
-* Geometry problems below raise ``ValueError`` (at trace time, before any kernel runs).
-* ``head_dim`` a multiple of 64 (128-byte swizzle tiles of ``(8, 64)`` bf16): 64, 128, 256.
-* ``block_size`` a multiple of 8 that divides 64 (8, 16, 32, 64): a page must be whole
-  ``(8, 64)`` tiles and a 64-token KV step must be whole pages.
+* ``head_dim`` a multiple of 64 (128-byte swizzle tiles of ``(8, 64)`` bf16) up to 256 (the
+  f32 accumulator's registers): 64, 128, 192, 256.
+* ``G`` (query heads per kv head) divides 64: 1, 2, 4, ..., 64.
+* ``block_size`` a multiple of 8 that divides 64 or is a multiple of 64 (8 ... 64, 128, 256):
+  a 64-token KV step must be whole pages or a whole slice of one page.
 * SMEM (:func:`smem_bytes`): Q 64xD + ``kv_stages`` x 2 x 64xD (input dtype) + a 64x64
   float32 output stage: 128 KiB at D = 128 (3 stages), 176 KiB at D = 256 (2 stages); Hopper
-  allows 227 KiB per block, so more stages than that raise ``ValueError``. ``kv_stages=2`` at
-  D <= 128 fits two blocks per SM; which is faster is for ``scripts/gpu_check.py`` to measure.
+  allows 227 KiB per block.
+Entry points raise ``ValueError`` for geometry outside these limits (at trace time); the
+public dispatch asks :func:`unsupported_reason` first and runs the XLA path instead.
 
 Interpret mode (CPU tests)
 --------------------------
-``interpret=True`` runs the same kernel body in Mosaic GPU's interpreter
-(``InterpretGPUParams``): grid, TMA copies, mbarriers, scalar GMEM reads, SMEM stages, loops
-and masking are all interpreted. Two things differ, because this JAX's interpreter lacks them:
-the two matmuls are computed with ``jnp.dot`` on the SMEM contents (its ``wgmma`` rejects a
-transposed operand and register A operands), and register layouts (``plgpu.layout_cast``,
-``plgpu.load(layout=...)``: no CPU rules) are skipped. Uninitialized SMEM is NaN in the
-interpreter, which the NaN tests rely on, and its barrier checks and race detector
-(``interpret=InterpretGPUParams(detect_races=True)``) validate the pipeline's synchronization.
-The compiled path itself is checked on any host by exporting for CUDA
-(``jax.export(..., platforms=["cuda"])``), which runs the full Mosaic GPU lowering (layouts,
-TMA descriptors, wgmma shapes) short of ptxas; on a GPU the tests and
-``scripts/gpu_check.sh`` compile and run it.
+``interpret=True`` runs the same kernel body in Mosaic GPU's interpreter: grid, TMA copies,
+mbarriers, scalar GMEM reads, SMEM stages, loops and masking are all interpreted. Two things
+differ, because the interpreter lacks them: the two matmuls are computed with ``jnp.dot`` on
+the SMEM contents (its ``wgmma`` rejects a transposed operand and register A operands), and
+register layouts (``plgpu.layout_cast``, loads with a layout: no CPU rules) are skipped.
+Uninitialized SMEM is NaN in the interpreter, which the NaN tests rely on, and its barrier
+checks and race detector (``interpret=compat.mosaic_gpu_interpret_params(detect_races=True)``)
+validate the pipeline's synchronization. The compiled path itself is checked on any host by
+exporting for CUDA (``jax.export(..., platforms=["cuda"])``), which runs the full Mosaic GPU
+lowering (layouts, TMA descriptors, wgmma shapes) short of ptxas; on a GPU the tests and
+``scripts/gpu_check.sh`` compile and run it. JAX API differences between releases go through
+:mod:`kernels_pallas.compat` (lane lowering semantics pinned, ``load``, ``transpose``).
 """
 
 from __future__ import annotations
@@ -84,14 +96,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas import reference
+from kernels_pallas import compat, reference
 
 __all__ = [
     "paged_attention_gpu",
     "ragged_paged_attention_gpu",
+    "unsupported_reason",
     "check_compiled_support",
-    "default_num_splits",
+    "default_item_budget",
     "default_kv_stages",
+    "split_work",
     "smem_bytes",
     "NUM_SMS",
 ]
@@ -99,16 +113,21 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NUM_SMS = 132  # H100 SXM / H200
+_INTERPRET_SMS = 4  # the budget rule in interpret mode, at toy size
 _ROWS = 64  # wgmma M: rows of one query tile (tokens x heads of a GQA group)
 _BLOCK_KV = 64  # tokens per KV pipeline step
 _OUT_COLS = 64  # columns per output store (keeps the float32 output stage at 16 KiB)
+_MAX_HEAD_DIM = 256  # the f32 accumulator is D / 2 registers a thread
 SMEM_LIMIT = 227 * 1024  # Hopper: max dynamic shared memory per block
 _NEG_INF = float("-inf")
 _COMPILED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# Tile metadata columns (i32[W, _META]).
+# Query tile metadata columns (i32[W, 8]).
 _M_SEQ, _M_ROW0, _M_NQ, _M_POS0, _M_LO, _M_HI, _M_LAYER = range(7)
 _META = 8
+# Work item metadata: the tile's columns, then the split's first KV step and step count.
+_M_FIRST, _M_STEPS = _META, _META + 1
+_ITEM_META = _META + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +139,8 @@ class _Cfg:
     s: int  # block size
     m: int  # max blocks per sequence
     kv_heads: int
-    pages_per_step: int
-    slots: int
-    num_splits: int
-    out_rows: int  # rows of each tile written back (G for decode, 64 for ragged)
+    slots: int  # pipeline stages
+    out_rows: int  # rows of each item written back (G rounded up to 8 for decode, 64 ragged)
     dtype: jnp.dtype
     sm_scale: float
     soft_cap: float | None
@@ -133,8 +150,13 @@ class _Cfg:
     interpret_params: object = None  # an InterpretGPUParams, or None for the defaults
 
     @property
-    def block_kv(self) -> int:
-        return self.pages_per_step * self.s
+    def piece(self) -> int:
+        """Tokens per TMA copy: a whole page, or a 64-token slice of a larger page."""
+        return min(self.s, _BLOCK_KV)
+
+    @property
+    def pieces_per_step(self) -> int:
+        return _BLOCK_KV // self.piece
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,40 +164,64 @@ class _Cfg:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_compiled_support(head_dim: int, block_size: int, dtype) -> str | None:
-    """Why the compiled Hopper kernel cannot run this configuration, or ``None`` if it can.
+def unsupported_reason(*, head_dim: int, num_q_per_kv: int, block_size: int, dtype) -> str | None:
+    """Why the compiled Hopper kernel cannot take this geometry, or ``None`` if it can.
 
-    ``None`` means fully supported. A dtype problem (float32) is handled by the entry points
-    by falling back to the XLA path; geometry problems raise ``ValueError`` there.
+    The public dispatch runs the XLA path (with a warning naming the reason) when this is not
+    ``None``. Hardware (compute capability 9.x) is the dispatch's business, not checked here.
+
+    Args:
+      head_dim: D.
+      num_q_per_kv: G = H // K.
+      block_size: S.
+      dtype: the pages' dtype.
     """
     if jnp.dtype(dtype) not in _COMPILED_DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (wgmma needs bfloat16/float16 operands here)"
-    return _check_geometry(head_dim, block_size)
-
-
-def _check_geometry(head_dim: int, block_size: int) -> str | None:
-    if head_dim % 64:
-        return f"head_dim={head_dim} is not a multiple of 64 (128B-swizzled TMA tiles)"
-    if block_size % 8 or _BLOCK_KV % block_size:
-        return f"block_size={block_size} must be a multiple of 8 that divides {_BLOCK_KV}"
+        return f"dtype {jnp.dtype(dtype).name} (wgmma here takes bfloat16/float16)"
+    problem = _check_geometry(head_dim, block_size, num_q_per_kv)
+    if problem is not None:
+        return problem
+    need = smem_bytes(head_dim, dtype, default_kv_stages(head_dim))
+    if need > SMEM_LIMIT:
+        return f"head_dim={head_dim} needs {need} bytes of shared memory (limit {SMEM_LIMIT})"
     return None
 
 
-def default_num_splits(num_tiles: int, kv_heads: int, max_kv_steps: int) -> int:
-    """KV splits per tile so that about ``2 * NUM_SMS`` blocks run (flash-decoding).
+def check_compiled_support(head_dim: int, block_size: int, dtype) -> str | None:
+    """:func:`unsupported_reason` for ``G = 1`` (kept for callers that have no G)."""
+    return unsupported_reason(head_dim=head_dim, num_q_per_kv=1, block_size=block_size, dtype=dtype)
+
+
+def _check_geometry(head_dim: int, block_size: int, g: int = 1) -> str | None:
+    if head_dim % 64 or not 0 < head_dim <= _MAX_HEAD_DIM:
+        return (
+            f"head_dim={head_dim} is not a multiple of 64 up to {_MAX_HEAD_DIM} "
+            "(128B-swizzled TMA tiles, one f32 accumulator in registers)"
+        )
+    if block_size <= 0 or block_size % 8 or (_BLOCK_KV % block_size and block_size % _BLOCK_KV):
+        return (
+            f"block_size={block_size} must be a multiple of 8 that divides {_BLOCK_KV} or a "
+            f"multiple of {_BLOCK_KV}"
+        )
+    if g <= 0 or _ROWS % g:
+        return f"query heads per kv head ({g}) must divide {_ROWS}"
+    return None
+
+
+def default_item_budget(num_tiles: int, kv_heads: int, num_sms: int = NUM_SMS) -> int:
+    """Static number of work items: every tile once, and at least ``2 * num_sms`` blocks.
 
     Args:
-      num_tiles: W, work tiles (sequences for decode).
-      kv_heads: K.
-      max_kv_steps: most 64-token KV steps any tile can need (``ceil(M * S / 64)``).
+      num_tiles: W, query tiles (a static bound: sequences for decode).
+      kv_heads: K (the grid's second axis).
+      num_sms: streaming multiprocessors to fill.
     """
-    want = -(-2 * NUM_SMS // max(1, num_tiles * kv_heads))
-    return int(max(1, min(want, max_kv_steps, 32)))
+    return max(num_tiles, -(-2 * num_sms // max(1, kv_heads)))
 
 
 def default_kv_stages(head_dim: int) -> int:
-    """Pipeline depth: 3 stages of K+V up to D = 128 (~128 KiB SMEM), 2 at D = 256."""
-    return 3 if head_dim <= 128 else 2
+    """Pipeline depth: 3 stages of K+V up to D = 192 (<= 184 KiB SMEM), 2 at D = 256."""
+    return 3 if head_dim <= 192 else 2
 
 
 def smem_bytes(head_dim: int, dtype, kv_stages: int) -> int:
@@ -185,15 +231,6 @@ def smem_bytes(head_dim: int, dtype, kv_stages: int) -> int:
     kv = 2 * kv_stages * _BLOCK_KV * head_dim * item
     out = _ROWS * min(head_dim, _OUT_COLS) * 4 + _ROWS * 4
     return q + kv + out + 8 * (1 + 2 * kv_stages)
-
-
-def _interpret_params(given=None):
-    """Mosaic GPU interpret-mode parameters (private JAX module: imported only when used)."""
-    if given is not None:
-        return given
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,86 +251,96 @@ def _load_wgmma(ref, cfg: _Cfg) -> jax.Array:
     """Load a swizzled SMEM tile into registers in the WGMMA layout (plain read in interpret)."""
     if cfg.interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+    return compat.mosaic_gpu_load(ref, plgpu.Layout.WGMMA)
+
+
+def _emulated_wgmma_done() -> None:
+    """Interpret mode: the SMEM reads that stood in for a wgmma are visible to async copies.
+
+    A real wgmma reads SMEM through the async proxy and has completed (``wgmma.wait``) when
+    its accumulator is read, so the TMA that refills the stage afterwards is ordered after
+    it. The interpreter's stand-in reads through the generic proxy, which its race detector
+    orders before a later TMA write only across a proxy fence: ``commit_smem``.
+    """
+    plgpu.commit_smem()
 
 
 def _mma_qk(q_smem, k_stage, cfg: _Cfg) -> jax.Array:
-    """f32[64, BKV] = Q @ K^T (wgmma; jnp.dot in interpret mode)."""
+    """f32[64, 64] = Q @ K^T (wgmma; jnp.dot in interpret mode)."""
     if cfg.interpret:
-        return jnp.dot(q_smem[...], k_stage[...].T, preferred_element_type=jnp.float32)
+        out = jnp.dot(q_smem[...], k_stage[...].T, preferred_element_type=jnp.float32)
+        _emulated_wgmma_done()
+        return out
 
     def body(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_stage, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, compat.mosaic_gpu_transpose(k_stage, (1, 0)))
         return acc_ref[...]
 
-    return pl.run_scoped(body, plgpu.ACC((_ROWS, cfg.block_kv), jnp.float32))
+    return pl.run_scoped(body, plgpu.ACC((_ROWS, _BLOCK_KV), jnp.float32))
 
 
-def _mma_pv(p: jax.Array, v_stage, cfg: _Cfg) -> jax.Array:
-    """f32[64, D] = P @ V with P cast to the input dtype (wgmma A operand from registers)."""
+def _mma_pv_into(acc: jax.Array, p: jax.Array, v_stage, cfg: _Cfg) -> jax.Array:
+    """``acc + P @ V`` accumulated in place (one live f32 accumulator); P in the input dtype."""
     p = p.astype(cfg.dtype)
     if cfg.interpret:
-        return jnp.dot(p, v_stage[...], preferred_element_type=jnp.float32)
+        out = acc + jnp.dot(p, v_stage[...], preferred_element_type=jnp.float32)
+        _emulated_wgmma_done()
+        return out
 
     def body(acc_ref):
         plgpu.wgmma(acc_ref, p, v_stage)
-        return acc_ref[...]
 
-    return pl.run_scoped(body, plgpu.ACC((_ROWS, cfg.d), jnp.float32))
+    return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg):
-    """One (tile, split, kv head): online softmax over this split's share of the key range."""
-    w = lax.axis_index("w")
-    sp = lax.axis_index("p")
+def _kernel(items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg):
+    """One (work item, kv head): online softmax over the item's KV steps of one query tile."""
+    item = lax.axis_index("i")
     kh = lax.axis_index("k")
-    seq = meta_ref[w, _M_SEQ]
-    row0 = meta_ref[w, _M_ROW0]
-    nq = meta_ref[w, _M_NQ]
-    pos0 = meta_ref[w, _M_POS0]
-    lo = meta_ref[w, _M_LO]
-    hi = meta_ref[w, _M_HI]
-    layer = meta_ref[w, _M_LAYER]
-    bkv, s, pps = cfg.block_kv, cfg.s, cfg.pages_per_step
-
-    # This split's share of the KV steps covering [lo, hi).
-    step_lo = lax.div(lo, bkv)  # lo, hi >= 0
-    n_steps_all = jnp.maximum(lax.div(hi + bkv - 1, bkv) - step_lo, 0)
-    per_split = lax.div(n_steps_all + cfg.num_splits - 1, cfg.num_splits)
-    first = step_lo + jnp.minimum(sp * per_split, n_steps_all)
-    n_steps = jnp.clip(n_steps_all - sp * per_split, 0, per_split)
+    seq = items_ref[item, _M_SEQ]
+    row0 = items_ref[item, _M_ROW0]
+    nq = items_ref[item, _M_NQ]
+    pos0 = items_ref[item, _M_POS0]
+    lo = items_ref[item, _M_LO]
+    hi = items_ref[item, _M_HI]
+    layer = items_ref[item, _M_LAYER]
+    first = items_ref[item, _M_FIRST]
+    n_steps = items_ref[item, _M_STEPS]
+    bkv, s, piece = _BLOCK_KV, cfg.s, cfg.piece
 
     def pages_of(src_ref):
         return src_ref.at[layer, kh] if cfg.stacked else src_ref.at[kh]
 
     k_src, v_src = pages_of(k_ref), pages_of(v_ref)
 
-    def scoped(q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
-        def issue_page(step, p, slot):
-            """TMA page ``p`` of KV step ``step`` into stage ``slot``, or arrive if not needed."""
-            j = step * pps + p
-            needed = (j < cfg.m) & (j * s < hi) & ((j + 1) * s > lo)
+    def scoped(q_smem, k_smem, v_smem, o_smem, lse_smem, q_full, k_full, v_full):
+        def issue_piece(step, c, slot):
+            """TMA piece ``c`` of KV step ``step`` into stage ``slot``, or arrive if unneeded."""
+            t0 = step * bkv + c * piece  # first token of the piece
+            j = t0 // s if s > bkv else step * cfg.pieces_per_step + c  # page index
+            needed = (j < cfg.m) & (t0 < hi) & (t0 + piece > lo)
             blk = jnp.maximum(tables_ref[seq, jnp.minimum(j, cfg.m - 1)], 0)
-            dst = pl.ds(p * s, s)
+            rows = pl.ds(lax.rem(t0, s), piece) if s > bkv else pl.ds(0, s)
+            dst = pl.ds(c * piece, piece)
 
             @pl.when(needed)
             def _copy():
-                plgpu.copy_gmem_to_smem(k_src.at[blk], k_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_src.at[blk], v_smem.at[slot, dst], v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(k_src.at[blk, rows], k_smem.at[slot, dst], k_full.at[slot])
+                plgpu.copy_gmem_to_smem(v_src.at[blk, rows], v_smem.at[slot, dst], v_full.at[slot])
 
             @pl.when(~needed)
-            def _skip():  # keep the barrier's arrival count at pages_per_step
-                plgpu.barrier_arrive(k_bar.at[slot])
-                plgpu.barrier_arrive(v_bar.at[slot])
+            def _skip():  # keep the barrier's arrival count at pieces_per_step
+                plgpu.barrier_arrive(k_full.at[slot])
+                plgpu.barrier_arrive(v_full.at[slot])
 
         def issue(step, slot):
-            for p in range(pps):
-                issue_page(step, p, slot)
+            for c in range(cfg.pieces_per_step):
+                issue_piece(step, c, slot)
 
         def prefetch(i):
             pl.when(i < n_steps)(lambda: issue(first + i, i))
 
-        plgpu.copy_gmem_to_smem(q_ref.at[kh, pl.ds(row0 * cfg.g, _ROWS)], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[kh, pl.ds(row0 * cfg.g, _ROWS)], q_smem, q_full.at[0])
         for i in range(cfg.slots):  # prologue: fill the pipeline
             prefetch(i)
 
@@ -307,14 +354,14 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
         m_i = _layout_cast(jnp.full((_ROWS,), _NEG_INF, jnp.float32), _reduce_layout(), cfg)
         l_i = _layout_cast(jnp.zeros((_ROWS,), jnp.float32), _reduce_layout(), cfg)
         acc = _layout_cast(jnp.zeros((_ROWS, cfg.d), jnp.float32), _wgmma_layout(), cfg)
-        plgpu.barrier_wait(q_bar.at[0])
+        plgpu.barrier_wait(q_full.at[0])
 
         def step_body(i, carry):
             acc, m_i, l_i = carry
             step = first + i
             slot = lax.rem(i, cfg.slots)
             start = step * bkv
-            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(k_full.at[slot])
             logits = _mma_qk(q_smem, k_smem.at[slot], cfg) * cfg.sm_scale
             if cfg.soft_cap is not None:
                 logits = cfg.soft_cap * jnp.tanh(logits / cfg.soft_cap)
@@ -329,8 +376,9 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
             m_b = lax.broadcast_in_dim(m_safe, logits.shape, [0])
             p = jnp.where(mask, jnp.exp(logits - m_b), 0.0)
             l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(v_full.at[slot])
 
             @pl.when((start < lo) | (start + bkv > hi))
             def _scrub_v():  # zero V rows outside [lo, hi): stale SMEM or unwritten slots
@@ -340,11 +388,10 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
                 stage[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
                 plgpu.commit_smem()
 
-            pv = _mma_pv(p, v_smem.at[slot], cfg)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+            acc = _mma_pv_into(acc, p, v_smem.at[slot], cfg)
 
             @pl.when(i + cfg.slots < n_steps)
-            def _next():
+            def _refill():  # every read of this stage (both wgmmas, the V scrub) is done
                 issue(step + cfg.slots, slot)
 
             return acc, m_new, l_i
@@ -356,7 +403,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse_smem[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)), _NEG_INF)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[w, sp, kh])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[item, kh])
         cols = o_smem.shape[1]
         for c in range(cfg.d // cols):
             if c:
@@ -365,21 +412,26 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 o_smem.at[pl.ds(0, cfg.out_rows)],
-                o_ref.at[w, sp, kh, :, pl.ds(c * cols, cols)],
+                o_ref.at[item, kh, :, pl.ds(c * cols, cols)],
             )
         plgpu.wait_smem_to_gmem(0)
 
-    transforms = _smem_transforms(cfg)
+    def live_item(*refs):
+        pl.when(n_steps > 0)(lambda: scoped(*refs))  # dead items: no Q load, no writes
+
+    transforms = _smem_transforms(cfg.dtype)
     pl.run_scoped(
-        scoped,
+        live_item,
         plgpu.SMEM((_ROWS, cfg.d), cfg.dtype, transforms=transforms),
         plgpu.SMEM((cfg.slots, bkv, cfg.d), cfg.dtype, transforms=transforms),
         plgpu.SMEM((cfg.slots, bkv, cfg.d), cfg.dtype, transforms=transforms),
-        plgpu.SMEM((_ROWS, min(cfg.d, _OUT_COLS)), jnp.float32),
+        plgpu.SMEM(
+            (_ROWS, min(cfg.d, _OUT_COLS)), jnp.float32, transforms=_smem_transforms(jnp.float32)
+        ),  # fmt: skip
         plgpu.SMEM((_ROWS,), jnp.float32),
         plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.slots),
-        plgpu.Barrier(num_arrivals=pps, num_barriers=cfg.slots),
+        plgpu.Barrier(num_arrivals=cfg.pieces_per_step, num_barriers=cfg.slots),
+        plgpu.Barrier(num_arrivals=cfg.pieces_per_step, num_barriers=cfg.slots),
     )
 
 
@@ -391,43 +443,61 @@ def _wgmma_layout():
     return plgpu.Layout.WGMMA
 
 
-def _smem_transforms(cfg: _Cfg) -> tuple:
-    """128-byte swizzle with (8, 128 / itemsize) tiles: what TMA + wgmma want for K-major data."""
-    itemsize = jnp.dtype(cfg.dtype).itemsize
+def _smem_transforms(dtype) -> tuple:
+    """128-byte swizzle with (8, 128 / itemsize) tiles: what TMA + wgmma want for K-major data.
+
+    The float32 output stage is swizzled too, so storing the WGMMA-layout accumulator into it
+    has a bank-conflict-free plan (JAX 0.12 refuses to lower a conflicting one).
+    """
+    itemsize = jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
 
 
-def _run_kernel(meta, tables, q_rows, k_pages, v_pages, cfg: _Cfg):
-    """Launch the kernel. Returns partial ``o f32[W, P, K, R, D]`` and ``lse f32[W, P, K, 64]``."""
-    w = meta.shape[0]
+def _run_kernel(items, tables, q_rows, k_pages, v_pages, cfg: _Cfg):
+    """Launch the kernel. Returns partial ``o f32[I, K, R, D]`` and ``lse f32[I, K, 64]``."""
+    num_items = items.shape[0]
     out_type = (
-        jax.ShapeDtypeStruct((w, cfg.num_splits, cfg.kv_heads, cfg.out_rows, cfg.d), jnp.float32),
-        jax.ShapeDtypeStruct((w, cfg.num_splits, cfg.kv_heads, _ROWS), jnp.float32),
+        jax.ShapeDtypeStruct((num_items, cfg.kv_heads, cfg.out_rows, cfg.d), jnp.float32),
+        jax.ShapeDtypeStruct((num_items, cfg.kv_heads, _ROWS), jnp.float32),
     )
     fn = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
         out_type=out_type,
-        grid=(w, cfg.num_splits, cfg.kv_heads),
-        grid_names=("w", "p", "k"),
+        grid=(num_items, cfg.kv_heads),
+        grid_names=("i", "k"),
         interpret=_interpret_params(cfg.interpret_params) if cfg.interpret else None,
-        compiler_params=None if cfg.interpret else plgpu.CompilerParams(approx_math=True),
+        compiler_params=None
+        if cfg.interpret
+        else compat.mosaic_gpu_compiler_params(approx_math=True),
     )
-    return fn(meta, tables, q_rows, k_pages, v_pages)
+    return fn(items, tables, q_rows, k_pages, v_pages)
 
 
-def _combine(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merge split partials: ``o f32[W, P, K, R, D]``, ``lse f32[W, P, K, 64]`` -> ``[W, K, R, D]``.
+def _interpret_params(given=None):
+    """Mosaic GPU interpret-mode parameters: ``given``, or the interpreter's defaults."""
+    return compat.mosaic_gpu_interpret_params() if given is None else given
 
-    Empty splits (``lse = -inf``) get weight 0; a row with no keys in any split gives zeros.
+
+def _combine(o: jax.Array, lse: jax.Array, item_tile: jax.Array, num_tiles: int) -> jax.Array:
+    """Merge the items' partials per tile: ``o f32[I, K, R, D]``, ``lse f32[I, K, 64]``.
+
+    ``item_tile i32[I]`` is each item's tile, ascending, with ``num_tiles`` for dead items
+    (whose ``o`` and ``lse`` were never written and are ignored). Empty splits
+    (``lse = -inf``) get weight 0; a row with no keys in any item gives zeros.
+
+    Returns:
+      ``f32[W, K, R, D]``.
     """
-    r = o.shape[3]
-    lse = lse[..., :r]
-    mx = jnp.max(lse, axis=1, keepdims=True)
+    r = o.shape[2]
+    live = (item_tile < num_tiles)[:, None, None]
+    lse = jnp.where(live, lse[..., :r], _NEG_INF)  # [I, K, R]
+    seg = dict(segment_ids=item_tile, num_segments=num_tiles + 1, indices_are_sorted=True)
+    mx = jax.ops.segment_max(lse, **seg)  # [W + 1, K, R]
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    wgt = jnp.where(jnp.isfinite(lse), jnp.exp(lse - mx), 0.0)  # [W, P, K, R]
-    den = jnp.sum(wgt, axis=1)
-    num = jnp.sum(jnp.where(wgt[..., None] > 0, o, 0.0) * wgt[..., None], axis=1)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
+    wgt = jnp.where(jnp.isfinite(lse), jnp.exp(lse - mx[item_tile]), 0.0)
+    den = jax.ops.segment_sum(wgt, **seg)
+    num = jax.ops.segment_sum(jnp.where(wgt[..., None] > 0, o * wgt[..., None], 0.0), **seg)
+    return (num / jnp.where(den > 0, den, 1.0)[..., None])[:num_tiles]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +571,73 @@ def ragged_work(
     return meta, tile_of_row, local % tpt
 
 
+def split_work(
+    tiles: jax.Array,
+    num_items: int,
+    *,
+    splits_per_tile: int | None = None,
+    target_items: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Work items (tile x KV split) for the live tiles, within a static budget of ``num_items``.
+
+    A tile is live when it has query rows (``nq > 0``); its key range ``[lo, hi)`` covers
+    ``steps`` 64-token KV steps. Each live tile gets ``splits`` contiguous items whose step
+    counts differ by at most one (every item at least one step), and items are laid out tile
+    after tile from item 0; the rest are dead (no steps).
+
+    * ``splits_per_tile=P``: ``min(P, steps)`` splits for every live tile (needs
+      ``num_items >= W * P``).
+    * Otherwise (flash-decoding by need): the live tiles share
+      ``min(num_items, max(live, target_items))`` items in proportion to their steps, at least
+      one each, so a few long sequences in a wide padded batch still fill the GPU and a full
+      batch gets one item per tile (no split overhead).
+
+    Args:
+      tiles: ``i32[W, 8]`` from :func:`decode_work` or :func:`ragged_work`.
+      num_items: I, static (the kernel grid), at least W.
+      splits_per_tile: fixed splits per live tile, or None for the proportional rule.
+      target_items: items worth having in flight (default ``2 * NUM_SMS``; pass it divided
+        by the kv heads, which form the grid's other axis).
+
+    Returns:
+      ``(items i32[I, 10], item_tile i32[I])``: the tile's 8 columns plus the item's first KV
+      step and step count; ``item_tile`` is each item's tile (ascending), W for dead items.
+    """
+    w = tiles.shape[0]
+    if num_items < w:
+        raise ValueError(f"num_items={num_items} must be at least the number of tiles W={w}")
+    nq, lo, hi = tiles[:, _M_NQ], tiles[:, _M_LO], tiles[:, _M_HI]
+    step_lo = lo // _BLOCK_KV
+    steps = jnp.where(nq > 0, jnp.maximum(-(-hi // _BLOCK_KV) - step_lo, 0), 0)
+    live = steps > 0
+    if splits_per_tile is not None:
+        if num_items < w * splits_per_tile:
+            raise ValueError(f"num_items={num_items} < W * splits_per_tile = {w * splits_per_tile}")
+        splits = jnp.where(live, jnp.minimum(splits_per_tile, steps), 0)
+    else:
+        n_live = jnp.sum(live, dtype=jnp.int32)
+        target = 2 * NUM_SMS if target_items is None else int(target_items)
+        budget = jnp.minimum(num_items, jnp.maximum(n_live, target))
+        extra = budget - n_live  # items beyond one per live tile
+        total = jnp.maximum(jnp.sum(steps), 1)
+        share = (extra * steps) // total  # exact: the shares sum to at most `extra`
+        splits = jnp.where(live, 1 + jnp.minimum(share, steps - 1), 0)
+    item_end = jnp.cumsum(splits).astype(jnp.int32)
+    item_start = item_end - splits
+    idx = jnp.arange(num_items, dtype=jnp.int32)
+    tile = jnp.minimum(jnp.searchsorted(item_end, idx, side="right"), w - 1).astype(jnp.int32)
+    alive = idx < item_end[-1]
+    k = idx - item_start[tile]
+    n = jnp.maximum(splits[tile], 1)
+    first = step_lo[tile] + (k * steps[tile]) // n
+    last = step_lo[tile] + ((k + 1) * steps[tile]) // n
+    n_steps = jnp.where(alive, last - first, 0)
+    items = jnp.concatenate(
+        [tiles[tile], jnp.stack([first, n_steps], axis=1).astype(jnp.int32)], axis=1
+    )
+    return items, jnp.where(alive, tile, w)
+
+
 def _q_rows(q: jax.Array, kv_heads: int) -> jax.Array:
     """``[T, H, D] -> [K, R_pad, D]``: each kv head's query rows, token-major.
 
@@ -516,22 +653,13 @@ def _q_rows(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, interpret,
-              num_splits, out_rows, num_tiles, kv_stages=None) -> _Cfg:  # fmt: skip
+              out_rows, kv_stages=None) -> _Cfg:  # fmt: skip
     stacked = k_pages.ndim == 5
     kv_heads, _, s, d = k_pages.shape[-4:]
     g = q.shape[1] // kv_heads
-    problem = _check_geometry(d, s)
+    problem = _check_geometry(d, s, g)
     if problem is not None:
         raise ValueError(f"Mosaic GPU paged attention: {problem}")
-    if _ROWS % g:
-        raise ValueError(f"query heads per kv head ({g}) must divide {_ROWS}")
-    m = block_tables.shape[1]
-    pps = _BLOCK_KV // s
-    max_steps = -(-m // pps)
-    if num_splits is None:
-        num_splits = default_num_splits(num_tiles, kv_heads, max_steps)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     stages = default_kv_stages(d) if kv_stages is None else int(kv_stages)
     need = smem_bytes(d, q.dtype, stages)
     if stages < 1 or (need > SMEM_LIMIT and not interpret):
@@ -539,9 +667,8 @@ def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, i
             f"kv_stages={stages} needs {need} bytes of shared memory (limit {SMEM_LIMIT})"
         )
     return _Cfg(
-        g=g, d=d, s=s, m=m, kv_heads=kv_heads, pages_per_step=pps,
-        slots=stages, num_splits=int(num_splits), out_rows=out_rows,
-        dtype=jnp.dtype(q.dtype), sm_scale=float(sm_scale),
+        g=g, d=d, s=s, m=block_tables.shape[1], kv_heads=kv_heads, slots=stages,
+        out_rows=out_rows, dtype=jnp.dtype(q.dtype), sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window),
         stacked=stacked, interpret=bool(interpret),
@@ -549,11 +676,30 @@ def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, i
     )  # fmt: skip
 
 
-def _use_fallback(q: jax.Array, k_pages: jax.Array, interpret: bool, name: str) -> bool:
+def _items(tiles: jax.Array, kv_heads: int, num_splits: int | None, interpret: bool):
+    """Work items for ``tiles`` (see :func:`split_work`): fixed splits, or by need.
+
+    Interpret mode sizes the budget for a toy GPU of ``_INTERPRET_SMS`` SMs: the same rule,
+    without hundreds of (mostly dead) interpreted programs.
+    """
+    w = tiles.shape[0]
+    if num_splits is not None:
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        return split_work(tiles, w * num_splits, splits_per_tile=num_splits)
+    sms = _INTERPRET_SMS if interpret else NUM_SMS
+    return split_work(
+        tiles, default_item_budget(w, kv_heads, sms), target_items=-(-2 * sms // kv_heads)
+    )
+
+
+def _use_fallback(k_pages: jax.Array, interpret: bool, name: str) -> bool:
     if interpret or jnp.dtype(k_pages.dtype) in _COMPILED_DTYPES:
         return False
-    logger.info("%s: %s pages run on the XLA path on GPU (wgmma is bf16/f16 only here)",
-                name, jnp.dtype(k_pages.dtype).name)  # fmt: skip
+    logger.warning(
+        "%s: %s pages run on the exact XLA path (the Hopper kernel's wgmma takes bf16/f16)",
+        name, jnp.dtype(k_pages.dtype).name,
+    )  # fmt: skip
     return True
 
 
@@ -565,18 +711,10 @@ def _select_layer(pages: jax.Array, layer) -> jax.Array:
 # Entry points
 # ---------------------------------------------------------------------------------------------
 
+_STATIC = ("sm_scale", "soft_cap", "sliding_window", "interpret", "num_splits", "kv_stages")
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "soft_cap",
-        "sliding_window",
-        "interpret",
-        "num_splits",
-        "kv_stages",
-    ),
-)
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention_gpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -605,8 +743,9 @@ def paged_attention_gpu(
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)`` if set.
       sliding_window: keys in ``(pos - window, pos]`` only, if set.
       interpret: run in Mosaic GPU interpret mode (CPU); ``True`` or an
-        ``InterpretGPUParams`` (e.g. ``detect_races=True``).
-      num_splits: KV splits per sequence (flash-decoding); default fills the GPU.
+        ``InterpretGPUParams`` (e.g. ``compat.mosaic_gpu_interpret_params(detect_races=True)``).
+      num_splits: exactly this many KV splits per live sequence (at most its 64-token steps);
+        default: splits by need (:func:`split_work`), enough to fill the GPU.
       kv_stages: K/V pipeline depth (SMEM stages); default :func:`default_kv_stages`.
       layer: layer index into stacked ``[L, ...]`` pages (read in the kernel, no copy).
 
@@ -614,7 +753,7 @@ def paged_attention_gpu(
       ``[B, H, D]`` in ``q.dtype``.
     """
     layer = 0 if layer is None else layer
-    if _use_fallback(q, k_pages, interpret, "paged_attention_gpu"):
+    if _use_fallback(k_pages, interpret, "paged_attention_gpu"):
         # Decode is ragged attention with one row per sequence (memory-light XLA scan).
         b = q.shape[0]
         return reference.ragged_paged_attention_xla(
@@ -625,29 +764,21 @@ def paged_attention_gpu(
     b, h, d = q.shape
     kv_heads = k_pages.shape[-4]
     g = h // kv_heads
+    out_rows = -(-g // 8) * 8  # whole (8, 32) tiles of the swizzled f32 output stage
     cfg = _make_cfg(
         q, k_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, interpret=interpret, num_splits=num_splits,
-        kv_stages=kv_stages, out_rows=g, num_tiles=b,
+        sliding_window=sliding_window, interpret=interpret, kv_stages=kv_stages,
+        out_rows=out_rows,
     )  # fmt: skip
-    meta = decode_work(lengths, sliding_window, layer)
+    tiles = decode_work(lengths, sliding_window, layer)
+    items, item_tile = _items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
-    o, lse = _run_kernel(meta, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
-    out = _combine(o, lse)  # [B, K, G, D]
+    o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
+    out = _combine(o, lse, item_tile, b)[:, :, :g]  # [B, K, G, D]
     return out.reshape(b, h, d).astype(q.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "soft_cap",
-        "sliding_window",
-        "interpret",
-        "num_splits",
-        "kv_stages",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention_gpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -679,13 +810,13 @@ def ragged_paged_attention_gpu(
       cu_q_lens: ``i32[B + 1]``.
       num_seqs: scalar.
       sm_scale, soft_cap, sliding_window, interpret, num_splits, kv_stages, layer: as in
-        :func:`paged_attention_gpu`.
+        :func:`paged_attention_gpu` (``num_splits`` counts splits per live query tile).
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
     """
     layer = 0 if layer is None else layer
-    if _use_fallback(q, k_pages, interpret, "ragged_paged_attention_gpu"):
+    if _use_fallback(k_pages, interpret, "ragged_paged_attention_gpu"):
         return reference.ragged_paged_attention_xla(
             q, _select_layer(k_pages, layer), _select_layer(v_pages, layer), kv_lens,
             block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
@@ -694,18 +825,19 @@ def ragged_paged_attention_gpu(
     t, h, d = q.shape
     kv_heads = k_pages.shape[-4]
     g = h // kv_heads
-    tpt = _ROWS // g
-    meta, tile_of_row, slot_of_row = ragged_work(
-        kv_lens, cu_q_lens, num_seqs, t, tpt, sliding_window, layer
-    )
     cfg = _make_cfg(
         q, k_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, interpret=interpret, num_splits=num_splits,
-        kv_stages=kv_stages, out_rows=_ROWS, num_tiles=meta.shape[0],
+        sliding_window=sliding_window, interpret=interpret, kv_stages=kv_stages,
+        out_rows=_ROWS,
     )  # fmt: skip
+    tpt = _ROWS // g
+    tiles, tile_of_row, slot_of_row = ragged_work(
+        kv_lens, cu_q_lens, num_seqs, t, tpt, sliding_window, layer
+    )
+    items, item_tile = _items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
-    o, lse = _run_kernel(meta, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
-    out = _combine(o, lse)  # [W, K, 64, D]
+    o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
+    out = _combine(o, lse, item_tile, tiles.shape[0])  # [W, K, 64, D]
     out = out.reshape(out.shape[0], kv_heads, tpt, g, d)
     out = out[tile_of_row, :, slot_of_row]  # [T, K, G, D]
     _, _, valid = reference.ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)

@@ -1,0 +1,164 @@
+"""JAX version compatibility: the one module that knows how JAX's APIs differ across releases.
+
+paxcache and kernels_pallas support **JAX 0.10.2 (oldest) to 0.12.0.1 (newest release tested)**,
+with the matching jaxlib; ``pyproject.toml`` states the same range. Everywhere else the code
+calls the helpers below and never compares versions itself, so supporting a new JAX release
+means changing this file (and its tests, ``tests/test_compat.py``) only.
+
+Differences covered, by the release that changed them:
+
+* ``compute_on`` (host offload, used by the GPU swap path): up to 0.10 it is a context manager
+  ``compute_on("device_host")``, and the function form is ``compute_on2``; from 0.11 the
+  function form is ``compute_on(f, *, compute_type=..., out_memory_spaces=...)`` and the
+  context manager is gone. :func:`compute_on_host` is the function form on every version.
+* Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``):
+
+  - 0.11 made ``LoweringSemantics.Warpgroup`` the default (0.10: ``Lane``); our Hopper kernel
+    is written for lane semantics (explicit WGMMA register layouts), so
+    :func:`mosaic_gpu_compiler_params` pins ``Lane``.
+  - ``plgpu.load(ref, idx, *, layout)``: ``idx`` was required in 0.10, optional in 0.11 and
+    removed in 0.12: :func:`mosaic_gpu_load`.
+  - ``plgpu.transpose_ref(ref, perm)`` is deprecated from 0.11 in favour of
+    ``ref.transpose(perm)``, which 0.10's Mosaic GPU lowering does not take:
+    :func:`mosaic_gpu_transpose`.
+  - ``InterpretGPUParams`` became public in 0.11 (private module in 0.10):
+    :func:`mosaic_gpu_interpret_params`; the interpreter's race detector state:
+    :func:`mosaic_gpu_races_found`.
+  - ``pl.pallas_call`` with ``plgpu.CompilerParams`` has no lowering rule from 0.11; only
+    ``plgpu.kernel`` launches Mosaic GPU kernels on every supported version (a fact, nothing
+    to wrap: the GPU kernels here all use ``plgpu.kernel``).
+
+This module imports only ``jax``; the Mosaic GPU helpers import ``plgpu`` when called, so
+importing it never fails on a JAX build without Mosaic GPU support.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = [
+    "JAX_VERSION",
+    "MIN_JAX",
+    "NEWEST_TESTED_JAX",
+    "compute_on_host",
+    "jax_version",
+    "mosaic_gpu_compiler_params",
+    "mosaic_gpu_interpret_params",
+    "mosaic_gpu_load",
+    "mosaic_gpu_races_found",
+    "mosaic_gpu_reset_interpreter",
+    "mosaic_gpu_transpose",
+]
+
+
+def jax_version(text: str | None = None) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` of ``text`` (default: the installed ``jax.__version__``).
+
+    Suffixes are ignored: ``"0.12.0.1"`` and ``"0.11.2.dev20260101"`` give ``(0, 12, 0)`` and
+    ``(0, 11, 2)``.
+    """
+    nums = [int(x) for x in re.findall(r"\d+", text or jax.__version__)[:3]]
+    return tuple(nums + [0] * (3 - len(nums)))  # type: ignore[return-value]
+
+
+#: The installed JAX as ``(major, minor, patch)``.
+JAX_VERSION = jax_version()
+#: Oldest supported JAX release (pyproject.toml's lower bound).
+MIN_JAX = (0, 10, 2)
+#: Newest JAX release the whole test suite has passed on (CI's ``.ci/newest_jax.sh``).
+NEWEST_TESTED_JAX = (0, 12, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Host offload
+# --------------------------------------------------------------------------------------------
+
+
+def compute_on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run on the device's host CPU (``compute_type="device_host"``), outputs in host memory.
+
+    The function form of ``jax.experimental.compute_on`` on every supported JAX: outputs are
+    placed in ``jax.memory.Space.Host`` (``pinned_host``). Call the result inside a jitted
+    program whose inputs to ``fn`` already live in host memory.
+    """
+    from jax.experimental import compute_on as mod
+
+    host = jax.memory.Space.Host
+    new_style = getattr(mod, "compute_on2", None) or mod.compute_on  # 0.10: compute_on2
+    return new_style(jax.jit(fn), compute_type="device_host", out_memory_spaces=host)
+
+
+# --------------------------------------------------------------------------------------------
+# Mosaic GPU
+# --------------------------------------------------------------------------------------------
+
+
+def mosaic_gpu_compiler_params(**kwargs: Any) -> Any:
+    """``plgpu.CompilerParams(**kwargs)`` with lane lowering semantics pinned.
+
+    Lane semantics (each op's register layout given by the kernel) is what the kernels in
+    :mod:`kernels_pallas.gpu` are written for; from JAX 0.11 the default is warpgroup
+    semantics, whose layout inference rejects them.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    kwargs.setdefault("lowering_semantics", plgpu.LoweringSemantics.Lane)
+    return plgpu.CompilerParams(**kwargs)
+
+
+def mosaic_gpu_load(ref: Any, layout: Any) -> jax.Array:
+    """The whole of ``ref`` (SMEM or GMEM) loaded into registers with ``layout``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if JAX_VERSION < (0, 11, 0):
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def mosaic_gpu_transpose(ref: Any, permutation: tuple[int, ...]) -> Any:
+    """A transposed view of an SMEM ref (e.g. the K stage as the B operand of ``wgmma``)."""
+    if JAX_VERSION < (0, 11, 0):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return plgpu.transpose_ref(ref, permutation)
+    return ref.transpose(permutation)
+
+
+def mosaic_gpu_interpret_params(**kwargs: Any) -> Any:
+    """``InterpretGPUParams(**kwargs)``: Mosaic GPU interpret mode (runs kernels on the CPU).
+
+    ``detect_races=True`` turns on the interpreter's shared-memory race detector (read the
+    verdict with :func:`mosaic_gpu_races_found`).
+    """
+    try:
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+    except ImportError:  # JAX 0.10: private module only
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams(**kwargs)
+
+
+def mosaic_gpu_races_found() -> bool:
+    """Whether the Mosaic GPU interpreter's race detector flagged a race since the last reset.
+
+    From JAX 0.11 a detected race also raises inside the kernel (``RuntimeError: RACE
+    DETECTED``); after that, call :func:`mosaic_gpu_reset_interpreter`.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+
+    try:
+        return bool(interp.get_races().races_found)
+    except AssertionError:  # no kernel interpreted with the detector yet
+        return False
+
+
+def mosaic_gpu_reset_interpreter() -> None:
+    """Reset the Mosaic GPU interpreter's global state (needed after a kernel raised)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interp
+
+    reset = getattr(interp, "reset_gpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()
