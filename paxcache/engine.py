@@ -267,6 +267,7 @@ class Engine:
         self._swapped_out_seqs = self._swapped_out_blocks = 0
         self._swapped_in_seqs = self._swapped_in_blocks = 0
         self._jit_check = None  # allocator.check_invariants, compiled on first use
+        self._num_refused_rows = 0  # planned rows the allocator refused (never, unless a bug)
         self._num_prompt_tokens = 0  # prompt tokens of admitted requests
         self._num_prefill_computed = 0  # prompt tokens actually run through the model
         self._eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
@@ -687,6 +688,12 @@ class Engine:
             lps = np.asarray(out.logprob)
             top_ids = np.asarray(out.top_ids)
             top_lps = np.asarray(out.top_logprobs)
+        refused = len(plan.rows) - int(row_ok[: len(plan.rows)].sum())
+        if refused:
+            # The scheduler plans only rows whose blocks are free, so this is a bug in its block
+            # arithmetic; those rows simply run again next step (check_invariants reports it).
+            self._num_refused_rows += refused
+            logger.warning("the allocator refused %d of %d planned rows", refused, len(plan.rows))
         # Advance the rows that ran.
         for i, (seq, q) in enumerate(plan.rows):
             if not row_ok[i]:
@@ -953,7 +960,8 @@ class Engine:
         and every running sequence older than every queued one; at most ``max_num_seqs``
         running; slots (free list, live sequences and the allocator's active / swapped flags
         agree); each live sequence's length and computed count match its slot; the cached
-        free-block count; and, with no request alive, every device and host block free.
+        free-block count; every row the scheduler planned so far got its blocks from the
+        allocator; and, with no request alive, every device and host block free.
         """
         if self._jit_check is None:
             self._jit_check = jax.jit(allocator.check_invariants)
@@ -1017,6 +1025,7 @@ class Engine:
             and not any(int(self._computed[x]) for x in free_slots)
         )
         checks["free_count_cached"] = self._num_free_cache in (None, int(st["free"]))
+        checks["planned_rows_ran"] = self._num_refused_rows == 0
         checks["idle_frees_everything"] = bool(self._requests) or (
             int(st["free"]) == cfg.num_blocks
             and int(st["host_free"]) == cfg.num_host_blocks
