@@ -35,7 +35,8 @@ R3 *No resume in a preempting step.* A step that preempted resumes and admits no
 R4 *One queue, arrival order.* Swapped sequences and waiting units (recompute-preempted or new)
    are resumed strictly oldest first; nothing overtakes the head of the queue.
 R5 *A preempted unit waits for a departure.* It is resumed only after a running sequence has
-   left the running set (finished, aborted or failed) since it was preempted.
+   left the running set (finished, aborted or failed) since it was preempted. (When nothing
+   runs one has: the oldest running unit is never preempted, so it must have left.)
 R6 *Reserve what is planned.* A resumption or admission must leave free the blocks that the
    rows already planned for this step (and its own first row) will take, plus the watermark; a
    resumed or admitted unit runs in the same step.
@@ -44,14 +45,15 @@ Guarantees (proved from the rules; ``tests/test_stress.py`` checks them on rando
   * Invariant: every running sequence is older than every queued one. (R2 preempts the newest
     running; R4 resumes the oldest queued; new requests are the newest of all.)
   * Progress: every step, the oldest live sequence feeds at least one token, or finishes with an
-    error because it cannot fit in the whole cache. If it is running, R1 plans it and R2 never
-    preempts it while anything else runs, and its append cannot be refused (R6 keeps resumed
-    units off its blocks). If it is queued, nothing runs (invariant), so it is resumed now or
-    can never fit. Hence the oldest sequence finishes within ``P + M`` steps of becoming the
-    oldest (``P`` prompt tokens, ``M = max_tokens``: at most ``P + M - 1`` tokens to feed, no
-    more recompute once it is the oldest), and a request finishes within
-    ``sum(P_s + M_s)`` steps of its arrival, summed over its own sequences and the older
-    sequences alive when it arrived.
+    error because it cannot fit in the whole cache. If it is running, R1 plans it, R2 never
+    preempts it while anything else runs, and its append cannot be refused: R2 stops only when
+    the planned rows' block need (counted exactly, copy-on-write included) fits in the free
+    blocks, and R6 keeps resumptions off those blocks. If it is queued, nothing runs
+    (invariant), so it is resumed now or can never fit. Hence the oldest sequence finishes
+    within ``P + M`` steps of becoming the oldest (``P`` prompt tokens, ``M = max_tokens``: at
+    most ``P + M - 1`` tokens to feed, no more recompute once it is the oldest), and a request
+    finishes within ``sum(P_s + M_s)`` steps of its arrival, summed over its own sequences and
+    the older sequences alive when it arrived.
   * No thrashing: a sequence is preempted at most ``1 + D`` times, where ``D`` is the number of
     older sequences that finish, are aborted or fail while it is alive. Between two
     preemptions it must be resumed, which needs a departure after the first (R5); while it is
