@@ -317,6 +317,10 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._failed: list[Seq] = []
         self._num_generated = 0
+        self._swapped_out_seqs = self._swapped_out_blocks = 0
+        self._swapped_in_seqs = self._swapped_in_blocks = 0
+        self._jit_check = None  # allocator.check_invariants, compiled on first use
+        self._num_refused_rows = 0  # planned rows the allocator refused (never, unless a bug)
         self._num_prompt_tokens = 0  # prompt tokens of admitted requests
         self._num_prefill_computed = 0  # prompt tokens actually run through the model
         self._eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
@@ -496,7 +500,11 @@ class Engine:
     def _changed(self) -> None:
         self._num_free_cache = None
 
-    def admit(self, seqs: list[Seq]) -> bool:
+    def admit(self, seqs: list[Seq], reserve: int = 0) -> bool:
+        """Allocates a unit's history in a free slot and forks its followers from it.
+
+        Refused (nothing changes) unless ``reserve`` blocks plus the watermark stay free.
+        """
         lead = seqs[0]
         slot = self._free_slots[-1]
         n = len(lead.token_ids)
@@ -506,6 +514,11 @@ class Engine:
             self._state, np.int32(slot), padded, np.int32(n), np.int32(lead.salt), commit=False
         )
         if not bool(res.ok):
+            return False
+        # The allocator already keeps the watermark free; the reserve comes on top of it.
+        if reserve > 0 and int(self._jit_num_free(new_state)) < (
+            reserve + self.cache_config.watermark_blocks
+        ):
             return False
         self._free_slots.pop()
         cached = int(res.num_cached_tokens)
@@ -538,6 +551,7 @@ class Engine:
         self._changed()
 
     def swap_out(self, seq: Seq) -> bool:
+        """Moves every block of ``seq`` to the host pool (all or nothing)."""
         mask = np.zeros(self.cache_config.max_seqs, bool)
         mask[seq.slot] = True
         new_state, plan = self._jit_swap_out(self._state, mask)
@@ -545,17 +559,26 @@ class Engine:
             return False
         self._kv = kv_cache.swap_out(self._kv, plan.src, plan.dst, plan.num)
         self._state = new_state
+        self._swapped_out_seqs += 1
+        self._swapped_out_blocks += int(plan.num)
         self._changed()
         return True
 
-    def swap_in(self, seq: Seq) -> bool:
+    def swap_in(self, seq: Seq, reserve: int = 0) -> bool:
+        """Moves ``seq`` back to device blocks; refused (nothing changes) unless ``reserve``
+        blocks plus the watermark stay free."""
         mask = np.zeros(self.cache_config.max_seqs, bool)
         mask[seq.slot] = True
         new_state, plan = self._jit_swap_in(self._state, mask)
         if not bool(plan.ok[seq.slot]):
             return False
+        num = int(plan.num)
+        if self.num_free_blocks() - num < reserve + self.cache_config.watermark_blocks:
+            return False
         self._kv = kv_cache.swap_in(self._kv, plan.src, plan.dst, plan.num)
         self._state = new_state
+        self._swapped_in_seqs += 1
+        self._swapped_in_blocks += num
         self._changed()
         return True
 
@@ -801,6 +824,12 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
             raise _StepFailed(failed) from e
         self._state, self._kv, self._num_free_cache = state, kv, num_free
+        refused = len(plan.rows) - int(row_ok[: len(plan.rows)].sum())
+        if refused:
+            # The scheduler plans only rows whose blocks are free, so this is a bug in its block
+            # arithmetic; those rows simply run again next step (check_invariants reports it).
+            self._num_refused_rows += refused
+            logger.warning("the allocator refused %d of %d planned rows", refused, len(plan.rows))
         # Advance the rows that ran.
         for i, (seq, q) in enumerate(plan.rows):
             if not row_ok[i] or seq.request_id in failed:
@@ -976,6 +1005,7 @@ class Engine:
             finished=finished,
             error=error,
             num_cached_tokens=req.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
 
     # ------------------------------------------------------------------ conveniences
@@ -1097,11 +1127,21 @@ class Engine:
         return events - (compile_cache_lib.cache_hits() - self._cache_hits_at_start)
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges (see DESIGN.md); cheap enough to poll every second."""
+        """Counters and gauges; cheap enough to poll every second.
+
+        Besides the block, prefix-cache and compilation figures: ``num_preemptions`` (units
+        preempted) split into ``num_preemptions_swap`` and ``num_preemptions_recompute``;
+        ``num_swaps`` (sequences swapped out); ``num_swapped_out_seqs`` /
+        ``num_swapped_out_blocks`` and ``num_swapped_in_seqs`` / ``num_swapped_in_blocks``
+        (sequences and blocks moved each way); ``num_running`` / ``num_waiting`` /
+        ``num_swapped`` (sequences); ``oldest_waiting_age_s``: seconds since the oldest request
+        that has a sequence queued (waiting or swapped) arrived, 0 when none is queued.
+        """
         st = self._state
         total = self.cache_config.num_blocks
         free = self.num_free_blocks()
         queries, hits = (int(x) for x in self._jit_prefix_counters(st))
+        sched = self.scheduler
         return {
             "num_total_blocks": total,
             "num_free_blocks": free,
@@ -1109,8 +1149,15 @@ class Engine:
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swaps": self.scheduler.num_swaps,
+            "num_preemptions": sched.num_preemptions,
+            "num_preemptions_swap": sched.num_preemptions_swap,
+            "num_preemptions_recompute": sched.num_preemptions_recompute,
+            "num_swaps": sched.num_swaps,
+            "num_swapped_out_seqs": self._swapped_out_seqs,
+            "num_swapped_out_blocks": self._swapped_out_blocks,
+            "num_swapped_in_seqs": self._swapped_in_seqs,
+            "num_swapped_in_blocks": self._swapped_in_blocks,
+            "oldest_waiting_age_s": self._oldest_waiting_age(),
             "num_compilations": self._num_compiled(),
             "num_compile_cache_hits": compile_cache_lib.cache_hits() - self._cache_hits_at_start,
             "num_traces": self._num_traces,
@@ -1128,6 +1175,100 @@ class Engine:
             "device": ", ".join(str(d) for d in jax.devices()[: max(1, self.tp)]),
             "max_model_len": self.max_model_len,
         }
+
+    def _oldest_waiting_age(self) -> float:
+        sched = self.scheduler
+        queued = [u[0] for u in sched.waiting] + sched.swapped
+        arrivals = [
+            self._requests[s.request_id].arrival_time
+            for s in queued
+            if s.request_id in self._requests
+        ]
+        return max(0.0, time.monotonic() - min(arrivals)) if arrivals else 0.0
+
+    def check_invariants(self) -> dict[str, bool]:
+        """Named consistency checks of the whole cache state; all True when consistent.
+
+        For tests and debugging (the stress suite calls it after every step); it reads the
+        allocator state back from the device, and its first call compiles one function.
+        Checks: the allocator's own (``allocator.check_invariants`` on the engine's
+        ``BlockState``, prefixed ``allocator.``) and the host-side accounting around it:
+        every live sequence in exactly one queue with the matching state; queues in age order
+        and every running sequence older than every queued one; at most ``max_num_seqs``
+        running; slots (free list, live sequences and the allocator's active / swapped flags
+        agree); each live sequence's length and computed count match its slot; the cached
+        free-block count; every row the scheduler planned so far got its blocks from the
+        allocator; and, with no request alive, every device and host block free.
+        """
+        if self._jit_check is None:
+            self._jit_check = jax.jit(allocator.check_invariants)
+        checks = {f"allocator.{k}": bool(v) for k, v in self._jit_check(self._state).items()}
+        cfg = self.cache_config
+        sched = self.scheduler
+        st = jax.device_get(
+            {
+                "seq_lens": self._state.seq_lens,
+                "active": self._state.active,
+                "swapped": self._state.swapped,
+                "free": allocator.num_free_blocks(self._state),
+                "host_free": allocator.num_free_host_blocks(self._state),
+            }
+        )
+        waiting = [s for unit in sched.waiting for s in unit]
+        queued = waiting + sched.swapped
+        live = sched.running + queued
+        ids = [id(s) for s in live]
+        checks["queues_disjoint"] = len(set(ids)) == len(ids)
+        checks["queue_states"] = (
+            all(s.state == SeqState.RUNNING for s in sched.running)
+            and all(s.state == SeqState.SWAPPED for s in sched.swapped)
+            and all(s.state == SeqState.WAITING for s in waiting)
+        )
+        unfinished = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        checks["requests_accounted"] = sorted(map(id, unfinished)) == sorted(ids)
+        ages = [u[0].age for u in sched.waiting]
+        swapped_ages = [s.age for s in sched.swapped]
+        checks["queues_in_age_order"] = ages == sorted(ages) and swapped_ages == sorted(
+            swapped_ages
+        )
+        checks["running_older_than_queued"] = not (sched.running and queued) or max(
+            s.age for s in sched.running
+        ) < min(s.age for s in queued)
+        checks["running_within_max_num_seqs"] = len(sched.running) <= self.max_num_seqs
+        checks["followers_with_running_leader"] = all(
+            s.leader.state == SeqState.RUNNING for s in sched.running if s.leader is not None
+        )
+        holders = sched.running + sched.swapped
+        slots = [s.slot for s in holders]
+        free_slots = list(self._free_slots)
+        checks["slots_accounted"] = (
+            all(0 <= x < cfg.max_seqs for x in slots)
+            and all(s.slot == -1 for s in waiting)
+            and len(set(slots)) == len(slots)
+            and len(set(free_slots)) == len(free_slots)
+            and sorted(slots + free_slots) == list(range(cfg.max_seqs))
+        )
+        swapped_ids = {id(s) for s in sched.swapped}
+        checks["slot_flags_match"] = checks["slots_accounted"] and (
+            all(bool(st["active"][s.slot]) for s in holders)
+            and not any(bool(st["active"][x]) for x in free_slots)
+            and all(bool(st["swapped"][s.slot]) == (id(s) in swapped_ids) for s in holders)
+        )
+        checks["lengths_match"] = checks["slots_accounted"] and (
+            all(int(st["seq_lens"][s.slot]) == s.num_allocated for s in holders)
+            and all(s.num_computed <= s.num_allocated <= len(s.token_ids) for s in holders)
+            and all(s.num_computed == s.num_allocated == 0 for s in waiting)
+            and all(int(self._computed[s.slot]) == s.num_computed for s in holders)
+            and not any(int(self._computed[x]) for x in free_slots)
+        )
+        checks["free_count_cached"] = self._num_free_cache in (None, int(st["free"]))
+        checks["planned_rows_ran"] = self._num_refused_rows == 0
+        checks["idle_frees_everything"] = bool(self._requests) or (
+            int(st["free"]) == cfg.num_blocks
+            and int(st["host_free"]) == cfg.num_host_blocks
+            and not st["active"].any()
+        )
+        return checks
 
 
 def _make_decoder(tokenizer: Any) -> Any:

@@ -50,6 +50,8 @@ class RequestOutput:
       error: why the request failed, if it did (its completions finish with ``"error"``).
       num_cached_tokens: prompt tokens served from the prefix cache at admission (``None``
         until the request is admitted); OpenAI's ``usage.prompt_tokens_details.cached_tokens``.
+      num_preemptions: times a completion of this request was preempted so far (swap or
+        recompute; a prompt shared by waiting completions counts once per completion).
     """
 
     request_id: str
@@ -59,3 +61,4 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     num_cached_tokens: int | None = None
+    num_preemptions: int = 0

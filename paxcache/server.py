@@ -966,9 +966,36 @@ class _EngineStatsCollector:
                 "Requests accepted by the server, not finished.",
                 self.runner.num_inflight,
             ),
+            "paxcache_oldest_waiting_request_age_seconds": (
+                "Seconds since the oldest request with a queued (waiting or swapped) sequence "
+                "arrived.",
+                s.get("oldest_waiting_age_s"),
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value or 0.0))
+        labelled = {
+            "paxcache_preemptions_by_mode_total": (
+                "Preemptions by mode.",
+                "mode",
+                {"swap": "num_preemptions_swap", "recompute": "num_preemptions_recompute"},
+            ),
+            "paxcache_swapped_sequences_total": (
+                "Sequences moved between device and host memory.",
+                "direction",
+                {"out": "num_swapped_out_seqs", "in": "num_swapped_in_seqs"},
+            ),
+            "paxcache_swapped_blocks_total": (
+                "KV blocks moved between device and host memory.",
+                "direction",
+                {"out": "num_swapped_out_blocks", "in": "num_swapped_in_blocks"},
+            ),
+        }
+        for name, (doc, label, keys) in labelled.items():
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value, key in keys.items():
+                family.add_metric([value], float(s.get(key) or 0.0))
+            yield family
         counters = {
             "paxcache_generated_tokens_total": ("Tokens generated.", s.get("num_generated_tokens")),
             "paxcache_preemptions_total": ("Sequences preempted.", s.get("num_preemptions")),

@@ -1,14 +1,37 @@
-"""Session-wide test settings.
+"""Session-wide test setup: one persistent XLA compilation cache per test session.
 
 The engine turns on JAX's persistent compilation cache by default (``paxcache.compile_cache``)
-in a per-user directory. Tests point it at a fresh directory per session instead, so they run
-the default code path (cache on) without reading or writing the user's cache.
+in a per-user directory. Tests point it at a fresh temporary directory instead (removed when
+the session ends), so they run the default code path (cache on) without reading or writing the
+user's cache. It also saves time: tests build many engines that differ only in host-side
+settings (scheduling policy, preemption mode, token budget) or repeat a shape another test
+already compiled; such an engine loads the executables instead of compiling them again, with
+identical results (the cache is keyed by the compiled program). A ``PAXCACHE_COMPILE_CACHE``
+set in the environment is used instead (and kept).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
-_SESSION_CACHE = tempfile.mkdtemp(prefix="paxcache-test-jax-cache-")
-os.environ.setdefault("PAXCACHE_COMPILE_CACHE", _SESSION_CACHE)
+import pytest
+
+_session_cache: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from paxcache import compile_cache
+
+    if not os.environ.get("PAXCACHE_COMPILE_CACHE"):
+        path = tempfile.mkdtemp(prefix="paxcache-test-jax-cache-")
+        _session_cache.append(path)
+        os.environ["PAXCACHE_COMPILE_CACHE"] = path
+    # On for every test from the start (not only once an engine is built).
+    compile_cache.enable(os.environ["PAXCACHE_COMPILE_CACHE"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _session_cache:
+        shutil.rmtree(path, ignore_errors=True)
