@@ -284,11 +284,17 @@ def test_swap_tpu_kernel_interpret_between_device_arrays_matches_reference():
     np.testing.assert_array_equal(np.asarray(out), expect)
 
 
-def test_swap_tpu_interpret_rejects_pinned_host_operands():
+@pytest.mark.parametrize("interpret", [True, False])
+def test_swap_tpu_kernel_refuses_host_memory_operands(interpret):
+    """The Mosaic swap kernel with a pinned_host side aborts the TPU compiler (HostOffloader
+    CHECK) or fails its LLO checks, so that program must never be built: refused up front."""
     host = _pinned(jnp.zeros((1, 1, 4, 2, 8), jnp.float32))
     dev = jnp.zeros((1, 1, 4, 2, 8), jnp.float32)
-    with pytest.raises(ValueError, match="interpreter"):
-        kp.swap_blocks(dev, host, np.array([0]), np.array([1]), impl="pallas_tpu", interpret=True)
+    for src, dst in ((dev, host), (host, dev)):
+        with pytest.raises(ValueError, match="cannot address host memory"):
+            kp.swap_blocks(
+                src, dst, np.array([0]), np.array([1]), impl="pallas_tpu", interpret=interpret
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,10 +355,7 @@ def _kernel_cases():
     return {
         "tpu-write_kv": ("tpu", lambda a, b, k, v, s, layer: write_kv_tpu(a, b, k, v, s, layer)),
         "tpu-copy_blocks": ("tpu", lambda a, b, s, d: copy_blocks_tpu(a, b, s, d)),
-        "tpu-swap_blocks-to-host": (
-            "tpu",
-            lambda a, b, s, d: swap_blocks_tpu((a,), (b,), s, d, src_host=False, dst_host=True),
-        ),
+        "tpu-swap_blocks": ("tpu", lambda a, b, s, d: swap_blocks_tpu((a,), (b,), s, d)),
         "gpu-write_kv": ("cuda", lambda a, b, k, v, s, layer: write_kv_gpu(a, b, k, v, s, layer)),
         "gpu-copy_blocks": ("cuda", lambda a, b, s, d: copy_blocks_gpu(a, b, s, d)),
     }
@@ -363,7 +366,7 @@ def _kernel_cases():
     [
         "tpu-write_kv",
         "tpu-copy_blocks",
-        "tpu-swap_blocks-to-host",
+        "tpu-swap_blocks",
         "gpu-write_kv",
         "gpu-copy_blocks",
     ],

@@ -1,26 +1,32 @@
 """Mosaic TPU kernels for KV movement: write_kv, copy_blocks, swap_blocks.
 
 All three kernels leave the pages in HBM (``memory_space=ANY``), alias them input -> output
-(``input_output_aliases``) and move data with DMAs, so nothing but the touched rows or blocks
+(``input_output_aliases``) and move data with DMAs, so nothing but the touched tiles or blocks
 is ever read or written: under ``jax.jit`` with donated pages the update is in place.
 
-* :func:`write_kv_tpu`: the slot mapping (and the layer) are scalar-prefetched into SMEM; the
-  new K/V rows are tiled into VMEM ``tokens_per_step`` at a time and each token's ``[K, D]``
-  row is DMA'd into ``pages[(layer,) :, block, offset, :]``. Slots < 0 issue no DMA.
+* :func:`write_kv_tpu`: pages ``[..., S, D]`` are tiled ``(8, 128)`` in HBM (bf16: two rows
+  packed per word) and a DMA must start and end on a tile boundary along ``S``, so one bf16
+  token row cannot be written alone (Mosaic: "Offsets along tiled dimensions must be aligned
+  to tiles"). The tokens are sorted by slot in XLA and grouped into runs that fall in the
+  same 8-row tile; each run is one ``[K, 8, D]`` tile DMA. A run covering its whole tile (the
+  inside of a prefill) is written without reading; a partial one (a decode token, a chunk's
+  ends) is read, merged in VMEM and written back (read-modify-write, 2 x 8 rows moved for a
+  1-row decode write). Same kernel for every dtype (f32, bf16, fp8, int8).
 * :func:`copy_blocks_tpu`: one HBM -> HBM DMA per ``(src, dst)`` pair and per page array,
   covering the whole block in every layer (``pages[..., src, :, :]``).
-* :func:`swap_blocks_tpu`: the same block DMAs between two different arrays, one of which may
-  live in host memory (``memory_kind="pinned_host"``; Pallas memory space ``HOST``).
+* :func:`swap_blocks_tpu`: the same block DMAs between two different *device* arrays. Host
+  memory (``pinned_host``) is not supported: with libtpu 0.0.42 a Mosaic kernel whose operand
+  or output lives in host memory aborts the process (HostOffloader CHECK) or fails an LLO
+  check, so :func:`kernels_pallas.swap_blocks` moves blocks to and from the host with an XLA
+  program instead.
 
-Pairs and tokens are processed in steps of ``pairs_per_step`` / ``tokens_per_step``: every
-DMA of a step is started before any is waited on, so the DMA engines work concurrently while
-the number of DMAs in flight stays bounded.
+DMA semaphores count bytes: waiting for one copy on a semaphore that several copies share
+only says that *some* copy of that size landed, so every copy a step issues is waited for
+before any of their buffers is read.
 
 Interpret mode: pass ``interpret=True``; the kernels then run under
-``pltpu.InterpretParams()`` (the TPU interpreter that models DMAs and semaphores). Known limit
-of JAX 0.10.2's TPU interpreter: it has no ``HOST`` memory space and cannot take a
-``pinned_host`` operand at all, so :func:`swap_blocks_tpu` is interpret-tested only between
-two device arrays.
+``pltpu.InterpretParams()`` (the TPU interpreter that models DMAs and semaphores, executing
+them as late as possible and out of order, which is what catches a wait-then-read race).
 """
 
 from __future__ import annotations
@@ -350,8 +356,6 @@ def _block_copy_call(
     *,
     pairs_per_step: int,
     interpret: bool,
-    src_space: Any = pl.ANY,
-    dst_space: Any = pl.ANY,
 ) -> tuple[jax.Array, ...]:
     same = dsts is None
     outs_like = srcs if same else dsts
@@ -363,10 +367,10 @@ def _block_copy_call(
     dst_ids = _pad_to(dst_ids.astype(jnp.int32), pp, -1)
     rank = srcs[0].ndim
     kernel = functools.partial(_block_copy_kernel, num_arrays=n, pb=pb, rank=rank, same=same)
-    in_specs = [pl.BlockSpec(memory_space=src_space)] * n
+    in_specs = [pl.BlockSpec(memory_space=pl.ANY)] * n
     operands = list(srcs)
     if not same:
-        in_specs += [pl.BlockSpec(memory_space=dst_space)] * n
+        in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * n
         operands += list(dsts)
     # Scalar-prefetch operands come first, so aliased operand i sits at index 2 + offset.
     first_aliased = 2 if same else 2 + n
@@ -377,7 +381,7 @@ def _block_copy_call(
             num_scalar_prefetch=2,
             grid=(pp // pb,),
             in_specs=in_specs,
-            out_specs=[pl.BlockSpec(memory_space=src_space if same else dst_space)] * n,
+            out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n,
             scratch_shapes=[pltpu.SemaphoreType.DMA(())],
         ),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs_like],
@@ -420,24 +424,21 @@ def swap_blocks_tpu(
     src_ids: jax.Array,
     dst_ids: jax.Array,
     *,
-    src_host: bool,
-    dst_host: bool,
     pairs_per_step: int = 16,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Block DMAs ``src_pages[..., src_ids[i], :, :] -> dst_pages[..., dst_ids[i], :, :]``.
 
-    Meant to be called inside a ``jax.jit`` that donates ``dst_pages`` and whose shardings put
-    each side in its memory kind; ``src_host`` / ``dst_host`` select the Pallas ``HOST``
-    memory space for that side (HBM <-> host DMA on TPU).
+    Between two device (HBM) arrays only: a host-memory side is not supported (see the
+    module docstring). Meant to be called inside a ``jax.jit`` that donates ``dst_pages``.
 
     Args:
       src_pages, dst_pages: tuples of arrays ``[..., N_src|N_dst, S, D]`` with equal leading
         and trailing dims.
       src_ids, dst_ids: ``i32[P]``; pairs with a negative id are skipped.
+      pairs_per_step: pairs per grid step.
+      interpret: run in the TPU interpreter.
     """
-    src_space = pl.HOST if src_host else pl.ANY
-    dst_space = pl.HOST if dst_host else pl.ANY
     return _block_copy_call(
         tuple(src_pages),
         tuple(dst_pages),
@@ -445,6 +446,4 @@ def swap_blocks_tpu(
         dst_ids,
         pairs_per_step=pairs_per_step,
         interpret=interpret,
-        src_space=src_space,
-        dst_space=dst_space,
     )
