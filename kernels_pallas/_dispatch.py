@@ -55,6 +55,7 @@ __all__ = [
     "gpu_attention_unsupported_reason",
     "kernel_info",
     "record",
+    "recording",
     "run",
     "run_forced_check",
     "target_device",
@@ -117,10 +118,28 @@ def target_platform() -> str:
 # --------------------------------------------------------------------------------------------
 
 
+_RECORDERS: list[dict[str, dict[str, str]]] = []
+
+
 def _record(op: str, per_platform: dict[str, str]) -> None:
     with _lock:
         for platform, impl in per_platform.items():
             _INFO[(platform, op)] = impl
+            for rec in _RECORDERS:
+                rec.setdefault(platform, {})[op] = impl
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, dict[str, str]]]:
+    """Collects ``{platform: {op: impl}}`` for the ops traced inside the block."""
+    rec: dict[str, dict[str, str]] = {}
+    with _lock:
+        _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        with _lock:
+            _RECORDERS.remove(rec)
 
 
 def kernel_info(platform: str | None = None) -> dict[str, str]:
@@ -174,8 +193,19 @@ def _abstract(x: Any, device: jax.Device) -> jax.ShapeDtypeStruct:
     )
 
 
-def _probe_tpu(op: str, fn: Callable, args: Sequence[Any], static_key: Any) -> str | None:
-    """Compile ``fn(*args)`` alone for the target TPU device; the error text, or None."""
+_MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "Ran out of memory")
+
+
+def _probe_tpu(
+    op: str, fn: Callable, args: Sequence[Any], static_key: Any, donate: tuple[int, ...]
+) -> str | None:
+    """Compile ``fn(*args)`` alone for the target TPU device; the error text, or None.
+
+    ``donate``: the arguments the op updates in place (donated, as in the real program, so
+    the probe needs no second copy of a page array). An out-of-memory verdict says nothing
+    about the kernel (the probe holds its operands alone, the real program shares them), so
+    it does not count as a failure.
+    """
     device = target_device()
     if device is None or device.platform != "tpu":
         return None
@@ -187,11 +217,14 @@ def _probe_tpu(op: str, fn: Callable, args: Sequence[Any], static_key: Any) -> s
     try:
         specs = [_abstract(a, device) for a in args]
         with jax.default_device(device):
-            jax.jit(fn).trace(*specs).lower().compile()
+            jax.jit(fn, donate_argnums=donate).trace(*specs).lower().compile()
         error = None
     except Exception as e:  # noqa: BLE001 - any compiler rejection means "do not use it"
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         error = f"{type(e).__name__}: {first}"[:500]
+        if any(m in str(e) for m in _MEMORY_ERRORS):
+            logger.info("%s: compile probe out of memory alone (%s); kernel kept", op, first)
+            error = None
     with _lock:
         _PROBED[key] = error
     return error
@@ -302,6 +335,7 @@ def run(
     gpu_reason: str | None = None,
     gpu_default: bool = True,
     static_key: Any = None,
+    donate: tuple[int, ...] = (),
 ) -> Any:
     """Run ``op`` on ``args`` (arrays only) with the implementation ``impl`` selects.
 
@@ -315,6 +349,7 @@ def run(
       tpu_reason, gpu_reason: why the TPU / GPU kernel cannot take these arguments.
       gpu_default: whether ``auto`` uses the GPU kernel (when it exists and takes them).
       static_key: hashable summary of the static options baked into ``tpu`` (probe cache).
+      donate: indices of ``args`` the op updates in place (donated in the compile probe).
 
     Raises:
       ValueError: a forced TPU kernel on a non-TPU target without ``interpret``, or a forced
@@ -344,7 +379,7 @@ def run(
     else:
         tpu_fn, tpu_impl = tpu, "pallas_tpu"
         if _PROBE_DEPTH[0]:
-            error = _probe_tpu(op, tpu, args, static_key)
+            error = _probe_tpu(op, tpu, args, static_key, donate)
             if error is not None:
                 _warn_once(op, f"the Mosaic TPU kernel failed to compile: {error}")
                 tpu_fn, tpu_impl = xla, _fallback(f"Mosaic compile error: {error}")

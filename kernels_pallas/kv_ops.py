@@ -338,6 +338,7 @@ def write_kv(
         gpu=gpu,
         tpu_reason=write_kv_unsupported_reason(s, k_pages.dtype),
         gpu_default=GPU_KERNELS_BY_DEFAULT,
+        donate=(0, 1),
     )
 
 
@@ -394,7 +395,15 @@ def copy_blocks(
         return _kernels("gpu").copy_blocks_gpu(kp_, vp_, s_, d_, interpret=interpret)
 
     return _dispatch.run(
-        name, impl, interpret, args, xla=xla, tpu=tpu, gpu=gpu, gpu_default=GPU_KERNELS_BY_DEFAULT
+        name,
+        impl,
+        interpret,
+        args,
+        xla=xla,
+        tpu=tpu,
+        gpu=gpu,
+        gpu_default=GPU_KERNELS_BY_DEFAULT,
+        donate=(0, 1),
     )
 
 

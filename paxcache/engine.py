@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels_pallas
 from paxcache import allocator, kv_cache
 from paxcache.attention import metadata_from_state, paged_attention_op
 from paxcache.config import CacheConfig
@@ -189,7 +190,7 @@ class Engine:
             * jnp.dtype(kv_dtype).itemsize
         )
         if num_blocks is None:
-            if kv_memory_bytes is None and jax.default_backend() != "cpu":
+            if kv_memory_bytes is None and self._on_accelerator():
                 num_blocks, _ = kv_cache.num_blocks_for_budget(
                     0.9,
                     cfg.num_hidden_layers,
@@ -197,6 +198,7 @@ class Engine:
                     cfg.head_dim,
                     block_size,
                     kv_dtype,
+                    memory_stats=self._memory_stats(),
                 )
             else:
                 budget = kv_memory_bytes if kv_memory_bytes is not None else 1 << 30
@@ -219,20 +221,9 @@ class Engine:
         self.bytes_per_block = bytes_per_block
         self.buckets = _token_buckets(max_num_batched_tokens)
         self._graphdef, self._params = nnx.split(model)
-        self.mesh = None
-        if tp > 1:
-            from paxcache import sharding
-
-            self.mesh, self._params = sharding.setup_tensor_parallel(model, self._params, tp)
-
-        # Committed to the device like every later (jit-produced) state, so the first step
-        # after warm-up hits the same compiled executable.
-        self._state = allocator.init(self.cache_config)
-        if self.mesh is None:
-            self._state = jax.device_put(self._state, jax.devices()[0])
-        else:  # replicated on every tp device (every host's, see sharding.place)
-            self._state = sharding.place(self._state, sharding.replicated(self.mesh))
-        self._kv = kv_cache.KVCache.create(
+        self.mesh, self._params = self._place_params(model, self._params, tp)
+        self._state = self._init_state()
+        self._kv = self._create_kv(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=kv_heads,
             head_dim=cfg.head_dim,
@@ -240,7 +231,6 @@ class Engine:
             block_size=block_size,
             dtype=kv_dtype,
             num_host_blocks=num_host_blocks,
-            **({} if self.mesh is None else {"sharding": sharding.kv_sharding(self.mesh)}),
         )
         self._num_traces = 0
         self._compiles_at_start = _BACKEND_COMPILES[0]
@@ -300,6 +290,49 @@ class Engine:
         name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
         return cls(m, tok, model_name=name, **kwargs)
 
+    # Placement hooks: where the weights, block state and KV cache live. scripts/compile_check.py
+    # overrides them to build the same engine from abstract values on a TPU topology.
+
+    def _on_accelerator(self) -> bool:
+        """Whether the default KV sizing takes a fraction of free accelerator memory."""
+        return jax.default_backend() != "cpu"
+
+    def _memory_stats(self) -> dict[str, int] | None:
+        """Memory stats the KV sizing uses (None: the first device's ``memory_stats()``)."""
+        return None
+
+    def _place_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
+        """``(mesh, params)``: no mesh for ``tp == 1``, else sharded over a ``tp`` mesh."""
+        if tp == 1:
+            return None, params
+        from paxcache import sharding
+
+        return sharding.setup_tensor_parallel(model, params, tp)
+
+    def _init_state(self) -> allocator.BlockState:
+        """The empty block state, committed to the device like every later (jit-produced)
+        state, so the first step after warm-up hits the same compiled executable."""
+        state = allocator.init(self.cache_config)
+        if self.mesh is None:
+            return jax.device_put(state, jax.devices()[0])
+        from paxcache import sharding
+
+        # Replicated on every tp device (every host's, see sharding.place).
+        return sharding.place(state, sharding.replicated(self.mesh))
+
+    def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
+        """The KV cache (split over kv heads on the ``tp`` mesh)."""
+        if self.mesh is None:
+            return kv_cache.KVCache.create(**dims)
+        from paxcache import sharding
+
+        return kv_cache.KVCache.create(**dims, sharding=sharding.kv_sharding(self.mesh))
+
+    def _max_swap_pairs(self) -> int:
+        """Most blocks one swap moves: one sequence's blocks (the scheduler swaps one at a
+        time), at most the host pool."""
+        return min(self.cache_config.max_blocks_per_seq, self.num_host_blocks)
+
     def _count(self, fn):
         def counted(*args, **kwargs):
             self._num_traces += 1  # runs only while tracing
@@ -343,7 +376,7 @@ class Engine:
         live = jnp.arange(slot_ids.shape[0]) < num_seqs
         if fuse_allocator:
             state, app = allocator.append(state, append_counts, append_tokens, commit=False)
-            kv = kv_cache.apply_copies(kv, app.copy_src, app.copy_dst)
+            kv = kv_cache.apply_copies(kv, app.copy_src, app.copy_dst, mesh=self.mesh)
             row_ok = app.ok[slot_ids] & live  # bool[R]
         else:
             row_ok = live
@@ -836,12 +869,20 @@ class Engine:
         )
 
     def warmup(self) -> None:
-        """Compiles every shape bucket and allocator function, so serving never compiles."""
+        """Compiles every program serving can run, so serving never compiles.
+
+        Every token bucket of the fused step, the allocator functions and, with a host pool,
+        every swap program (out and in, every pair bucket). A Mosaic TPU kernel that fails to
+        compile is replaced by the XLA path here, with one warning naming the op and the
+        error (``stats()["kernel_impls"]`` then says ``"xla (fallback: ...)"``).
+        """
         t0 = time.perf_counter()
         b = self.cache_config.max_seqs
         z = np.zeros
-        for t in self.buckets:
-            self._state, self._kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
+        # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.
+        with kernels_pallas.compile_probes():
+            for t in self.buckets:
+                self._state, self._kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
         jax.block_until_ready(out.tokens)
         # Refused / empty calls compile the allocator functions without changing the state.
         padded = z(self.cache_config.max_model_len, np.int32)
@@ -853,6 +894,9 @@ class Engine:
         if self.num_host_blocks > 0:
             self._jit_swap_out(self._state, z(b, bool))
             self._jit_swap_in(self._state, z(b, bool))
+            # Every swap program (both directions, every pair bucket): no compile at the
+            # first preemption.
+            self._kv = kv_cache.warmup_swaps(self._kv, self._max_swap_pairs())
         self.stats()
         logger.info(
             "warm-up compiled %d functions in %.1fs",
@@ -889,6 +933,7 @@ class Engine:
             "bytes_per_block": self.bytes_per_block,
             "kv_cache_bytes": self.bytes_per_block * total,
             "device": ", ".join(str(d) for d in jax.devices()[: max(1, self.tp)]),
+            "kernel_impls": kernels_pallas.kernel_info(),
             "max_model_len": self.max_model_len,
         }
 
