@@ -193,7 +193,8 @@ def _abstract(x: Any, device: jax.Device) -> jax.ShapeDtypeStruct:
     )
 
 
-_MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "Ran out of memory")
+# HBM exhaustion of the probe program (operands alone); VMEM/SMEM exhaustion is the kernel's.
+_MEMORY_ERRORS = ("Ran out of memory on HBM", "exceeds available HBM")
 
 
 def _probe_tpu(
@@ -202,9 +203,9 @@ def _probe_tpu(
     """Compile ``fn(*args)`` alone for the target TPU device; the error text, or None.
 
     ``donate``: the arguments the op updates in place (donated, as in the real program, so
-    the probe needs no second copy of a page array). An out-of-memory verdict says nothing
-    about the kernel (the probe holds its operands alone, the real program shares them), so
-    it does not count as a failure.
+    the probe needs no second copy of a page array). An HBM out-of-memory verdict says
+    nothing about the kernel (the probe holds its operands alone, the real program shares
+    them), so it does not count as a failure; running out of VMEM or SMEM does.
     """
     device = target_device()
     if device is None or device.platform != "tpu":

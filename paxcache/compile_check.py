@@ -216,6 +216,8 @@ def _compile_program(name: str, kind: str, jitted: Any, args: tuple, hbm: int) -
         with kernels_pallas.compile_probes(), _dispatch.recording() as seen:
             traced = jitted.trace(*args)
         kernels = seen.get("tpu", {})
+        if kind != "step":  # the swap program was chosen when it was built, not traced
+            kernels = {"swap_blocks": kernels_pallas.kernel_info("tpu").get("swap_blocks", "xla")}
         compiled = traced.lower().compile()
         result["compiled"] = True
         result["error"] = None

@@ -328,6 +328,15 @@ class Engine:
 
         return kv_cache.KVCache.create(**dims, sharding=sharding.kv_sharding(self.mesh))
 
+    def _device_kv(self) -> kv_cache.KVCache:
+        """The cache the fused step takes: device pages only. The host pool stays out of the
+        step (passed through it, XLA:TPU refuses the program: "HostOffloadOutputLocation
+        Mismatch"); :meth:`_with_host_pool` puts it back on the step's result."""
+        return self._kv.replace(host_k=None, host_v=None)
+
+    def _with_host_pool(self, kv: kv_cache.KVCache) -> kv_cache.KVCache:
+        return kv.replace(host_k=self._kv.host_k, host_v=self._kv.host_v)
+
     def _max_swap_pairs(self) -> int:
         """Most blocks one swap moves: one sequence's blocks (the scheduler swaps one at a
         time), at most the host pool."""
@@ -482,7 +491,7 @@ class Engine:
         mask = np.zeros(self.cache_config.max_seqs, bool)
         mask[seq.slot] = True
         new_state, plan = self._jit_swap_out(self._state, mask)
-        if not bool(plan.ok[seq.slot]):
+        if not bool(np.asarray(plan.ok)[seq.slot]):  # host read: no eager-gather compile
             return False
         self._kv = kv_cache.swap_out(self._kv, plan.src, plan.dst, plan.num)
         self._state = new_state
@@ -493,7 +502,7 @@ class Engine:
         mask = np.zeros(self.cache_config.max_seqs, bool)
         mask[seq.slot] = True
         new_state, plan = self._jit_swap_in(self._state, mask)
-        if not bool(plan.ok[seq.slot]):
+        if not bool(np.asarray(plan.ok)[seq.slot]):  # host read: no eager-gather compile
             return False
         self._kv = kv_cache.swap_in(self._kv, plan.src, plan.dst, plan.num)
         self._state = new_state
@@ -671,9 +680,9 @@ class Engine:
             seeds[j], steps[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
             temperature[j], top_k[j], top_p[j], min_p[j] = p.temperature, p.top_k, p.top_p, p.min_p
         keys = request_keys(seeds, steps, index)
-        self._state, self._kv, out, row_ok, num_free = self._jit_step(
+        self._state, kv, out, row_ok, num_free = self._jit_step(
             self._state,
-            self._kv,
+            self._device_kv(),
             self._params,
             tokens,
             slot_ids,
@@ -690,6 +699,7 @@ class Engine:
             min_p,
             keys,
         )
+        self._kv = self._with_host_pool(kv)
         toks = np.asarray(out.tokens)
         row_ok = np.asarray(row_ok)
         self._num_free_cache = int(num_free)
@@ -850,7 +860,7 @@ class Engine:
         z = np.zeros
         return (
             self._state,
-            self._kv,
+            self._device_kv(),
             self._params,
             z(t, np.int32),
             z(r, np.int32),
@@ -882,7 +892,8 @@ class Engine:
         # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.
         with kernels_pallas.compile_probes():
             for t in self.buckets:
-                self._state, self._kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
+                self._state, kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
+                self._kv = self._with_host_pool(kv)
         jax.block_until_ready(out.tokens)
         # Refused / empty calls compile the allocator functions without changing the state.
         padded = z(self.cache_config.max_model_len, np.int32)
