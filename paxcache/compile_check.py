@@ -244,6 +244,7 @@ def check_engine(
     num_host_blocks: int | None = None,
     max_model_len: int | None = None,
     hbm_bytes: int | None = None,
+    num_blocks: int | None = None,
 ) -> dict[str, Any]:
     """Compile every program the engine serves with, for a TPU topology.
 
@@ -255,7 +256,8 @@ def check_engine(
         :class:`~paxcache.engine.Engine`.
       num_host_blocks: host swap pool (default: 4 sequences of ``max_model_len``; 0: no
         swap programs).
-      hbm_bytes: HBM of one chip (default: ``kernels_pallas.aot.HBM_BYTES``).
+      hbm_bytes: HBM of one chip (default: what the TPU compiler allows a program).
+      num_blocks: device KV blocks (default: the engine's own sizing for the chip's HBM).
 
     Returns:
       The report (JSON-ready dict): ``ok``, ``engine`` (the sizing), ``programs`` (one
@@ -299,6 +301,7 @@ def check_engine(
                 block_size=block_size,
                 num_host_blocks=num_host_blocks,
                 max_model_len=model_len,
+                num_blocks=num_blocks,
             )
         except Exception as e:  # noqa: BLE001 - reported, exit status non-zero
             report["failures"].append(f"engine: {_error_text(e)}")

@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="host swap pool in blocks (default: 4 full-length sequences; 0: no swap programs)",
     )
-    p.add_argument("--hbm-gib", type=float, default=None, help="HBM per chip if not in the table")
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (default: the engine's sizing)"
+    )
+    p.add_argument("--hbm-gib", type=float, default=None, help="HBM per chip (default: compiler's)")
     p.add_argument("--wide", action="store_true", help="kernel grid: the wide grid")
     p.add_argument("--json", dest="json_out", help="write the report as JSON here")
     args = p.parse_args(argv)
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_host_blocks=args.num_host_blocks,
                 max_model_len=args.max_model_len,
                 hbm_bytes=hbm,
+                num_blocks=args.num_blocks,
             )
         else:
             report = compile_check.check_kernels(args.target, wide=args.wide)

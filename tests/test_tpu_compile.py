@@ -248,7 +248,8 @@ def test_compile_check_script_on_a_small_model(tmp_path, tp, capsys):
     out = tmp_path / "report.json"
     rc = _compile_check(
         "--target", "v5e:2x2", "--config", str(cfg), "--tp", str(tp), "--max-num-seqs", "8",
-        "--max-num-batched-tokens", "32", "--num-host-blocks", "4", "--json", str(out),
+        "--max-num-batched-tokens", "32", "--num-host-blocks", "4", "--num-blocks", "2048",
+        "--json", str(out),
     )  # fmt: skip
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -268,14 +269,17 @@ def test_compile_check_script_on_a_small_model(tmp_path, tp, capsys):
     }
     assert step["mosaic_kernels"] == 3
     eng = report["engine"]
-    assert eng["num_blocks"] * eng["block_size"] == eng["kv_tokens"]
+    assert eng["num_blocks"] == 2048 and eng["kv_tokens"] == 2048 * 16
     assert "step[T=16]" in text and "OK" in text.splitlines()[-1]
 
 
-def test_compile_check_kernel_grid_and_bad_arguments(tmp_path, capsys):
+def test_compile_check_kernel_grid_and_bad_arguments(tmp_path, capsys, monkeypatch):
+    grid = aot.kernel_grid()[::8]  # the grid itself is compiled by the tests above
+    monkeypatch.setattr(aot, "kernel_grid", lambda wide=False: grid)
     assert _compile_check("--target", "v6e:2x2", "--json", str(tmp_path / "k.json")) == 0
     report = json.loads((tmp_path / "k.json").read_text())
-    assert len(report["kernels"]) == len(aot.kernel_grid()) and report["ok"]
+    assert [r["name"] for r in report["kernels"]] == [c.name for c in grid] and report["ok"]
+    assert "kernel grid for v6e:2x2" in capsys.readouterr().out
     assert _compile_check("--target", "v99:1x1") == 2
     assert "cannot describe TPU topology" in capsys.readouterr().err
     missing = tmp_path / "nope" / "config.json"
