@@ -289,20 +289,24 @@ def check_engine(
     model_len = int(max_model_len or config.max_position_embeddings)
     if num_host_blocks is None:
         num_host_blocks = 4 * -(-model_len // block_size)
+
+    def build(blocks: int | None, host_blocks: int) -> AbstractEngine:
+        return AbstractEngine(
+            abstract_model(config, dtype),
+            devices,
+            hbm_bytes=hbm,
+            tp=tp,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_host_blocks=host_blocks,
+            max_model_len=model_len,
+            num_blocks=blocks,
+        )
+
     with aot.tpu_target(devices):
         try:
-            engine = AbstractEngine(
-                abstract_model(config, dtype),
-                devices,
-                hbm_bytes=hbm,
-                tp=tp,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size,
-                num_host_blocks=num_host_blocks,
-                max_model_len=model_len,
-                num_blocks=num_blocks,
-            )
+            engine = build(num_blocks, num_host_blocks)
         except Exception as e:  # noqa: BLE001 - reported, exit status non-zero
             report["failures"].append(f"engine: {_error_text(e)}")
             report["ok"] = False
@@ -344,6 +348,9 @@ def check_engine(
             for name, fn, args in kv_cache.swap_programs(engine._kv, engine._max_swap_pairs()):
                 kind = name.split("[")[0]
                 report["programs"].append(_compile_program(name, kind, fn, args, hbm))
+        steps = [p for p in report["programs"] if p["kind"] == "step"]
+        if any(not p["fits_hbm"] for p in steps):
+            _suggest_num_blocks(report, build, engine, hbm)
     for p in report["programs"]:
         if not p["compiled"]:
             report["failures"].append(f"{p['name']}: did not compile: {p['error']}")
@@ -358,6 +365,41 @@ def check_engine(
                 report["failures"].append(f"{p['name']}: {op} runs {impl}")
     report["ok"] = not report["failures"]
     return report
+
+
+def _suggest_num_blocks(report: dict, build: Any, engine: AbstractEngine, hbm: int) -> None:
+    """The KV cache that would fit: compile the largest bucket with a small cache, take
+    what it needs besides the cache, and size the cache into the rest of the chip."""
+    probe_blocks = 64
+    small = build(probe_blocks, 0)
+    t = small.buckets[-1]
+    args = small._empty_step_args(t)
+    probe = _compile_program(f"step[T={t}]", "step", small._jit_step, args, hbm)
+    if not probe["compiled"]:
+        report["notes"].append(
+            f"even a {probe_blocks}-block KV cache does not fit: {probe['error']}"
+        )
+        return
+    per_block = _bytes_per_device((small._kv.k, small._kv.v)) / probe_blocks
+    base = probe["memory"]["total_hbm"] - per_block * probe_blocks
+    fit = int((hbm * 0.98 - base) // per_block)
+    report["engine"]["step_bytes_besides_kv_per_chip"] = int(base)
+    why = (
+        f"the engine's sizing ({engine.cache_config.num_blocks} blocks, 0.9 of what the "
+        f"weights leave) does not leave room for the step's other buffers "
+        f"({base / _GIB:.2f} GiB per chip with T={t}, weights included)"
+    )
+    if fit < 1:
+        report["notes"].append(
+            f"{why}; no KV cache fits next to them: lower --max-num-seqs / "
+            "--max-num-batched-tokens, or shard over more chips (--tp)"
+        )
+        return
+    report["engine"]["suggested_num_blocks"] = fit
+    report["notes"].append(
+        f"{why}; about {fit} blocks fit with 2% headroom: serve with --num-blocks {fit} "
+        "(check it here with --num-blocks)"
+    )
 
 
 def check_kernels(target: str, *, wide: bool = False) -> dict[str, Any]:
