@@ -151,7 +151,10 @@ def _ragged_kernel(
         def empty(x):
             return active(x) & (seq_info(x)[-1] == 0)
 
-        return lax.while_loop(empty, lambda x: x + 1, sq)
+        def next_seq(x):
+            return x + 1
+
+        return lax.while_loop(empty, next_seq, sq)
 
     rows_dma = TableRows(tables_hbm, table, table_sem)
     stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, table, layer_ref[0])
