@@ -192,7 +192,8 @@ class KernelCase:
 
     @property
     def name(self) -> str:
-        parts = [self.op, self.dtype, f"d{self.head_dim}", f"s{self.block_size}"]
+        parts = [self.op, self.dtype, f"k{self.kv_heads}", f"d{self.head_dim}"]
+        parts.append(f"s{self.block_size}")
         if self.op in ("ragged_paged_attention", "paged_attention"):
             parts.append(f"g{self.q_per_kv}")
             parts.append(f"b{self.num_seqs}x{self.max_len}")
@@ -312,6 +313,7 @@ def kernel_grid(wide: bool = False) -> list[KernelCase]:
             KernelCase(r, "float32", 128, 8, 64, layers=0),
             KernelCase(r, "bfloat16", 128, 4, 16, num_tokens=256, **big),
             KernelCase(r, "bfloat16", 128, 2, 16, num_tokens=16, **one),
+            KernelCase(r, "bfloat16", 128, 1, 16, kv_heads=32, num_tokens=256),  # Llama-2-7B
             KernelCase(p, "bfloat16", 128, 4, 16, soft_cap=30.0),
             KernelCase(p, "float32", 64, 7, 8, sliding_window=50),
             KernelCase(p, "bfloat16", 256, 1, 128, layers=0),
@@ -340,6 +342,9 @@ def kernel_grid(wide: bool = False) -> list[KernelCase]:
         for tables in (one, big):
             for s in (8, 16, 128):
                 cases.append(KernelCase(op, "bfloat16", 128, 4, s, num_tokens=256, **tables))
+        for kh, g, d in ((32, 1, 128), (16, 1, 256), (8, 8, 256)):  # wide heads: VMEM budget
+            for dtype in ("bfloat16", "float32"):
+                cases.append(KernelCase(op, dtype, d, g, 16, kv_heads=kh, num_tokens=256))
     for op in ("write_kv", "copy_blocks"):
         for dtype in ("bfloat16", "float32"):
             for d in (64, 128, 256):
