@@ -6,13 +6,15 @@ Two ops, one contract (see ``kernels_pallas.reference`` for the exact semantics)
 * :func:`ragged_paged_attention`: a token-packed batch mixing decode rows, whole prefills,
   chunked prefills and prefix-cache hits (queries are the last ``q_len`` of ``kv_len`` tokens).
 
-``impl`` chooses the implementation:
+``impl`` chooses the implementation (decided in :mod:`kernels_pallas._dispatch`, shared with
+the KV ops):
 
-* ``"auto"``: Mosaic TPU kernel on a TPU backend, Mosaic GPU kernel on a GPU backend, the XLA
-  oracle elsewhere (``paged_attention_reference`` for decode, ``ragged_paged_attention_xla``
-  for ragged batches).
+* ``"auto"``: for the platform the program is lowered for (``jax.lax.platform_dependent``):
+  the Mosaic TPU kernel on TPU (live or an AOT topology target), the Mosaic GPU kernel on CUDA
+  (Hopper; geometries it does not take use XLA with one warning), the XLA oracle elsewhere
+  (``paged_attention_reference`` for decode, ``ragged_paged_attention_xla`` for ragged).
 * ``"reference"``: the oracle path, on any backend.
-* ``"pallas"``: the backend's Pallas kernel; on CPU the TPU kernel, which needs
+* ``"pallas"``: the target platform's Pallas kernel; on CPU the TPU kernel, which needs
   ``interpret=True``.
 * ``"pallas_tpu"`` / ``"pallas_gpu"``: force one kernel family (e.g. in interpret mode on CPU).
 
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import reference
+from kernels_pallas import _dispatch, reference
 from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
 
 __all__ = ["IMPLS", "paged_attention", "ragged_paged_attention"]
@@ -108,50 +110,44 @@ def _check_vector(name: str, what: str, x: Any, n: int, n_desc: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Dispatch
+# Dispatch (kernels_pallas._dispatch decides; these build the three implementations)
 # --------------------------------------------------------------------------------------------
 
 
-def _resolve_family(name: str, impl: str, interpret: bool) -> str:
-    """Map ``impl`` + backend to one of "reference", "tpu", "gpu"."""
-    backend = jax.default_backend()
-    if impl == "reference":
-        return "reference"
-    if impl == "auto":
-        if backend == "tpu":
-            return "tpu"
-        if backend == "gpu":
-            return "gpu" if _gpu_module(required=False) is not None else "reference"
-        return "reference"
-    if impl == "pallas":
-        family = "gpu" if backend == "gpu" else "tpu"
-    else:
-        family = impl.removeprefix("pallas_")
-    if family == "tpu" and backend != "tpu" and not interpret:
-        raise ValueError(
-            f"{name}: impl={impl!r} runs the Mosaic TPU kernel, which needs a TPU backend or "
-            f"interpret=True (backend is {backend!r})"
-        )
-    if family == "gpu":
-        _gpu_module(required=True)
-    return family
-
-
-def _gpu_module(required: bool):
+def _gpu_module() -> Any:
     try:
         return importlib.import_module("kernels_pallas.gpu.attention")
     except ImportError as e:
-        if required:
-            raise NotImplementedError(
-                "the Mosaic GPU attention kernels (kernels_pallas.gpu.attention) are not "
-                f"available: {e}"
-            ) from e
-        logger.warning("kernels_pallas.gpu.attention unavailable (%s); using the XLA path", e)
-        return None
+        raise NotImplementedError(
+            "the Mosaic GPU attention kernels (kernels_pallas.gpu.attention) are not "
+            f"available: {e}"
+        ) from e
 
 
-def _select_layer(pages: jax.Array, layer: Any) -> jax.Array:
+def _has_gpu_module() -> bool:
+    try:
+        _gpu_module()
+    except NotImplementedError as e:
+        logger.warning("%s; GPU targets use the XLA path", e)
+        return False
+    return True
+
+
+def _select_layer(pages: jax.Array, layer: jax.Array) -> jax.Array:
     return pages if pages.ndim == 4 else pages[layer]
+
+
+def _layer_array(layer: Any) -> jax.Array:
+    return jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+
+def _reasons(q: jax.Array, k_pages: jax.Array) -> tuple[str | None, str | None]:
+    """Why the TPU / GPU kernels cannot take these operands (None: they can)."""
+    kh, _, s, d = k_pages.shape[-4:]
+    gpu = _dispatch.gpu_attention_unsupported_reason(
+        head_dim=d, num_q_per_kv=q.shape[1] // kh, block_size=s, dtype=q.dtype
+    )
+    return None, gpu
 
 
 _STATIC = ("sm_scale", "soft_cap", "sliding_window")
@@ -173,7 +169,7 @@ def _ragged_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
 
 
 def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
-    fn = getattr(_gpu_module(required=True), fn_name)
+    fn = getattr(_gpu_module(), fn_name)
     if k_pages.ndim == 5:
         if "layer" in inspect.signature(fn).parameters:
             kwargs = dict(kwargs, layer=layer)
@@ -239,28 +235,44 @@ def paged_attention(
             f"{name}: block_tables batch {block_tables.shape[0]} != q batch {b} "
             f"(block_tables {block_tables.shape}, q {q.shape})"
         )
-    family = _resolve_family(name, impl, interpret)
     scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
     cap = None if soft_cap is None else float(soft_cap)
     window = None if sliding_window is None else int(sliding_window)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    block_tables = jnp.asarray(block_tables, jnp.int32)
     kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
-    if family == "reference":
-        return _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, **kw)
-    if family == "tpu":
-        from kernels_pallas.tpu.paged_attention import paged_attention_tpu
-
-        return paged_attention_tpu(
-            q, k_pages, v_pages, lengths, block_tables, layer=layer, interpret=interpret, **kw
-        )
-    return _call_gpu(
-        "paged_attention_gpu",
-        (q, lengths, block_tables),
+    args = (
+        q,
         k_pages,
         v_pages,
-        layer,
-        dict(kw, interpret=interpret),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(block_tables, jnp.int32),
+        _layer_array(layer),
+    )
+
+    def xla(q, k, v, lengths, tables, layer):
+        return _paged_reference(q, k, v, lengths, tables, layer, **kw)
+
+    def tpu(q, k, v, lengths, tables, layer):
+        from kernels_pallas.tpu.paged_attention import paged_attention_tpu
+
+        return paged_attention_tpu(q, k, v, lengths, tables, layer=layer, interpret=interpret, **kw)
+
+    def gpu(q, k, v, lengths, tables, layer):
+        return _call_gpu(
+            "paged_attention_gpu", (q, lengths, tables), k, v, layer, dict(kw, interpret=interpret)
+        )
+
+    tpu_reason, gpu_reason = _reasons(q, k_pages)
+    return _dispatch.run(
+        name,
+        impl,
+        interpret,
+        args,
+        xla=xla,
+        tpu=tpu,
+        gpu=gpu if _has_gpu_module() else None,
+        tpu_reason=tpu_reason,
+        gpu_reason=gpu_reason,
+        static_key=tuple(sorted(kw.items())),
     )
 
 
@@ -323,39 +335,51 @@ def ragged_paged_attention(
         )
     if isinstance(num_seqs, (int, np.integer)) and not 0 <= int(num_seqs) <= b:
         raise ValueError(f"{name}: num_seqs={int(num_seqs)} out of range [0, {b}]")
-    family = _resolve_family(name, impl, interpret)
     scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
     cap = None if soft_cap is None else float(soft_cap)
     window = None if sliding_window is None else int(sliding_window)
-    kv_lens = jnp.asarray(kv_lens, jnp.int32)
-    block_tables = jnp.asarray(block_tables, jnp.int32)
-    cu_q_lens = jnp.asarray(cu_q_lens, jnp.int32)
-    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
-    if family == "reference":
-        return _ragged_reference(
-            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, **kw
-        )
-    if family == "tpu":
+    args = (
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.asarray(cu_q_lens, jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32).reshape(()),
+        _layer_array(layer),
+    )
+
+    def xla(q, k, v, kv_lens, tables, cu, n, layer):
+        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, **kw)
+
+    def tpu(q, k, v, kv_lens, tables, cu, n, layer):
         from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(
-            q,
-            k_pages,
-            v_pages,
-            kv_lens,
-            block_tables,
-            cu_q_lens,
-            num_seqs,
-            layer=layer,
-            interpret=interpret,
-            **kw,
+            q, k, v, kv_lens, tables, cu, n, layer=layer, interpret=interpret, **kw
         )
-    return _call_gpu(
-        "ragged_paged_attention_gpu",
-        (q, kv_lens, block_tables, cu_q_lens, num_seqs),
-        k_pages,
-        v_pages,
-        layer,
-        dict(kw, interpret=interpret),
+
+    def gpu(q, k, v, kv_lens, tables, cu, n, layer):
+        return _call_gpu(
+            "ragged_paged_attention_gpu",
+            (q, kv_lens, tables, cu, n),
+            k,
+            v,
+            layer,
+            dict(kw, interpret=interpret),
+        )
+
+    tpu_reason, gpu_reason = _reasons(q, k_pages)
+    return _dispatch.run(
+        name,
+        impl,
+        interpret,
+        args,
+        xla=xla,
+        tpu=tpu,
+        gpu=gpu if _has_gpu_module() else None,
+        tpu_reason=tpu_reason,
+        gpu_reason=gpu_reason,
+        static_key=tuple(sorted(kw.items())),
     )

@@ -21,10 +21,12 @@ only those rows; tests check the compiled program has no full-size copy. On CPU,
 copies run as in-place update-slice loops over the live pairs only; and XLA:CPU, which has no
 native bf16, upcasts bf16 updates over the whole array, so keep CPU caches in float32.
 
-``impl``: ``"auto"`` (Mosaic TPU kernel on TPU; the XLA path on GPU and CPU),
-``"reference"`` (the XLA path), ``"pallas"`` (the backend's kernel; on CPU the TPU kernel,
-which needs ``interpret=True``), ``"pallas_tpu"`` (force the TPU kernels), ``"pallas_gpu"``
-(there are no Mosaic GPU KV kernels: the XLA path, as for swap_blocks).
+``impl`` (decided in :mod:`kernels_pallas._dispatch`, shared with attention): ``"auto"``
+follows the platform the program is lowered for (Mosaic TPU kernel on TPU, live or an AOT
+topology target; XLA's in-place scatter on GPU and CPU), ``"reference"`` (the XLA path),
+``"pallas"`` (the target's kernel; on CPU the TPU kernel, which needs ``interpret=True``),
+``"pallas_tpu"`` (force the TPU kernels), ``"pallas_gpu"`` (there are no Mosaic GPU KV
+kernels: the XLA path, recorded as such, as for swap_blocks).
 
 Why no GPU kernels for write_kv / copy_blocks: on a GPU, XLA's scatter of donated pages is
 already one in-place kernel with a thread per element, so a Mosaic GPU kernel moving the same
@@ -34,15 +36,18 @@ step (kilobytes to a few MB), next to an attention that reads the whole live KV;
 happen only on copy-on-write. ``scripts/gpu_check.py`` times both XLA ops on the device
 against its copy bandwidth, which is what would justify a kernel if they ever fall short.
 
-swap_blocks outside the TPU kernel (GPU, or ``impl="reference"``): one jitted program
-gathers the blocks on the source side into one array, moves it with ONE transfer (a
-``device_put`` to the destination memory kind inside the jit), and scatters it on the
-destination side (host-side gather/scatter run under ``compute_on("device_host")``); the
-destination is donated so the scatter is in place. On the CPU backend, where "device" and
-``pinned_host`` are the same RAM and XLA elides memory-kind moves, the program instead copies
-block to block in place (one pass over the moved bytes instead of three). The number of
-pairs is padded with -1 up to a power of two, so swapping 3, 4, 5 ... blocks compiles once
-per bucket, not once per count.
+swap_blocks, on every platform (TPU included): one jitted program gathers the blocks on the
+source side into one array, moves it with ONE transfer (a ``device_put`` to the destination
+memory kind inside the jit), and scatters it on the destination side (host-side gather and
+scatter run under ``compute_on("device_host")``); the destination is donated so the scatter
+is in place. On TPU this is the only formulation the compiler takes (libtpu 0.0.42): a Mosaic
+kernel DMA-ing between HBM and ``pinned_host`` aborts the process in XLA's HostOffloader
+(swap out) or fails an LLO check (swap in), so that program is refused, never compiled. On
+the CPU backend, where "device" and ``pinned_host`` are the same RAM and XLA elides
+memory-kind moves, the program instead copies block to block in place (one pass over the
+moved bytes instead of three). The number of pairs is padded with -1 up to a power of two,
+so swapping 3, 4, 5 ... blocks compiles once per bucket, not once per count;
+:func:`swap_program` gives the program of a bucket (warm-up, AOT compilation).
 
 Errors: argument problems raise ``ValueError`` naming the problem before anything is traced;
 ids are range-checked (and destinations checked for duplicates) when they are host values
@@ -61,10 +66,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import compat, reference
+from kernels_pallas import _dispatch, compat, reference
 from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
 
-__all__ = ["IMPLS", "bucket_size", "copy_blocks", "swap_blocks", "write_kv"]
+__all__ = ["IMPLS", "bucket_size", "copy_blocks", "swap_blocks", "swap_program", "write_kv"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,28 +130,13 @@ def _check_distinct_dst(name: str, src: Any, dst: Any, *, dst_not_src: bool) -> 
 
 
 # --------------------------------------------------------------------------------------------
-# Dispatch
+# Dispatch (kernels_pallas._dispatch decides)
 # --------------------------------------------------------------------------------------------
 
 
-def _resolve_family(name: str, impl: str, interpret: bool) -> str:
-    """Map ``impl`` + backend to one of ``"reference"``, ``"tpu"``, ``"gpu"``."""
+def _check_impl(name: str, impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
-    if impl == "reference":
-        return "reference"
-    if impl == "auto":
-        if backend == "tpu":
-            return "tpu"
-        return "reference"
-    family = ("gpu" if backend == "gpu" else "tpu") if impl == "pallas" else impl[7:]
-    if family == "tpu" and backend != "tpu" and not interpret:
-        raise ValueError(
-            f"{name}: impl={impl!r} runs the Mosaic TPU kernel, which needs a TPU backend or "
-            f"interpret=True (backend is {backend!r})"
-        )
-    return family
 
 
 def _kernels(family: str):
@@ -167,7 +157,7 @@ def _use_loops() -> bool:
     bf16 either: it upcasts bf16 updates to f32 over the whole array, so on CPU only f32
     caches are updated in place; use float32 pages there.)
     """
-    return jax.default_backend() == "cpu" if _CPU_LOOPS is None else _CPU_LOOPS
+    return _dispatch.target_platform() == "cpu" if _CPU_LOOPS is None else _CPU_LOOPS
 
 
 #: Override for :func:`_use_loops` (None = by backend); tests flip it to cover both forms.
@@ -320,14 +310,33 @@ def write_kv(
         live = host[host >= 0]
         if np.unique(live).size != live.size:
             raise ValueError(f"{name}: slot_mapping has duplicate live slots")
-    family = _resolve_family(name, impl, interpret)
-    slots = jnp.asarray(slot_mapping, jnp.int32)
+    _check_impl(name, impl)
     if t == 0:
         return k_pages, v_pages
-    if family != "tpu":  # no Mosaic GPU KV kernels (module doc): the in-place XLA scatter
-        return _write_xla(k_pages, k, slots, layer), _write_xla(v_pages, v, slots, layer)
-    fn = _kernels(family).write_kv_tpu
-    return fn(k_pages, v_pages, k, v, slots, 0 if layer is None else layer, interpret=interpret)
+    from kernels_pallas.tpu.kv_ops import write_kv_unsupported_reason
+
+    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    args = (k_pages, v_pages, k, v, jnp.asarray(slot_mapping, jnp.int32), layer_arr)
+    stacked = k_pages.ndim == 5
+
+    def xla(kp_, vp_, k_, v_, slots, lyr):
+        lyr = lyr if stacked else None
+        return _write_xla(kp_, k_, slots, lyr), _write_xla(vp_, v_, slots, lyr)
+
+    def tpu(kp_, vp_, k_, v_, slots, lyr):
+        return _kernels("tpu").write_kv_tpu(kp_, vp_, k_, v_, slots, lyr, interpret=interpret)
+
+    return _dispatch.run(
+        name,
+        impl,
+        interpret,
+        args,
+        xla=xla,
+        tpu=tpu,
+        gpu=None,  # no Mosaic GPU KV kernels (module doc)
+        tpu_reason=write_kv_unsupported_reason(s, k_pages.dtype),
+        donate=(0, 1),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,14 +377,27 @@ def copy_blocks(
     _check_range(name, "src", src, n, "num_blocks N")
     _check_range(name, "dst", dst, n, "num_blocks N")
     _check_distinct_dst(name, src, dst, dst_not_src=True)
-    family = _resolve_family(name, impl, interpret)
+    _check_impl(name, impl)
     if p == 0:
         return k_pages, v_pages
-    src = jnp.asarray(src, jnp.int32)
-    dst = jnp.asarray(dst, jnp.int32)
-    if family != "tpu":  # no Mosaic GPU KV kernels (module doc)
-        return _copy_xla(k_pages, src, dst), _copy_xla(v_pages, src, dst)
-    return _kernels(family).copy_blocks_tpu(k_pages, v_pages, src, dst, interpret=interpret)
+    args = (k_pages, v_pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+
+    def xla(kp_, vp_, s_, d_):
+        return _copy_xla(kp_, s_, d_), _copy_xla(vp_, s_, d_)
+
+    def tpu(kp_, vp_, s_, d_):
+        return _kernels("tpu").copy_blocks_tpu(kp_, vp_, s_, d_, interpret=interpret)
+
+    return _dispatch.run(
+        name,
+        impl,
+        interpret,
+        args,
+        xla=xla,
+        tpu=tpu,
+        gpu=None,  # no Mosaic GPU KV kernels (module doc)
+        donate=(0, 1),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,10 +411,12 @@ def bucket_size(p: int) -> int:
 
 
 def _memory_kind(x: Any) -> str | None:
-    """Memory kind of a concrete array (None for tracers / numpy)."""
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    """Memory kind of a concrete array or a ``ShapeDtypeStruct`` (None for tracers / numpy)."""
+    if isinstance(x, jax.core.Tracer):
         return None
-    return getattr(x.sharding, "memory_kind", None)
+    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return None
+    return getattr(getattr(x, "sharding", None), "memory_kind", None)
 
 
 def _pad_ids(ids: Any, size: int) -> jax.Array:
@@ -430,10 +454,11 @@ def _swap_program(
 ):
     """One jitted program moving blocks between memory kinds (see :func:`swap_blocks`).
 
-    ``use_tpu``: the Pallas DMA kernel. ``direct``: block-to-block copies after a whole-pool
-    memory-kind move, only for the CPU backend, where device and host memory are the same RAM
-    and XLA elides that move. Otherwise: gather on the source side, one transfer of the
-    gathered blocks, scatter (``loops``: update-slice loop) on the destination side.
+    ``use_tpu``: the Pallas DMA kernel (device arrays on both sides only). ``direct``:
+    block-to-block copies after a whole-pool memory-kind move, only for the CPU backend,
+    where device and host memory are the same RAM and XLA elides that move. Otherwise:
+    gather on the source side, one transfer of the gathered blocks, scatter (``loops``:
+    update-slice loop) on the destination side.
     """
     host = jax.memory.Space.Host
 
@@ -446,9 +471,7 @@ def _swap_program(
         if use_tpu:
             from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
 
-            return swap_blocks_tpu(
-                srcs, dsts, src_ids, dst_ids, src_host=src_host, dst_host=dst_host
-            )
+            return swap_blocks_tpu(srcs, dsts, src_ids, dst_ids)
         s, d, count = _compact_pairs(src_ids, dst_ids, srcs[0].shape[-3], dsts[0].shape[-3])
         if direct:
             if src_host != dst_host:
@@ -457,6 +480,10 @@ def _swap_program(
                 s, d, count = jax.device_put((s, d, count), host)
             return on_dst(_copy_between, dsts, srcs, s, d, count)
         if src_host:
+            # Typing the pool as host memory inside the program is what lets XLA:TPU run the
+            # gather on the host ("memory_space of all inputs passed to gather must be the
+            # same" otherwise); it moves nothing.
+            srcs = jax.device_put(srcs, host)
             blocks = compat.compute_on_host(_gather)(srcs, jax.device_put(s, host))
         else:
             blocks = _gather(srcs, s)
@@ -466,6 +493,77 @@ def _swap_program(
         return on_dst(functools.partial(_scatter, loops=loops), dsts, blocks, d, count)
 
     return jax.jit(program, donate_argnums=(1,) if donate else (), out_shardings=dst_shardings)
+
+
+@functools.lru_cache(maxsize=2)
+def _tpu_interpret_swap(donate: bool):
+    from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
+
+    return jax.jit(
+        functools.partial(swap_blocks_tpu, interpret=True),
+        donate_argnums=(1,) if donate else (),
+    )
+
+
+#: CPU swaps copy block to block (device and pinned_host are the same RAM there). None = auto
+#: (direct when the target platform is the CPU); tests set False to run the
+#: gather/transfer/scatter program.
+_CPU_DIRECT_SWAP: bool | None = None
+
+
+def swap_program(
+    src_pages: Any | Sequence[Any],
+    dst_pages: Any | Sequence[Any],
+    num_pairs: int,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    donate: bool = True,
+) -> tuple[Any, int]:
+    """The jitted program :func:`swap_blocks` runs for these pages and pair count.
+
+    For warm-up (run it once with ids all ``-1``: it moves nothing) and ahead-of-time
+    compilation (``fn.trace(...).lower().compile()`` on ``ShapeDtypeStruct`` pages whose
+    shardings carry the memory kinds).
+
+    Args:
+      src_pages, dst_pages: arrays or ``ShapeDtypeStruct``s (or tuples of them), as for
+        :func:`swap_blocks`.
+      num_pairs: pairs to move (padded to :func:`bucket_size`).
+      impl, interpret, donate: as in :func:`swap_blocks`.
+
+    Returns:
+      ``(fn, padded_pairs)``; call ``fn(srcs, dsts, src_ids, dst_ids)`` with tuples of pages
+      and ``i32[padded_pairs]`` ids.
+
+    Raises:
+      ValueError: a Pallas TPU swap between a device and host memory (the compiler aborts
+        the process on that program, see below) or on a non-TPU target without interpret.
+    """
+    name = "swap_blocks"
+    _check_impl(name, impl)
+    srcs = tuple(src_pages) if isinstance(src_pages, (tuple, list)) else (src_pages,)
+    dsts = tuple(dst_pages) if isinstance(dst_pages, (tuple, list)) else (dst_pages,)
+    size = bucket_size(num_pairs)
+    src_host = _memory_kind(srcs[0]) in _HOST_KINDS
+    dst_host = _memory_kind(dsts[0]) in _HOST_KINDS
+    shardings = tuple(x.sharding for x in dsts)
+    if impl in ("pallas", "pallas_tpu") and _dispatch.target_platform() not in ("cuda", "rocm"):
+        if src_host or dst_host:
+            # libtpu 0.0.42: HBM <-> host DMAs in a Mosaic kernel either abort the process in
+            # XLA's HostOffloader (swap out) or fail an LLO check (swap in).
+            raise ValueError(
+                f"{name}: the Mosaic TPU swap kernel cannot address host memory (the TPU "
+                "compiler aborts the process on that program); use impl='auto'"
+            )
+        _dispatch.run_forced_check(name, "pallas_tpu", interpret)
+        _dispatch.record(name, "pallas_tpu")
+        if interpret:
+            return _tpu_interpret_swap(donate), size
+        return _swap_program(False, False, shardings, True, donate), size
+    _dispatch.record(name, "xla")
+    direct = _dispatch.target_platform() == "cpu" if _CPU_DIRECT_SWAP is None else _CPU_DIRECT_SWAP
+    return _swap_program(src_host, dst_host, shardings, False, donate, direct, _use_loops()), size
 
 
 def swap_blocks(
@@ -488,17 +586,18 @@ def swap_blocks(
     (shapes, memory kinds, pair bucket) with ``dst_pages`` donated (so the destination is
     updated in place and the passed ``dst_pages`` are consumed; pass ``donate=False`` to keep
     them). Under a trace it is the pure reference math (memory placement is then the caller's
-    jit's business).
+    jit's business). :func:`swap_program` returns that program (warm-up, AOT compilation).
 
     Args:
       src_pages: ``[..., N_src, S, D]`` or a tuple of such arrays.
       dst_pages: ``[..., N_dst, S, D]`` (same leading and trailing dims and dtype) or a tuple.
       src_ids, dst_ids: ``i32[P]``; a pair with a negative id is skipped. Destinations must
         be distinct.
-      impl: ``"auto"`` (Pallas DMA kernel on TPU, memory-kinds program elsewhere),
-        ``"reference"`` (memory-kinds program), ``"pallas"``/``"pallas_tpu"`` (TPU kernel;
-        with ``interpret=True`` on CPU, device arrays only), ``"pallas_gpu"`` (no GPU swap
-        kernel: same as ``"reference"``).
+      impl: ``"auto"`` and ``"reference"``: the memory-kinds program (gather, one transfer,
+        scatter) on every platform, TPU included: a Mosaic kernel cannot DMA between HBM and
+        host memory with this libtpu (the compiler aborts the process on it).
+        ``"pallas"``/``"pallas_tpu"``: the TPU DMA kernel, between two *device* arrays only
+        (``interpret=True`` on CPU). ``"pallas_gpu"``: no GPU swap kernel: as ``"auto"``.
       interpret: run the TPU kernel in interpret mode.
       donate: donate ``dst_pages`` (in-place update).
 
@@ -507,7 +606,8 @@ def swap_blocks(
 
     Raises:
       ValueError: mismatched shapes/dtypes/structure, ids of different lengths, (host
-        values) ids out of range or duplicate destinations.
+        values) ids out of range or duplicate destinations, a Pallas swap touching host
+        memory.
     """
     name = "swap_blocks"
     single = not isinstance(src_pages, (tuple, list))
@@ -536,7 +636,7 @@ def swap_blocks(
     _check_range(name, "src_ids", src_ids, srcs[0].shape[-3], "source blocks")
     _check_range(name, "dst_ids", dst_ids, dsts[0].shape[-3], "destination blocks")
     _check_distinct_dst(name, src_ids, dst_ids, dst_not_src=False)
-    family = _resolve_family(name, impl, interpret)
+    _check_impl(name, impl)
 
     def ret(out: tuple) -> Any:
         return out[0] if single else tuple(out)
@@ -547,58 +647,17 @@ def swap_blocks(
     if traced:
         s_ids = jnp.asarray(src_ids, jnp.int32)
         d_ids = jnp.asarray(dst_ids, jnp.int32)
-        if family == "tpu":
+        if impl in ("pallas", "pallas_tpu"):
             from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
 
-            return ret(
-                swap_blocks_tpu(
-                    srcs, dsts, s_ids, d_ids, src_host=False, dst_host=False, interpret=interpret
-                )
-            )
+            _dispatch.run_forced_check(name, "pallas_tpu", interpret)
+            return ret(swap_blocks_tpu(srcs, dsts, s_ids, d_ids, interpret=interpret))
         return ret(
             tuple(
                 reference.swap_blocks_reference(a, b, s_ids, d_ids)
                 for a, b in zip(srcs, dsts, strict=True)
             )
         )
-    size = bucket_size(p)
+    fn, size = swap_program(srcs, dsts, p, impl=impl, interpret=interpret, donate=donate)
     s_ids, d_ids = _pad_ids(src_ids, size), _pad_ids(dst_ids, size)
-    src_host = _memory_kind(srcs[0]) in _HOST_KINDS
-    dst_host = _memory_kind(dsts[0]) in _HOST_KINDS
-    shardings = tuple(x.sharding for x in dsts)
-    if family == "tpu" and interpret:
-        if src_host or dst_host:
-            raise ValueError(
-                f"{name}: the TPU interpreter (JAX {jax.__version__}) cannot take pinned_host "
-                "operands; interpret-test the TPU swap kernel with device arrays only"
-            )
-        return ret(_tpu_interpret_swap(donate)(srcs, dsts, s_ids, d_ids))
-    global _TPU_SWAP_FAILED
-    if family == "tpu" and not _TPU_SWAP_FAILED:
-        try:
-            fn = _swap_program(src_host, dst_host, shardings, True, donate)
-            return ret(fn(srcs, dsts, s_ids, d_ids))
-        except Exception as e:  # lowering/compile failure happens before donation
-            _TPU_SWAP_FAILED = True
-            logger.warning("TPU swap kernel failed (%s); using the memory-kinds program", e)
-    direct = jax.default_backend() == "cpu" if _CPU_DIRECT_SWAP is None else _CPU_DIRECT_SWAP
-    fn = _swap_program(src_host, dst_host, shardings, False, donate, direct, _use_loops())
     return ret(fn(srcs, dsts, s_ids, d_ids))
-
-
-#: CPU swaps copy block to block (device and pinned_host are the same RAM there). None = auto
-#: (direct on the CPU backend only); tests set False to run the gather/transfer/scatter program.
-_CPU_DIRECT_SWAP: bool | None = None
-
-
-_TPU_SWAP_FAILED = False
-
-
-@functools.lru_cache(maxsize=2)
-def _tpu_interpret_swap(donate: bool):
-    from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
-
-    return jax.jit(
-        functools.partial(swap_blocks_tpu, src_host=False, dst_host=False, interpret=True),
-        donate_argnums=(1,) if donate else (),
-    )

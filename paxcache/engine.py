@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels_pallas
 from paxcache import allocator, kv_cache
 from paxcache import compile_cache as compile_cache_lib
 from paxcache.attention import metadata_from_state, paged_attention_op
@@ -246,7 +247,7 @@ class Engine:
             * jnp.dtype(kv_dtype).itemsize
         )
         if num_blocks is None:
-            if kv_memory_bytes is None and jax.default_backend() != "cpu":
+            if kv_memory_bytes is None and self._on_accelerator():
                 num_blocks, _ = kv_cache.num_blocks_for_budget(
                     0.9,
                     cfg.num_hidden_layers,
@@ -254,6 +255,7 @@ class Engine:
                     cfg.head_dim,
                     block_size,
                     kv_dtype,
+                    memory_stats=self._memory_stats(),
                 )
             else:
                 budget = kv_memory_bytes if kv_memory_bytes is not None else 1 << 30
@@ -276,12 +278,7 @@ class Engine:
         self.bytes_per_block = bytes_per_block
         self.buckets = _token_buckets(max_num_batched_tokens)
         self._graphdef, self._params = nnx.split(model)
-        self.mesh = None
-        if tp > 1:
-            from paxcache import sharding
-
-            self.mesh, self._params = sharding.setup_tensor_parallel(model, self._params, tp)
-
+        self.mesh, self._params = self._place_params(model, self._params, tp)
         self._kv_spec = dict(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=kv_heads,
@@ -378,20 +375,62 @@ class Engine:
         )
         return cls(m, tok, model_name=name, **kwargs)
 
-    def _new_device_state(self) -> tuple[Any, kv_cache.KVCache]:
-        """A fresh (empty) block state and KV cache, placed as the step expects."""
-        # Committed to the device like every later (jit-produced) state, so the first step
-        # after warm-up hits the same compiled executable.
+    # Placement hooks: where the weights, block state and KV cache live. scripts/compile_check.py
+    # overrides them to build the same engine from abstract values on a TPU topology.
+
+    def _on_accelerator(self) -> bool:
+        """Whether the default KV sizing takes a fraction of free accelerator memory."""
+        return jax.default_backend() != "cpu"
+
+    def _memory_stats(self) -> dict[str, int] | None:
+        """Memory stats the KV sizing uses (None: the first device's ``memory_stats()``)."""
+        return None
+
+    def _place_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
+        """``(mesh, params)``: no mesh for ``tp == 1``, else sharded over a ``tp`` mesh."""
+        if tp == 1:
+            return None, params
+        from paxcache import sharding
+
+        return sharding.setup_tensor_parallel(model, params, tp)
+
+    def _init_state(self) -> allocator.BlockState:
+        """The empty block state, committed to the device like every later (jit-produced)
+        state, so the first step after warm-up hits the same compiled executable."""
         state = allocator.init(self.cache_config)
         if self.mesh is None:
-            state = jax.device_put(state, jax.devices()[0])
-            kv = kv_cache.KVCache.create(**self._kv_spec)
-        else:  # replicated on every tp device (every host's, see sharding.place)
-            from paxcache import sharding
+            return jax.device_put(state, jax.devices()[0])
+        from paxcache import sharding
 
-            state = sharding.place(state, sharding.replicated(self.mesh))
-            kv = kv_cache.KVCache.create(**self._kv_spec, sharding=sharding.kv_sharding(self.mesh))
-        return state, kv
+        # Replicated on every tp device (every host's, see sharding.place).
+        return sharding.place(state, sharding.replicated(self.mesh))
+
+    def _new_device_state(self) -> tuple[allocator.BlockState, kv_cache.KVCache]:
+        """A fresh (empty) block state and KV cache, placed as the step expects (start-up,
+        and recovery after a failed step consumed the donated buffers)."""
+        return self._init_state(), self._create_kv(**self._kv_spec)
+
+    def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
+        """The KV cache (split over kv heads on the ``tp`` mesh)."""
+        if self.mesh is None:
+            return kv_cache.KVCache.create(**dims)
+        from paxcache import sharding
+
+        return kv_cache.KVCache.create(**dims, sharding=sharding.kv_sharding(self.mesh))
+
+    def _device_kv(self) -> kv_cache.KVCache:
+        """The cache the fused step takes: device pages only. The host pool stays out of the
+        step (passed through it, XLA:TPU refuses the program: "HostOffloadOutputLocation
+        Mismatch"); :meth:`_with_host_pool` puts it back on the step's result."""
+        return self._kv.replace(host_k=None, host_v=None)
+
+    def _with_host_pool(self, kv: kv_cache.KVCache) -> kv_cache.KVCache:
+        return kv.replace(host_k=self._kv.host_k, host_v=self._kv.host_v)
+
+    def _max_swap_pairs(self) -> int:
+        """Most blocks one swap moves: one sequence's blocks (the scheduler swaps one at a
+        time), at most the host pool."""
+        return min(self.cache_config.max_blocks_per_seq, self.num_host_blocks)
 
     def _count(self, fn):
         def counted(*args, **kwargs):
@@ -436,7 +475,7 @@ class Engine:
         live = jnp.arange(slot_ids.shape[0]) < num_seqs
         if fuse_allocator:
             state, app = allocator.append(state, append_counts, append_tokens, commit=False)
-            kv = kv_cache.apply_copies(kv, app.copy_src, app.copy_dst)
+            kv = kv_cache.apply_copies(kv, app.copy_src, app.copy_dst, mesh=self.mesh)
             row_ok = app.ok[slot_ids] & live  # bool[R]
         else:
             row_ok = live
@@ -555,7 +594,7 @@ class Engine:
         mask = np.zeros(self.cache_config.max_seqs, bool)
         mask[seq.slot] = True
         new_state, plan = self._jit_swap_out(self._state, mask)
-        if not bool(plan.ok[seq.slot]):
+        if not bool(np.asarray(plan.ok)[seq.slot]):  # host read: no eager-gather compile
             return False
         self._kv = kv_cache.swap_out(self._kv, plan.src, plan.dst, plan.num)
         self._state = new_state
@@ -570,7 +609,7 @@ class Engine:
         mask = np.zeros(self.cache_config.max_seqs, bool)
         mask[seq.slot] = True
         new_state, plan = self._jit_swap_in(self._state, mask)
-        if not bool(plan.ok[seq.slot]):
+        if not bool(np.asarray(plan.ok)[seq.slot]):  # host read: no eager-gather compile
             return False
         num = int(plan.num)
         if self.num_free_blocks() - num < reserve + self.cache_config.watermark_blocks:
@@ -796,7 +835,7 @@ class Engine:
             # then sees are gone.
             state, kv, out, row_ok, num_free = self._jit_step(
                 self._state,
-                self._kv,
+                self._device_kv(),
                 self._params,
                 tokens,
                 slot_ids,
@@ -823,7 +862,7 @@ class Engine:
                 top_lps = np.asarray(out.top_logprobs)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
             raise _StepFailed(failed) from e
-        self._state, self._kv, self._num_free_cache = state, kv, num_free
+        self._state, self._kv, self._num_free_cache = state, self._with_host_pool(kv), num_free
         refused = len(plan.rows) - int(row_ok[: len(plan.rows)].sum())
         if refused:
             # The scheduler plans only rows whose blocks are free, so this is a bug in its block
@@ -1055,7 +1094,7 @@ class Engine:
         z = np.zeros
         return (
             self._state,
-            self._kv,
+            self._device_kv(),
             self._params,
             z(t, np.int32),
             z(r, np.int32),
@@ -1074,7 +1113,12 @@ class Engine:
         )
 
     def warmup(self) -> None:
-        """Compiles every shape bucket and allocator function, so serving never compiles.
+        """Compiles every program serving can run, so serving never compiles.
+
+        Every token bucket of the fused step, the allocator functions and, with a host pool,
+        every swap program (out and in, every pair bucket). A Mosaic TPU kernel that fails to
+        compile is replaced by the XLA path here, with one warning naming the op and the
+        error (``stats()["kernel_impls"]`` then says ``"xla (fallback: ...)"``).
 
         Logs one line per compiled step bucket (``logging`` INFO, logger ``paxcache.engine``)
         and a summary. With the persistent compile cache (see :mod:`paxcache.compile_cache`)
@@ -1086,19 +1130,22 @@ class Engine:
         compiles0 = self._num_compiled()
         b = self.cache_config.max_seqs
         z = np.zeros
-        for i, t in enumerate(self.buckets):
-            tb = time.perf_counter()
-            hb = compile_cache_lib.cache_hits()
-            self._state, self._kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
-            jax.block_until_ready(out.tokens)
-            logger.info(
-                "warm-up %d/%d: step for %d tokens ready in %.1fs%s",
-                i + 1,
-                len(self.buckets),
-                t,
-                time.perf_counter() - tb,
-                " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
-            )
+        # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.
+        with kernels_pallas.compile_probes():
+            for i, t in enumerate(self.buckets):
+                tb = time.perf_counter()
+                hb = compile_cache_lib.cache_hits()
+                self._state, kv, out, _, _ = self._jit_step(*self._empty_step_args(t))
+                self._kv = self._with_host_pool(kv)
+                jax.block_until_ready(out.tokens)
+                logger.info(
+                    "warm-up %d/%d: step for %d tokens ready in %.1fs%s",
+                    i + 1,
+                    len(self.buckets),
+                    t,
+                    time.perf_counter() - tb,
+                    " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
+                )
         # Refused / empty calls compile the allocator functions without changing the state.
         padded = z(self.cache_config.max_model_len, np.int32)
         self._jit_allocate(
@@ -1109,6 +1156,9 @@ class Engine:
         if self.num_host_blocks > 0:
             self._jit_swap_out(self._state, z(b, bool))
             self._jit_swap_in(self._state, z(b, bool))
+            # Every swap program (both directions, every pair bucket): no compile at the
+            # first preemption.
+            self._kv = kv_cache.warmup_swaps(self._kv, self._max_swap_pairs())
         self.stats()
         self._warmed_up = True
         logger.info(
@@ -1173,6 +1223,7 @@ class Engine:
             "bytes_per_block": self.bytes_per_block,
             "kv_cache_bytes": self.bytes_per_block * total,
             "device": ", ".join(str(d) for d in jax.devices()[: max(1, self.tp)]),
+            "kernel_impls": kernels_pallas.kernel_info(),
             "max_model_len": self.max_model_len,
         }
 

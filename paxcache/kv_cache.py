@@ -25,12 +25,14 @@ functions meant to run inside the engine's jitted step with the cache donated.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from kernels_pallas import kv_ops as kp
@@ -41,8 +43,11 @@ __all__ = [
     "bytes_per_block",
     "host_memory_kind",
     "num_blocks_for_budget",
+    "swap_buckets",
     "swap_in",
     "swap_out",
+    "swap_programs",
+    "warmup_swaps",
     "write_layer",
 ]
 
@@ -234,6 +239,7 @@ def apply_copies(
     *,
     impl: str = "auto",
     interpret: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> KVCache:
     """Apply copy-on-write / fork pairs ``src[i] -> dst[i]`` to every layer's K and V.
 
@@ -241,8 +247,29 @@ def apply_copies(
       cache: the cache.
       src, dst: ``i32[P]`` device block ids padded with -1 (e.g. the allocator's
         ``copy_src`` / ``copy_dst``).
+      impl, interpret: see :func:`kernels_pallas.copy_blocks`.
+      mesh: a mesh with a ``"tp"`` axis over which the pages are split by kv heads
+        (``paxcache.sharding.kv_sharding``): each device copies its own heads under
+        ``jax.shard_map`` (a Mosaic kernel cannot be partitioned automatically).
     """
-    new_k, new_v = kp.copy_blocks(cache.k, cache.v, src, dst, impl=impl, interpret=interpret)
+
+    def copy(k: jax.Array, v: jax.Array, s: jax.Array, d: jax.Array) -> tuple:
+        return kp.copy_blocks(k, v, s, d, impl=impl, interpret=interpret)
+
+    if mesh is None:
+        new_k, new_v = copy(cache.k, cache.v, src, dst)
+    else:
+        from paxcache.sharding import TP_AXIS
+
+        pages = P(None, TP_AXIS) if cache.k.ndim == 5 else P(TP_AXIS)
+        copy = jax.shard_map(
+            copy,
+            mesh=mesh,
+            in_specs=(pages, pages, P(), P()),
+            out_specs=(pages, pages),
+            check_vma=False,
+        )
+        new_k, new_v = copy(cache.k, cache.v, jnp.asarray(src), jnp.asarray(dst))
     return cache.replace(k=new_k, v=new_v)
 
 
@@ -319,6 +346,45 @@ def swap_in(
     return cache.replace(k=new_k, v=new_v)
 
 
+def swap_buckets(max_pairs: int) -> tuple[int, ...]:
+    """The padded pair counts a swap of up to ``max_pairs`` blocks can use (powers of two)."""
+    top = kp.bucket_size(max(1, int(max_pairs)))
+    return tuple(1 << i for i in range(top.bit_length()))
+
+
+def warmup_swaps(cache: KVCache, max_pairs: int, *, impl: str = "auto") -> KVCache:
+    """Compile every swap program (out and in, each pair bucket up to ``max_pairs``).
+
+    Each program runs once with every pair skipped (ids ``-1``), which moves nothing, so the
+    first real preemption does not compile. Returns the cache to continue with (the host
+    pool and device pages are donated through the programs).
+    """
+    _need_host(cache, "warmup_swaps")
+    for p in swap_buckets(max_pairs):
+        ids = np.full(p, -1, np.int32)
+        cache = swap_out(cache, ids, ids, impl=impl)
+        cache = swap_in(cache, ids, ids, impl=impl)
+    return cache
+
+
+def swap_programs(cache: KVCache, max_pairs: int, *, impl: str = "auto") -> list[tuple]:
+    """``[(name, jitted_fn, args)]`` of every swap program, for ahead-of-time compilation.
+
+    ``cache`` may hold ``jax.ShapeDtypeStruct``s (with shardings carrying the memory kinds);
+    ``jitted_fn.trace(*args).lower().compile()`` compiles one program. Names are
+    ``swap_out[P]`` / ``swap_in[P]`` for the padded pair count ``P``.
+    """
+    _need_host(cache, "swap_programs")
+    dev, host = (cache.k, cache.v), (cache.host_k, cache.host_v)
+    out = []
+    for p in swap_buckets(max_pairs):
+        for name, src, dst in (("swap_out", dev, host), ("swap_in", host, dev)):
+            fn, size = kp.swap_program(src, dst, p, impl=impl)
+            ids = jax.ShapeDtypeStruct((size,), jnp.int32)
+            out.append((f"{name}[{size}]", fn, (src, dst, ids, ids)))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Sizing
 # --------------------------------------------------------------------------------------------
@@ -339,6 +405,8 @@ def num_blocks_for_budget(
     block_size: int,
     dtype: Any,
     device: jax.Device | None = None,
+    *,
+    memory_stats: Mapping[str, int] | None = None,
 ) -> tuple[int, int]:
     """How many blocks fit in a memory budget.
 
@@ -351,6 +419,8 @@ def num_blocks_for_budget(
       num_layers, num_kv_heads, head_dim, block_size, dtype: the model's KV dimensions
         (``num_kv_heads`` per device when heads are sharded).
       device: the device to size for (default: the first device).
+      memory_stats: use these ``{"bytes_limit", "bytes_in_use"}`` instead of the device's
+        (sizing for a chip that is not attached, e.g. ``scripts/compile_check.py``).
 
     Returns:
       ``(num_blocks, bytes_per_block)``.
@@ -373,7 +443,7 @@ def num_blocks_for_budget(
         if not 0.0 < frac <= 1.0:
             raise ValueError(f"memory fraction must be in (0, 1], got {frac}")
         device = device or jax.devices()[0]
-        stats = device.memory_stats()
+        stats = memory_stats if memory_stats is not None else device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             raise ValueError(
                 f"device {device} reports no memory stats; pass the KV budget in bytes (int) "

@@ -1011,6 +1011,15 @@ class _EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value or 0.0))
+        kernels = GaugeMetricFamily(
+            "paxcache_kernel_info",
+            "Implementation each kernel op runs (1 per op); fallback: why the kernel is not used.",
+            labels=["op", "impl", "fallback"],
+        )
+        for op, impl in sorted((s.get("kernel_impls") or {}).items()):
+            family, _, why = impl.partition(" (fallback: ")
+            kernels.add_metric([op, family, why.removesuffix(")")], 1.0)
+        yield kernels
 
 
 # ----------------------------------------------------------------------------------------------

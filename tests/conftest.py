@@ -1,13 +1,21 @@
-"""Session-wide test setup: one persistent XLA compilation cache per test session.
+"""Test-session set-up.
 
-The engine turns on JAX's persistent compilation cache by default (``paxcache.compile_cache``)
-in a per-user directory. Tests point it at a fresh temporary directory instead (removed when
-the session ends), so they run the default code path (cache on) without reading or writing the
-user's cache. It also saves time: tests build many engines that differ only in host-side
-settings (scheduling policy, preemption mode, token budget) or repeat a shape another test
-already compiled; such an engine loads the executables instead of compiling them again, with
-identical results (the cache is keyed by the compiled program). A ``PAXCACHE_COMPILE_CACHE``
-set in the environment is used instead (and kept).
+* ``JAX_PLATFORMS=cpu`` (unless set): the suite runs on the CPU (kernels in interpret mode).
+  With ``jax[tpu]`` installed (CI's TPU compile step) JAX would otherwise first try to bring
+  up a TPU backend; the TPU compile tests need no TPU backend, only libtpu's compiler on
+  abstract topology devices (``kernels_pallas.aot``). Set ``JAX_PLATFORMS=tpu`` on a TPU VM.
+* ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: compile-only use of libtpu by several processes at once
+  (subprocess tests, a concurrent ``scripts/compile_check.py``) instead of failing on
+  libtpu's lockfile.
+* One persistent XLA compilation cache per test session. The engine turns on JAX's persistent
+  compilation cache by default (``paxcache.compile_cache``) in a per-user directory. Tests point
+  it at a fresh temporary directory instead (removed when the session ends), so they run the
+  default code path (cache on) without reading or writing the user's cache. It also saves time:
+  tests build many engines that differ only in host-side settings (scheduling policy,
+  preemption mode, token budget) or repeat a shape another test already compiled; such an
+  engine loads the executables instead of compiling them again, with identical results (the
+  cache is keyed by the compiled program). A ``PAXCACHE_COMPILE_CACHE`` set in the environment
+  is used instead (and kept).
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import shutil
 import tempfile
 
 import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 _session_cache: list[str] = []
 

@@ -404,6 +404,29 @@ def test_pallas_gpu_without_gpu_module_raises_not_implemented():
         kp.paged_attention(*_good_args(), impl="pallas_gpu", interpret=True)
 
 
+@pytest.mark.parametrize(
+    "h,k_heads",
+    [
+        pytest.param(12, 2, id="g6"),
+        pytest.param(6, 2, id="g3", marks=pytest.mark.slow),
+        pytest.param(10, 2, id="g5", marks=pytest.mark.slow),
+        pytest.param(7, 1, id="g7", marks=pytest.mark.slow),
+    ],
+)
+def test_tpu_ragged_kernel_for_group_sizes_off_the_8_row_tile(h, k_heads):
+    """G = 3, 5, 6, 7 (Qwen2 shapes): query blocks of TQ tokens with TQ * G a multiple of 8
+    (G = 6: 12 tokens, 72 rows); 30 tokens span three blocks and split sequences."""
+    from kernels_pallas.tpu.ragged_paged_attention import default_queries_per_block
+
+    g = h // k_heads
+    assert (default_queries_per_block(64, g) * g) % 8 == 0
+    rng = np.random.default_rng(20 + g)
+    q_lens, kv_lens = [1, 13, 9, 2, 0], [17, 13, 30, 5, 4]
+    case = ragged_case(rng, q_lens, kv_lens, 4, 30, h, k_heads, 64, 8, 4, jnp.bfloat16)
+    out = _run_ragged(case, "pallas_tpu", True, sliding_window=11, soft_cap=5.0)
+    _check(out, _ragged_oracle(case, sliding_window=11, soft_cap=5.0), jnp.bfloat16)
+
+
 # --------------------------------------------------------------------------------------------
 # Wide grid (slow)
 # --------------------------------------------------------------------------------------------

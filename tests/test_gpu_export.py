@@ -112,11 +112,6 @@ def _export_auto(kind, h, kv, d, s, dtype, window):
     return jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="impl='auto' follows jax.default_backend() until the target-aware dispatch "
-    "(kernels_pallas/_dispatch.py, issue 11) lands; then this must pass",
-)
 @pytest.mark.parametrize("kind", ["decode", "ragged"])
 @pytest.mark.parametrize("h,kv,d,window", MAINSTREAM)
 def test_auto_exported_for_cuda_runs_the_mosaic_gpu_kernel_on_mainstream_shapes(

@@ -101,6 +101,29 @@ def test_write_kv_random_distinct_slots_and_skips_match_numpy(impl, interpret, d
     np.testing.assert_array_equal(_host(out_v), _np_write(_host(v_pages[0]), _host(v), slots))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tpu_write_kv_tile_runs_prefill_decode_and_scattered_slots(dtype):
+    """The TPU write kernel's read-modify-write of 8-row tiles (interpret mode): a 21-token
+    prefill starting mid-tile (partial, full, partial tiles), decode tokens in partial tiles,
+    two tokens of one tile far apart in the batch (sorted together), padding; several grid
+    steps (2 runs per step). Rows of touched tiles that are not written must survive."""
+    from kernels_pallas.tpu.kv_ops import write_kv_tpu
+
+    kh, n, s, d, layers = 2, 6, 16, 128, 2
+    rng = np.random.default_rng(3)
+    prefill = list(range(16 + 5, 16 + 26))  # block 1 rows 5..15, block 2 rows 0..9
+    slots = np.array([70, *prefill, -1, 3, 88, 6, -1], np.int32)  # 3 and 6 share a tile
+    t = len(slots)
+    k_pages = _pages(rng, (layers, kh, n, s, d), dtype)
+    v_pages = _pages(rng, (layers, kh, n, s, d), dtype)
+    k, v = _pages(rng, (t, kh, d), dtype), _pages(rng, (t, kh, d), dtype)
+    out_k, out_v = write_kv_tpu(
+        k_pages, v_pages, k, v, jnp.asarray(slots), jnp.int32(1), runs_per_step=2, interpret=True
+    )
+    np.testing.assert_array_equal(_host(out_k), _np_write(_host(k_pages), _host(k), slots, 1))
+    np.testing.assert_array_equal(_host(out_v), _np_write(_host(v_pages), _host(v), slots, 1))
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     perm_seed=st.integers(0, 2**31 - 1),
@@ -284,11 +307,17 @@ def test_swap_tpu_kernel_interpret_between_device_arrays_matches_reference():
     np.testing.assert_array_equal(np.asarray(out), expect)
 
 
-def test_swap_tpu_interpret_rejects_pinned_host_operands():
+@pytest.mark.parametrize("interpret", [True, False])
+def test_swap_tpu_kernel_refuses_host_memory_operands(interpret):
+    """The Mosaic swap kernel with a pinned_host side aborts the TPU compiler (HostOffloader
+    CHECK) or fails its LLO checks, so that program must never be built: refused up front."""
     host = _pinned(jnp.zeros((1, 1, 4, 2, 8), jnp.float32))
     dev = jnp.zeros((1, 1, 4, 2, 8), jnp.float32)
-    with pytest.raises(ValueError, match="interpreter"):
-        kp.swap_blocks(dev, host, np.array([0]), np.array([1]), impl="pallas_tpu", interpret=True)
+    for src, dst in ((dev, host), (host, dev)):
+        with pytest.raises(ValueError, match="cannot address host memory"):
+            kp.swap_blocks(
+                src, dst, np.array([0]), np.array([1]), impl="pallas_tpu", interpret=interpret
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,10 +377,7 @@ def _kernel_cases():
     return {
         "tpu-write_kv": ("tpu", lambda a, b, k, v, s, layer: write_kv_tpu(a, b, k, v, s, layer)),
         "tpu-copy_blocks": ("tpu", lambda a, b, s, d: copy_blocks_tpu(a, b, s, d)),
-        "tpu-swap_blocks-to-host": (
-            "tpu",
-            lambda a, b, s, d: swap_blocks_tpu((a,), (b,), s, d, src_host=False, dst_host=True),
-        ),
+        "tpu-swap_blocks": ("tpu", lambda a, b, s, d: swap_blocks_tpu((a,), (b,), s, d)),
         # No Mosaic GPU KV kernels (kernels_pallas.kv_ops doc): on GPU the XLA path, which
         # must still be in place when lowered for CUDA.
         "gpu-write_kv": (
@@ -367,7 +393,7 @@ def _kernel_cases():
     [
         "tpu-write_kv",
         "tpu-copy_blocks",
-        "tpu-swap_blocks-to-host",
+        "tpu-swap_blocks",
         "gpu-write_kv",
         "gpu-copy_blocks",
     ],

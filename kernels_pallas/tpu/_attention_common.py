@@ -1,19 +1,30 @@
 """Pieces shared by the Mosaic TPU paged-attention kernels (decode and ragged).
 
-* :class:`PageCopier`: the DMA descriptors that bring ``P`` KV pages of one kv head from HBM
-  into one slot of a double-buffered VMEM scratch. Pages outside ``[first, end)`` are neither
-  copied nor waited on (their VMEM rows keep stale data, which the caller masks with
-  ``where``); negative block ids are clamped to 0 for addressing.
-* :func:`online_softmax_step`: one flash-attention update of ``(m, l, acc)`` with a
-  ``where``-mask, so NaN garbage in masked keys/values cannot reach the result.
+* :class:`TableRows`: block-table rows fetched on demand. Tables stay in HBM
+  (``memory_space=ANY``) and one sequence's row ``i32[M]`` at a time is DMA'd into a two-slot
+  SMEM scratch, so a batch's tables (256 sequences x 32K tokens = 2 MiB at ``S = 16``) never
+  have to fit in SMEM (1 MiB on v5e/v6e, shared with the other scalars).
+* :class:`KVStream`: the DMAs that bring ``P`` KV pages of one layer, all ``K`` kv heads at
+  once (one descriptor per page: ``pages.at[layer, :, block]`` is ``[K, S, D]``), into one
+  slot of a double-buffered VMEM scratch ``[2, K, P, S, D]``. Pages outside
+  ``[first, end)`` are neither copied nor waited on (their VMEM rows keep stale data, which
+  the caller masks with ``where``); negative block ids are clamped to 0 for addressing.
+* :func:`attend_step`: one flash-attention update of the ``(m, l, acc)`` VMEM state of every
+  kv head, with bf16/f16 operands fed to the MXU as they are (float32 accumulation), a
+  ``where``-mask so NaN garbage in masked keys/values cannot reach the result.
 
-Everything works on float32 values; ``_MASK`` is finite, so fully masked rows keep
-``m = _MASK`` and ``l = 0`` (their output becomes zeros, never NaN).
+A DMA semaphore counts bytes, not copies: waiting for one copy on a semaphore shared by
+several only says that *some* copy of that size landed. Both helpers therefore wait for every
+copy of a slot before anything in that slot is read.
+
+``MASK_VALUE`` is finite, so fully masked rows keep ``m = MASK_VALUE`` and ``l = 0`` (their
+output becomes zeros, never NaN).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,125 +32,181 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+#: VMEM the KV double buffers may take (K and V, two slots): well inside the 16 MiB scoped
+#: VMEM default of v4/v5e, so the query/output blocks and the softmax state fit next to them.
+KV_VMEM_BUDGET = 4 * 1024 * 1024
 
 
-def default_pages_per_compute_block(block_size: int, max_blocks: int, target_tokens: int) -> int:
-    """Pages per compute step: about ``target_tokens`` keys per step, at most ``max_blocks``."""
-    return int(max(1, min(max_blocks, target_tokens // block_size)))
+def default_pages_per_compute_block(
+    block_size: int, max_blocks: int, target_tokens: int, *, kv_heads: int, head_dim: int,
+    itemsize: int,
+) -> int:  # fmt: skip
+    """Pages per compute step: about ``target_tokens`` keys, at most ``max_blocks`` pages,
+    and small enough that the four ``[K, P, S, D]`` KV buffers fit :data:`KV_VMEM_BUDGET`."""
+    per_page = 4 * kv_heads * block_size * head_dim * itemsize
+    p = min(max_blocks, target_tokens // block_size, KV_VMEM_BUDGET // per_page)
+    return int(max(1, p))
 
 
 @dataclasses.dataclass(frozen=True)
-class PageCopier:
-    """DMAs of up to ``P`` pages of one (layer, kv head) from HBM into a VMEM slot.
+class TableRows:
+    """One sequence's block-table row at a time, HBM -> SMEM (two slots).
+
+    Attributes:
+      tables_hbm: ``i32[B, M]`` block tables left in HBM.
+      rows: ``i32[2, M]`` SMEM scratch.
+      sems: DMA semaphores ``[2]``, one per slot.
+    """
+
+    tables_hbm: Any
+    rows: Any
+    sems: Any
+
+    def _copy(self, seq: jax.Array, tslot: jax.Array):
+        return pltpu.make_async_copy(
+            self.tables_hbm.at[seq], self.rows.at[tslot], self.sems.at[tslot]
+        )
+
+    def start(self, seq: jax.Array, tslot: jax.Array) -> None:
+        self._copy(seq, tslot).start()
+
+    def wait(self, seq: jax.Array, tslot: jax.Array) -> None:
+        self._copy(seq, tslot).wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class KVStream:
+    """DMAs of up to ``P`` pages (all kv heads) of one layer from HBM into a VMEM slot.
 
     Attributes:
       k_hbm, v_hbm: ``[L, K, N, S, D]`` refs left in HBM (``memory_space=ANY``).
-      k_buf, v_buf: ``[2, P, S, D]`` VMEM scratch (two slots for double buffering).
+      k_buf, v_buf: ``[2, K, P, S, D]`` VMEM scratch (two slots for double buffering).
       k_sem, v_sem: DMA semaphores ``[2]``, one per slot.
-      tables_ref: flattened ``i32[B * M]`` block tables in SMEM (scalar prefetch).
-      max_blocks: ``M``.
-      layer, head: scalars selecting ``k_hbm.at[layer, head]``.
+      table: ``i32[2, M]`` SMEM rows (see :class:`TableRows`).
+      layer: scalar selecting ``k_hbm.at[layer]``.
     """
 
-    k_hbm: object
-    v_hbm: object
-    k_buf: object
-    v_buf: object
-    k_sem: object
-    v_sem: object
-    tables_ref: object
-    max_blocks: int
+    k_hbm: Any
+    v_hbm: Any
+    k_buf: Any
+    v_buf: Any
+    k_sem: Any
+    v_sem: Any
+    table: Any
     layer: jax.Array
-    head: jax.Array
 
-    def _copies(self, seq: jax.Array, first_page: jax.Array, slot: jax.Array):
-        n_pages = self.k_buf.shape[1]
+    def _copies(self, tslot: jax.Array, first_page: jax.Array, slot: jax.Array):
+        n_pages = self.k_buf.shape[2]
+        max_blocks = self.table.shape[1]
         out = []
         for j in range(n_pages):
             page = first_page + j
-            idx = seq * self.max_blocks + jnp.clip(page, 0, self.max_blocks - 1)
-            block = jnp.maximum(self.tables_ref[idx], 0)
+            block = jnp.maximum(self.table[tslot, jnp.clip(page, 0, max_blocks - 1)], 0)
             kc = pltpu.make_async_copy(
-                self.k_hbm.at[self.layer, self.head, block],
-                self.k_buf.at[slot, j],
+                self.k_hbm.at[self.layer, :, block],  # [K, S, D]
+                self.k_buf.at[slot, :, j],
                 self.k_sem.at[slot],
             )
             vc = pltpu.make_async_copy(
-                self.v_hbm.at[self.layer, self.head, block],
-                self.v_buf.at[slot, j],
+                self.v_hbm.at[self.layer, :, block],
+                self.v_buf.at[slot, :, j],
                 self.v_sem.at[slot],
             )
             out.append((page, kc, vc))
         return out
 
-    def start(self, seq: jax.Array, first_page: jax.Array, end_page: jax.Array, slot) -> None:
+    def start(self, tslot, first_page, end_page, slot) -> None:
         """Start copying pages ``first_page + j`` (``j < P``) that are ``< end_page``."""
-        for page, kc, vc in self._copies(seq, first_page, slot):
+        for page, kc, vc in self._copies(tslot, first_page, slot):
 
             @pl.when(page < end_page)
-            def _(kc=kc, vc=vc):
+            def _start(kc=kc, vc=vc):
                 kc.start()
                 vc.start()
 
-    def wait(self, seq: jax.Array, first_page: jax.Array, end_page: jax.Array, slot) -> None:
-        """Wait for the copies :meth:`start` issued with the same arguments."""
-        for page, kc, vc in self._copies(seq, first_page, slot):
+    def wait(self, tslot, first_page, end_page, slot) -> None:
+        """Wait for every copy :meth:`start` issued with the same arguments."""
+        for page, kc, vc in self._copies(tslot, first_page, slot):
 
             @pl.when(page < end_page)
-            def _(kc=kc, vc=vc):
+            def _wait(kc=kc, vc=vc):
                 kc.wait()
                 vc.wait()
 
 
-def online_softmax_step(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+def attend_step(
+    q_ref: Any,
+    k_buf: Any,
+    v_buf: Any,
+    slot: jax.Array,
+    state: tuple[Any, Any, Any],
     mask: jax.Array,
     key_ok: jax.Array,
-    carry: tuple[jax.Array, jax.Array, jax.Array],
     *,
+    sm_scale: float,
     soft_cap: float | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One flash-attention step for R query rows against C keys.
+) -> None:
+    """One flash-attention step of R query rows against ``C = P * S`` keys, every kv head.
 
     Args:
-      q: ``f32[R, D]``, already multiplied by ``sm_scale``.
-      k, v: ``f32[C, D]``; rows not in ``mask`` may hold anything (NaN included).
+      q_ref: ``[K, R, D]`` queries (VMEM, input dtype: bf16 stays bf16 on the MXU).
+      k_buf, v_buf: ``[2, K, P, S, D]`` VMEM; slot ``slot`` holds this step's pages. Keys not
+        in ``mask`` may hold anything (NaN included).
+      slot: which buffer slot.
+      state: ``(m f32[K, R, 1], l f32[K, R, 1], acc f32[K, R, D])`` VMEM refs, updated.
       mask: ``bool[R, C]``, which (row, key) pairs count.
-      key_ok: ``bool[C, 1]``, keys that count for at least one row (others are zeroed so
-        NaN garbage cannot pass through ``p @ v``).
-      carry: ``(m f32[R, 1], l f32[R, 1], acc f32[R, D])``.
+      key_ok: ``bool[C, 1]``, keys that count for at least one row (others are zeroed so NaN
+        garbage cannot pass through ``p @ v``).
+      sm_scale: logit scale (applied to the float32 logits).
       soft_cap: optional logit soft cap.
-
-    Returns:
-      The updated carry.
     """
-    m_prev, l_prev, acc_prev = carry
-    k = jnp.where(key_ok, k, 0.0)
-    v = jnp.where(key_ok, v, 0.0)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(mask, s, _MASK)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    acc_new = alpha * acc_prev + jnp.dot(p, v, preferred_element_type=jnp.float32)
-    return m_new, l_new, acc_new
+    m_ref, l_ref, acc_ref = state
+    _, kh, n_pages, s, d = k_buf.shape  # [2, K, P, S, D]
+    keys = n_pages * s
+
+    @pl.loop(0, kh)
+    def _head(h):
+        k = k_buf[slot, h].reshape(keys, d)  # [C, D]
+        v = v_buf[slot, h].reshape(keys, d)
+        k = jnp.where(key_ok, k, jnp.zeros_like(k))
+        v = jnp.where(key_ok, v, jnp.zeros_like(v))
+        q = q_ref[h]  # [R, D]
+        logits = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [R, C]
+        logits = logits * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask, logits, MASK_VALUE)
+        m_prev = m_ref[h]  # [R, 1]
+        m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
+        l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, D]
+        acc_ref[h] = alpha * acc_ref[h] + pv
+        m_ref[h] = m_new
 
 
-def init_carry(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return (
-        jnp.full((rows, 1), _MASK, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
+def reset_state(state: tuple[Any, Any, Any]) -> None:
+    """``m = MASK_VALUE``, ``l = 0``, ``acc = 0`` for every head."""
+    m_ref, l_ref, acc_ref = state
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
-def finish(carry: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+def finish(l_i: jax.Array, acc: jax.Array) -> jax.Array:
     """``acc / l`` with rows that saw no key returning zeros."""
-    _, l_i, acc = carry
     return acc / jnp.where(l_i > 0.0, l_i, 1.0)
+
+
+def state_scratch(kv_heads: int, rows: int, head_dim: int) -> list:
+    """VMEM scratch shapes of ``(m, l, acc)``."""
+    return [
+        pltpu.VMEM((kv_heads, rows, 1), jnp.float32),
+        pltpu.VMEM((kv_heads, rows, 1), jnp.float32),
+        pltpu.VMEM((kv_heads, rows, head_dim), jnp.float32),
+    ]

@@ -2,33 +2,35 @@
 
 Design:
 
-* Grid ``(B,)``: one program per sequence, walking its kv heads one after the other. All
-  ``G = H // K`` query heads of a kv head are processed together (GQA/MQA), so each KV page is
-  read from HBM once per group.
-* Scalar prefetch (SMEM): ``layer i32[1]``, ``lengths i32[B]``, ``block_tables i32[B * M]``.
-* Pages stay in HBM (``memory_space=ANY``); the program walks (kv head, ``P`` pages) steps
-  (``pages_per_compute_block``), DMA-ing them into a two-slot VMEM scratch: the copy of step
-  ``j + 1`` (possibly the next head's first pages) is started before step ``j`` is computed
-  (double buffering), so only the first copy of each sequence is exposed.
+* Grid ``(C, B / C)`` with ``C = 2`` (``"parallel"``: the two TensorCores of a v4/v5p
+  megacore chip each take half the sequences; one-core chips run the halves in turn) and the
+  sequences of a half in order (``"arbitrary"``). Program ``(c, i)`` handles sequence
+  ``b = c * B / C + i`` and walks its kv range in steps of ``P`` pages
+  (``pages_per_compute_block``), all ``K`` kv heads at once. The ``G = H // K`` query heads
+  of a kv head are processed together (GQA/MQA), so each KV page is read once per group.
+* Scalar prefetch (SMEM): ``layer i32[1]``, ``lengths i32[B]``. Block tables stay in HBM;
+  program ``i`` DMAs the *next* sequence's table row into SMEM while it computes
+  (:class:`~kernels_pallas.tpu._attention_common.TableRows`), so tables of any size work and
+  only the first row of each half is waited for.
+* KV pages stay in HBM (``memory_space=ANY``); each step DMAs ``P`` pages, one descriptor per
+  page covering every kv head (``pages.at[layer, :, block]``), into a two-slot VMEM scratch:
+  step ``j + 1`` is started before step ``j`` is computed (double buffering).
 * Only pages holding keys the query may see are copied: ``[first_page, cdiv(length, S))``,
   where ``first_page`` skips pages wholly outside the sliding window. Slots past the length
   are masked with ``where`` (never by multiplication), so NaN garbage cannot leak; a length-0
   row copies nothing and returns zeros. Negative block ids are clamped to 0 for addressing.
-* Online softmax in float32 across compute steps (``_attention_common.online_softmax_step``).
+* Matmuls take the pages' dtype (bf16 on the MXU) with float32 accumulation; the online
+  softmax state is float32 (``_attention_common.attend_step``).
 * Stacked caches: pages are addressed as ``[L, K, N, S, D]`` and the layer is a prefetched
   scalar, so a ``lax.scan`` over layers reads ``pages.at[layer]`` without copying a layer.
 
-Hardware notes for the compiled kernel (interpret mode has no such limits): ``S`` should be a
-multiple of 8 (float32) or 16 (bfloat16) so a ``[P, S, D]`` VMEM buffer reshapes to
-``[P*S, D]`` without relayout; ``D`` a multiple of 128 avoids lane padding (64 works, padded);
-``P * S`` a multiple of 128 keeps the logits lane-dense (the default aims at 128 keys per step).
-This kernel has been checked in TPU interpret mode on CPU; it has not yet been compiled on a
-TPU in this project.
+Compiled for v5e and v6e in the tests (``tests/test_tpu_compile.py``) for bf16 and f32,
+``D`` in {64, 128, 256}, ``G`` 1..8, ``S`` 8..128, sliding window, soft cap and tables of 256
+sequences x 32K tokens; correctness is checked in TPU interpret mode on CPU.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -38,42 +40,70 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
-    PageCopier,
+    KVStream,
+    TableRows,
+    attend_step,
     default_pages_per_compute_block,
     finish,
-    init_carry,
-    online_softmax_step,
+    reset_state,
+    state_scratch,
 )
 
 __all__ = ["paged_attention_tpu"]
+
+_CORES = 2  # TensorCores of a megacore chip (v4, v5p)
 
 
 def _decode_kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # i32[1]
-    lengths_ref,  # i32[B]
-    tables_ref,  # i32[B * M]
+    lengths_ref,  # i32[B_pad]
     # inputs
-    q_ref,  # [K, G, D] block of q [B, K, G, D]
+    q_ref,  # [K, G, D] block of q [B_pad, K, G, D]
+    tables_hbm,  # i32[B, M] in HBM
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
     # output
     o_ref,  # [K, G, D]
     # scratch
-    k_buf,  # [2, P, S, D] VMEM
+    table,  # SMEM i32[2, M]: table rows of this and the next sequence
+    k_buf,  # VMEM [2, K, P, S, D]
     v_buf,
+    m_ref,  # VMEM f32[K, G, 1]
+    l_ref,  # VMEM f32[K, G, 1]
+    acc_ref,  # VMEM f32[K, G, D]
+    table_sem,  # DMA[2]
     k_sem,  # DMA[2]
-    v_sem,
+    v_sem,  # DMA[2]
     *,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    max_blocks: int,
+    num_seqs: int,
+    per_core: int,
 ):
-    b = pl.program_id(0)
-    kh, g, d = q_ref.shape
-    _, n_pages, s, _ = k_buf.shape
-    keys_per_step = n_pages * s
+    i = pl.program_id(1)
+    b = pl.program_id(0) * per_core + i
+    _, g, _ = q_ref.shape
+    _, _, n_pages, s, _ = k_buf.shape
+    keys = n_pages * s
+    rows = TableRows(tables_hbm, table, table_sem)
+    tslot = i % 2
+
+    # The first sequence of this core's half fetches its own row; every program prefetches
+    # the next one's, which the next program (same core, "arbitrary" order) waits for.
+    @pl.when((i == 0) & (b < num_seqs))
+    def _first_row():
+        rows.start(b, tslot)
+
+    @pl.when(b < num_seqs)
+    def _wait_row():
+        rows.wait(b, tslot)
+
+    @pl.when((i + 1 < per_core) & (b + 1 < num_seqs))
+    def _prefetch_next_row():
+        rows.start(b + 1, 1 - tslot)
+
     length = lengths_ref[b]
     end_page = (length + s - 1) // s
     if sliding_window is not None:
@@ -81,56 +111,39 @@ def _decode_kernel(
     else:
         first_page = jnp.int32(0)
     n_steps = (jnp.maximum(end_page - first_page, 0) + n_pages - 1) // n_pages
-    # One flat walk over (kv head, step): the first pages of head h + 1 are prefetched while
-    # the last step of head h is computed, so only the sequence's very first copy is exposed.
-    total = kh * n_steps
+    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, table, layer_ref[0])
+    state = (m_ref, l_ref, acc_ref)
+    reset_state(state)
+    kpos_row = lax.broadcasted_iota(jnp.int32, (g, keys), 1)
+    kpos_col = lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
 
-    copier = PageCopier(
-        k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, tables_ref, max_blocks, layer_ref[0], 0
-    )
+    @pl.when(n_steps > 0)
+    def _first_pages():
+        stream.start(tslot, first_page, end_page, 0)
 
-    def item(j):
-        head = j // jnp.maximum(n_steps, 1)
-        return head, first_page + (j - head * n_steps) * n_pages
-
-    def start(j, slot):
-        head, page = item(j)
-        dataclasses.replace(copier, head=head).start(b, page, end_page, slot)
-
-    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows with nothing to see stay zero
-
-    @pl.when(total > 0)
-    def _():
-        start(0, 0)
-
-    def body(j, carry):
+    def step(j, carry):
         slot = j % 2
+        page = first_page + j * n_pages
 
-        @pl.when(j + 1 < total)
-        def _():
-            start(j + 1, 1 - slot)
+        @pl.when(j + 1 < n_steps)
+        def _next_pages():
+            stream.start(tslot, page + n_pages, end_page, 1 - slot)
 
-        head, page = item(j)
-        dataclasses.replace(copier, head=head).wait(b, page, end_page, slot)
-        k = k_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
-        v = v_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
+        stream.wait(tslot, page, end_page, slot)
         base = page * s
-        kpos_row = base + lax.broadcasted_iota(jnp.int32, (g, keys_per_step), 1)
-        kpos_col = base + lax.broadcasted_iota(jnp.int32, (keys_per_step, 1), 0)
-        mask = kpos_row < length
-        key_ok = kpos_col < length
+        mask = base + kpos_row < length
+        key_ok = base + kpos_col < length
         if sliding_window is not None:
             lo = length - sliding_window  # first visible key position
-            mask &= kpos_row >= lo
-            key_ok &= kpos_col >= lo
-        q = q_ref[head].astype(jnp.float32) * sm_scale  # [G, D]
-        carry = online_softmax_step(q, k, v, mask, key_ok, carry, soft_cap=soft_cap)
-        o_ref[head] = finish(carry).astype(o_ref.dtype)
-        # The head's last step: start the next head from a fresh state.
-        last = page + n_pages >= end_page
-        return tuple(jnp.where(last, c0, c) for c0, c in zip(init_carry(g, d), carry, strict=True))
+            mask &= base + kpos_row >= lo
+            key_ok &= base + kpos_col >= lo
+        attend_step(
+            q_ref, k_buf, v_buf, slot, state, mask, key_ok, sm_scale=sm_scale, soft_cap=soft_cap
+        )
+        return carry
 
-    lax.fori_loop(0, total, body, init_carry(g, d))
+    lax.fori_loop(0, n_steps, step, 0)
+    o_ref[...] = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -169,7 +182,8 @@ def paged_attention_tpu(
       sliding_window: optional window (the query sees keys ``> length - 1 - window``).
       layer: layer of stacked pages (int or traced i32 scalar); ignored for rank-4 pages.
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``), e.g. on CPU.
-      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 128 keys).
+      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 128 keys,
+        capped so the KV buffers fit ``KV_VMEM_BUDGET``).
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -180,35 +194,48 @@ def paged_attention_tpu(
     _, kh, _, s, _ = k_pages.shape
     g = h // kh
     m = block_tables.shape[1]
-    p = pages_per_compute_block or default_pages_per_compute_block(s, m, 128)
+    p = pages_per_compute_block or default_pages_per_compute_block(
+        s, m, 128, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+    )
+    cores = _CORES if b >= _CORES else 1
+    per_core = -(-b // cores)
+    b_pad = cores * per_core
     qg = q.reshape(b, kh, g, d)
+    lengths = lengths.astype(jnp.int32)
+    if b_pad != b:
+        qg = jnp.pad(qg, ((0, b_pad - b), (0, 0), (0, 0), (0, 0)))
+        lengths = jnp.pad(lengths, (0, b_pad - b))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    q_spec = pl.BlockSpec((None, kh, g, d), lambda bi, *_: (bi, 0, 0, 0))
+    q_spec = pl.BlockSpec((None, kh, g, d), lambda c, i, *_: (c * per_core + i, 0, 0, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _decode_kernel,
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        max_blocks=m,
+        num_seqs=b,
+        per_core=per_core,
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=(b,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            num_scalar_prefetch=2,
+            grid=(cores, per_core),
+            in_specs=[q_spec, any_spec, any_spec, any_spec],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, p, s, d), k_pages.dtype),
-                pltpu.VMEM((2, p, s, d), v_pages.dtype),
+                pltpu.SMEM((2, m), jnp.int32),
+                pltpu.VMEM((2, kh, p, s, d), k_pages.dtype),
+                pltpu.VMEM((2, kh, p, s, d), v_pages.dtype),
+                *state_scratch(kh, g, d),
+                pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_paged_decode_attention",
-    )(layer_arr, lengths.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1), qg,
-      k_pages, v_pages)  # fmt: skip
-    return out.reshape(b, h, d)
+    )(layer_arr, lengths, qg, block_tables.astype(jnp.int32), k_pages, v_pages)
+    return out[:b].reshape(b, h, d)

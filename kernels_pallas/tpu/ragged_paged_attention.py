@@ -9,31 +9,38 @@ Design:
 * Grid ``(T / TQ,)``: one program per block of ``TQ`` query tokens, for all kv heads. Queries
   are laid out ``[K, T * G, D]``; the ``G`` query heads of a kv head are processed together
   (``TQ * G`` rows), so every KV page a block needs is read once for the whole group.
-* Scalar prefetch (SMEM): ``layer i32[1]``, ``kv_lens i32[B]``, ``block_tables i32[B * M]``,
-  ``cu_q_lens i32[B + 1]``, ``num_seqs i32[1]``.
+  ``TQ * G`` is a multiple of 8 (the TPU sublane tile) for every ``G``: ``TQ`` is about
+  ``64 / G`` rounded to a multiple of ``8 / gcd(G, 8)`` (e.g. ``G = 6``: 12 tokens, 72 rows),
+  or the whole token count when that is smaller.
+* Scalar prefetch (SMEM): ``layer i32[1]``, ``kv_lens i32[B]``, ``cu_q_lens i32[B + 1]``,
+  ``num_seqs i32[1]``. Block tables stay in HBM: the row of the sequence being computed and
+  of the next one sit in a two-slot SMEM scratch
+  (:class:`~kernels_pallas.tpu._attention_common.TableRows`), the next row DMA'd while the
+  current sequence is computed, so tables of any size work.
 * A program finds the first sequence overlapping its rows by binary search on ``cu_q_lens``,
-  then walks a flat list of work items ``(kv head, sequence, compute step)`` in one
-  ``while_loop``. A compute step covers ``P`` pages; the DMA of the next item (possibly the
-  next sequence's or the next head's first pages) is started before the current one is
-  computed (double buffering across sequences and heads), so one copy per program is exposed.
-  Only pages the block's rows can see are copied: from the first key inside the sliding
-  window of the block's first row to the last row's position.
-* Rows not in the current sequence see an all-masked step, which leaves their online-softmax
-  state unchanged, so one ``(m, l, acc)`` carry serves every sequence of the block.
-* Masks use ``where`` on logits and values; unwritten slots (NaN in tests) never leak; negative
-  block ids are clamped to 0 for addressing.
+  then walks work items ``(sequence, compute step)`` in one ``while_loop``, all kv heads per
+  item. A compute step covers ``P`` pages, one DMA descriptor per page for every kv head
+  (``pages.at[layer, :, block]``); the DMA of the next item (possibly the next sequence's
+  first pages) is started before the current one is computed (double buffering across
+  sequences), so one copy per program is exposed. Only pages the block's rows of that
+  sequence can see are copied: from the first key inside the sliding window of its first
+  row to its last row's position.
+* The float32 softmax state ``(m, l, acc)`` of every kv head lives in VMEM scratch; when a
+  sequence's last step is done its rows of the output block are written (a ``where`` on the
+  row range) and the state is reset for the next sequence.
+* Matmuls take the pages' dtype (bf16 operands on the MXU) with float32 accumulation.
+* Masks use ``where`` on logits and values; unwritten slots (NaN in tests) never leak;
+  negative block ids are clamped to 0 for addressing.
 
-Hardware notes for the compiled kernel: as for the decode kernel (``S`` a multiple of 8 / 16
-for f32 / bf16, ``D`` a multiple of 128 ideally, ``P * S`` a multiple of 128); in addition
-``TQ * G`` should be a multiple of 8 (the default ``TQ = 64 // G`` gives 64 rows), or ``TQ``
-the whole (padded) token count. Checked in TPU interpret mode on CPU; not yet compiled on a
-TPU in this project.
+Compiled for v5e and v6e in the tests (``tests/test_tpu_compile.py``): bf16 and f32, ``D`` in
+{64, 128, 256}, ``G`` 1..8 (3, 5, 6, 7 included), ``S`` 8..128, window, soft cap, stacked
+layers and tables of 256 sequences x 32K tokens; correctness is checked in TPU interpret mode.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,65 +49,83 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
-    PageCopier,
+    KVStream,
+    TableRows,
+    attend_step,
     default_pages_per_compute_block,
     finish,
-    init_carry,
-    online_softmax_step,
+    reset_state,
+    state_scratch,
 )
 
-__all__ = ["ragged_paged_attention_tpu"]
+__all__ = ["default_queries_per_block", "ragged_paged_attention_tpu"]
+
+_SUBLANES = 8  # rows of a TPU (8, 128) tile: a query block's TQ * G must be a multiple
+_TARGET_ROWS = 64  # query rows (tokens x heads of a group) per program
+
+
+def default_queries_per_block(num_tokens: int, g: int) -> int:
+    """``TQ``: about ``64 / G`` tokens, ``TQ * G`` a multiple of 8, or all ``T`` tokens."""
+    align = _SUBLANES // math.gcd(g, _SUBLANES)
+    tq = max(align, round(_TARGET_ROWS / g / align) * align)
+    return num_tokens if num_tokens <= tq else tq
 
 
 def _ragged_kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # i32[1]
     kv_lens_ref,  # i32[B]
-    tables_ref,  # i32[B * M]
     cu_ref,  # i32[B + 1]
     num_seqs_ref,  # i32[1]
     # inputs
     q_ref,  # [K, TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
+    tables_hbm,  # i32[B, M] in HBM
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
     # output
     o_ref,  # [K, TQ * G, D]
     # scratch
-    k_buf,  # [2, P, S, D] VMEM
+    table,  # SMEM i32[2, M]: table rows of the current and the next sequence
+    k_buf,  # VMEM [2, K, P, S, D]
     v_buf,
+    m_ref,  # VMEM f32[K, TQ * G, 1]
+    l_ref,  # VMEM f32[K, TQ * G, 1]
+    acc_ref,  # VMEM f32[K, TQ * G, D]
+    table_sem,  # DMA[2]
     k_sem,  # DMA[2]
-    v_sem,
+    v_sem,  # DMA[2]
     *,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
-    max_blocks: int,
     g: int,
 ):
     qb = pl.program_id(0)
-    kh, rows, d = q_ref.shape
+    _, rows, _ = q_ref.shape
     tq = rows // g
-    _, n_pages, s, _ = k_buf.shape
-    keys_per_step = n_pages * s
+    _, _, n_pages, s, _ = k_buf.shape
+    keys = n_pages * s
+    max_blocks = table.shape[1]
     r0 = qb * tq
     r1 = r0 + tq
     nseq = num_seqs_ref[0]
+    last_seq = cu_ref.shape[0] - 2
 
     # First sequence whose rows end after r0: smallest s in [0, nseq) with cu[s + 1] > r0.
-    def bs_cond(c):
+    def search_cond(c):
         return c[0] < c[1]
 
-    def bs_body(c):
+    def search_step(c):
         lo, hi = c
         mid = (lo + hi) // 2
         right = cu_ref[mid + 1] > r0
         return jnp.where(right, lo, mid + 1), jnp.where(right, mid, hi)
 
-    first_seq, _ = lax.while_loop(bs_cond, bs_body, (jnp.int32(0), nseq))
+    first_seq, _ = lax.while_loop(search_cond, search_step, (jnp.int32(0), nseq))
 
     def seq_info(sq):
         """Rows of sequence ``sq`` inside this block and the pages they need."""
-        sq = jnp.minimum(sq, cu_ref.shape[0] - 2)
+        sq = jnp.minimum(sq, last_seq)
         qs = cu_ref[sq]
         qe = cu_ref[sq + 1]
         kv = kv_lens_ref[sq]
@@ -123,74 +148,97 @@ def _ragged_kernel(
         return (sq < nseq) & (cu_ref[jnp.minimum(sq, cu_ref.shape[0] - 1)] < r1)
 
     def skip_empty(sq):
-        return lax.while_loop(lambda x: active(x) & (seq_info(x)[-1] == 0), lambda x: x + 1, sq)
+        def empty(x):
+            return active(x) & (seq_info(x)[-1] == 0)
 
-    copier = PageCopier(
-        k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, tables_ref, max_blocks, layer_ref[0], 0
-    )
+        def next_seq(x):
+            return x + 1
 
-    def start(head, sq, i, slot):
+        return lax.while_loop(empty, next_seq, sq)
+
+    rows_dma = TableRows(tables_hbm, table, table_sem)
+    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, table, layer_ref[0])
+    state = (m_ref, l_ref, acc_ref)
+
+    def start_pages(sq, i, tslot, slot):
         *_, first_page, end_page, _ = seq_info(sq)
-        dataclasses.replace(copier, head=head).start(sq, first_page + i * n_pages, end_page, slot)
+        stream.start(tslot, first_page + i * n_pages, end_page, slot)
 
     # Row r of the block is token r0 + r // G. Masks compare r with multiples of G instead of
     # dividing a vector (floor(r / G) >= a  <=>  r >= a * G for integers a).
-    row = lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 0)
+    row = lax.broadcasted_iota(jnp.int32, (rows, keys), 0)
+    key_col = lax.broadcasted_iota(jnp.int32, (rows, keys), 1)
+    kpos_iota = lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
+    out_row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
 
     s0 = skip_empty(first_seq)
+    s1 = skip_empty(s0 + 1)
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows no sequence covers stay zero
+    reset_state(state)
 
     @pl.when(active(s0))
-    def _():
-        start(0, s0, 0, 0)
+    def _first_sequence():
+        rows_dma.start(s0, 0)
+        rows_dma.wait(s0, 0)
+        start_pages(s0, 0, 0, 0)
 
-    # One flat walk over (kv head, sequence, step): every head sees the same sequences; the
-    # next item's pages (next step, next sequence or next head) are prefetched while the
-    # current one is computed.
-    def cond(state):
-        return (state[0] < kh) & active(state[1])
+    @pl.when(active(s0) & active(s1))
+    def _second_row():
+        rows_dma.start(s1, 1)
 
-    def body(state):
-        head, sq, i, slot, carry = state
+    def cond(carry):
+        return active(carry[0])
+
+    def body(carry):
+        sq, i, slot, tslot = carry
         row_lo, row_hi, off, key_lo, pos_hi, first_page, end_page, n_steps = seq_info(sq)
         last = i + 1 >= n_steps
-        nsq = jnp.where(last, skip_empty(sq + 1), sq)
-        head_done = last & ~active(nsq)
-        nhead = jnp.where(head_done, head + 1, head)
-        nsq = jnp.where(head_done, s0, nsq)
-        ni = jnp.where(last, 0, i + 1)
+        nsq = skip_empty(sq + 1)
+        next_seq = last & active(nsq)
 
-        @pl.when(nhead < kh)
-        def _():
-            start(nhead, nsq, ni, 1 - slot)
+        @pl.when(next_seq)
+        def _next_sequence_pages():
+            rows_dma.wait(nsq, 1 - tslot)  # its row was prefetched when sq started
+            start_pages(nsq, 0, 1 - tslot, 1 - slot)
+
+        @pl.when(~last)
+        def _next_step_pages():
+            start_pages(sq, i + 1, tslot, 1 - slot)
 
         step_page = first_page + i * n_pages
-        dataclasses.replace(copier, head=head).wait(sq, step_page, end_page, slot)
-        k = k_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
-        v = v_buf[slot].astype(jnp.float32).reshape(keys_per_step, d)
+        stream.wait(tslot, step_page, end_page, slot)
         base = step_page * s
         # key position relative to the position of the block's token 0 in this sequence
-        rel = base - r0 - off + lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1)
-        kpos_col = base + lax.broadcasted_iota(jnp.int32, (keys_per_step, 1), 0)
+        rel = base - r0 - off + key_col
+        kpos = base + kpos_iota
         in_seq = (row >= (row_lo - r0) * g) & (row < (row_hi - r0) * g)
         mask = in_seq & (rel * g <= row)  # causal: kpos <= pos
-        key_ok = (kpos_col <= pos_hi) & (kpos_col >= key_lo)
+        key_ok = (kpos <= pos_hi) & (kpos >= key_lo)
         if sliding_window is not None:
             mask &= row < (rel + sliding_window) * g  # window: kpos > pos - window
-        q = q_ref[head].astype(jnp.float32) * sm_scale
-        carry = online_softmax_step(q, k, v, mask, key_ok, carry, soft_cap=soft_cap)
-
-        @pl.when(head_done)
-        def _():
-            o_ref[head] = finish(carry).astype(o_ref.dtype)
-
-        carry = tuple(
-            jnp.where(head_done, c0, c) for c0, c in zip(init_carry(rows, d), carry, strict=True)
+        attend_step(
+            q_ref, k_buf, v_buf, slot, state, mask, key_ok, sm_scale=sm_scale, soft_cap=soft_cap
         )
-        return nhead, nsq, ni, 1 - slot, carry
 
-    state = (jnp.int32(0), s0, jnp.int32(0), jnp.int32(0), init_carry(rows, d))
-    lax.while_loop(cond, body, state)
+        @pl.when(last)
+        def _finish_sequence():
+            mine = (out_row >= (row_lo - r0) * g) & (out_row < (row_hi - r0) * g)  # [R, 1]
+            out = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)  # [K, R, D]
+            o_ref[...] = jnp.where(mine[None], out, o_ref[...])
+            reset_state(state)
+
+        nnsq = skip_empty(nsq + 1)
+
+        @pl.when(next_seq & active(nnsq))
+        def _prefetch_row_after_next():
+            rows_dma.start(nnsq, tslot)  # the current row's slot: no longer read
+
+        nxt = jnp.where(last, nsq, sq)
+        ni = jnp.where(last, 0, i + 1)
+        ntslot = jnp.where(last, 1 - tslot, tslot)
+        return nxt, ni, 1 - slot, ntslot
+
+    lax.while_loop(cond, body, (s0, jnp.int32(0), jnp.int32(0), jnp.int32(0)))
 
 
 @functools.partial(
@@ -235,12 +283,17 @@ def ragged_paged_attention_tpu(
       sliding_window: optional window (a query at ``p`` sees keys in ``(p - window, p]``).
       layer: layer of stacked pages (int or traced i32 scalar); ignored for rank-4 pages.
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``).
-      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 128 keys).
-      queries_per_block: query tokens per program ``TQ`` (default: about 64 rows of
-        ``TQ * G``, at most T).
+      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 128 keys,
+        capped so the KV buffers fit ``KV_VMEM_BUDGET``).
+      queries_per_block: query tokens per program ``TQ`` (default
+        :func:`default_queries_per_block`). Compiled, ``TQ * G`` must be a multiple of 8
+        unless ``TQ`` covers all tokens (interpret mode takes any ``TQ``).
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
+
+    Raises:
+      ValueError: ``queries_per_block`` whose rows are not a multiple of 8.
     """
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
@@ -248,8 +301,15 @@ def ragged_paged_attention_tpu(
     _, kh, _, s, _ = k_pages.shape
     g = h // kh
     m = block_tables.shape[1]
-    p = pages_per_compute_block or default_pages_per_compute_block(s, m, 128)
-    tq = queries_per_block or max(1, min(t, 64 // g))
+    p = pages_per_compute_block or default_pages_per_compute_block(
+        s, m, 128, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+    )
+    tq = queries_per_block or default_queries_per_block(t, g)
+    if tq < t and (tq * g) % _SUBLANES and not interpret:
+        raise ValueError(
+            f"queries_per_block={tq} gives {tq * g} query rows per block (G={g}); it must be "
+            f"a multiple of {_SUBLANES} or cover all {t} tokens"
+        )
     t_pad = -(-t // tq) * tq
     # [T, H, D] -> [K, T_pad * G, D]: each kv head's query rows are one 2-D slab, so a block
     # is a plain [TQ * G, D] tile (no in-kernel reshape of the G axis).
@@ -258,18 +318,17 @@ def ragged_paged_attention_tpu(
         qg = jnp.pad(qg, ((0, t_pad - t), (0, 0), (0, 0), (0, 0)))
     qg = jnp.transpose(qg, (1, 0, 2, 3)).reshape(kh, t_pad * g, d)
     q_spec = pl.BlockSpec((kh, tq * g, d), lambda qi, *_: (0, qi, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _ragged_kernel,
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
-        max_blocks=m,
         g=g,
     )
     scalars = (
         jnp.asarray(layer, jnp.int32).reshape(1),
         kv_lens.astype(jnp.int32),
-        block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
     )
@@ -278,11 +337,14 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(t_pad // tq,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, any_spec, any_spec, any_spec],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, p, s, d), k_pages.dtype),
-                pltpu.VMEM((2, p, s, d), v_pages.dtype),
+                pltpu.SMEM((2, m), jnp.int32),
+                pltpu.VMEM((2, kh, p, s, d), k_pages.dtype),
+                pltpu.VMEM((2, kh, p, s, d), v_pages.dtype),
+                *state_scratch(kh, tq * g, d),
+                pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
             ],
@@ -291,6 +353,6 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_ragged_paged_attention",
-    )(*scalars, qg, k_pages, v_pages)
+    )(*scalars, qg, block_tables.astype(jnp.int32), k_pages, v_pages)
     out = jnp.transpose(out.reshape(kh, t_pad, g, d), (1, 0, 2, 3))
     return out[:t].reshape(t, h, d)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# CI step: the real TPU compiler, no TPU. Installs jax[tpu] (libtpu) at the jax version already
+# installed and runs tests/test_tpu_compile.py: the fast kernel grid on v5e and v6e, the
+# dispatch / swap / compile_check tests, and the whole engine step of a Llama-3-8B-shaped
+# config at tp=1 and tp=4 on v5e:2x2. Called from .ci/run inside its virtual environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JAX_VERSION="$(python -c 'import jax; print(jax.__version__)')"
+python -m pip install -q "jax[tpu]==${JAX_VERSION}"
+export JAX_PLATFORMS=cpu  # compile for abstract TPU devices; never bring up a TPU backend
+# Fast grid + everything not marked slow in the file, then the two Llama-3-8B engine checks.
+pytest tests/test_tpu_compile.py -q -m "not slow"
+pytest tests/test_tpu_compile.py -q -m slow -k "llama3_8b_whole_step"

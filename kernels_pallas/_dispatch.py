@@ -1,0 +1,383 @@
+"""Which implementation runs each kernel op: one place for attention and KV movement.
+
+``impl`` (every public op takes it):
+
+* ``"auto"``: decided for the platform the program is **lowered for**, not the process's
+  default backend. The op is staged out with :func:`jax.lax.platform_dependent`, whose
+  branches are pruned per lowering platform: the ``tpu`` branch is the Mosaic TPU kernel, the
+  ``cuda`` branch the Mosaic GPU kernel (where one exists and takes the geometry), every other
+  platform the XLA path. So a program compiled ahead of time for a TPU topology from a CPU
+  host (``jax.default_device(topology.devices[0])``, see :mod:`kernels_pallas.aot`) gets the
+  same kernels as one traced on a live TPU, and ``jax.export(..., platforms=["cuda"])`` gets
+  the Mosaic GPU kernel.
+* ``"reference"``: the XLA path everywhere.
+* ``"pallas"``: the Pallas kernel of the target platform (GPU on a CUDA target, else TPU);
+  ``"pallas_tpu"`` / ``"pallas_gpu"``: force one family. Off its platform a forced kernel
+  needs ``interpret=True`` (the CPU tests).
+
+GPU rules (``auto``): on a live GPU the Mosaic GPU kernels run only on compute capability 9.x
+(Hopper); lowering for CUDA with no GPU present assumes Hopper. A geometry the GPU kernel
+does not take (``unsupported_reason``) runs the XLA path, with ONE warning naming the op and
+the reason.
+
+TPU rules (``auto``): a geometry the TPU kernel does not take runs the XLA path (one warning).
+Inside :func:`compile_probes` (``Engine.warmup`` and ``scripts/compile_check.py`` use it)
+each TPU kernel call is first compiled on its own for the TPU target with the same shapes;
+if Mosaic rejects it, that op runs the XLA path instead and ONE warning names the op and the
+compiler error, so a kernel that cannot compile never takes the server down.
+
+What was chosen is recorded per platform and op: :func:`kernel_info` (``Engine.stats()
+["kernel_impls"]``, the ``paxcache_kernel_info`` gauge of the server).
+
+Target platform at trace time: the abstract mesh's device kind when one is set
+(``jax.sharding.use_mesh``), else the default device (``jax_default_device``, which may be an
+abstract TPU device from :func:`jax.experimental.topologies.get_topology_desc`), else the
+default backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+__all__ = [
+    "FAMILIES",
+    "compile_probes",
+    "gpu_attention_unsupported_reason",
+    "kernel_info",
+    "record",
+    "recording",
+    "run",
+    "run_forced_check",
+    "target_device",
+    "target_platform",
+]
+
+logger = logging.getLogger("kernels_pallas")
+
+FAMILIES = ("xla", "pallas_tpu", "pallas_gpu")
+_PLATFORMS = ("tpu", "cuda", "cpu")
+
+_lock = threading.Lock()
+_INFO: dict[tuple[str, str], str] = {}  # (platform, op) -> "pallas_tpu" | "xla (fallback: ..)"
+_WARNED: set[tuple[str, str]] = set()
+_PROBED: dict[tuple, str | None] = {}  # kernel signature -> compile error (None: compiled)
+_PROBE_DEPTH = [0]
+
+
+# --------------------------------------------------------------------------------------------
+# Target platform
+# --------------------------------------------------------------------------------------------
+
+
+def _normalize(platform: str) -> str:
+    if platform == "gpu":
+        try:
+            version = jax.devices("gpu")[0].client.platform_version.lower()
+        except RuntimeError:
+            return "cuda"
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
+
+
+def target_device() -> jax.Device | None:
+    """The device programs traced now are meant for (None when only a platform is known)."""
+    dev = jax.config.jax_default_device
+    if isinstance(dev, jax.Device):
+        return dev
+    if dev is None:
+        return jax.devices()[0]
+    return None
+
+
+def target_platform() -> str:
+    """``"tpu"``, ``"cuda"``, ``"rocm"`` or ``"cpu"``: what traced programs are meant for."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None) if not getattr(mesh, "empty", True) else None
+    if device is not None and getattr(device, "platform", None):
+        return _normalize(device.platform)
+    dev = jax.config.jax_default_device
+    if isinstance(dev, str):
+        return _normalize(dev)
+    if isinstance(dev, jax.Device):
+        return _normalize(dev.platform)
+    return _normalize(jax.default_backend())
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+
+_RECORDERS: list[dict[str, dict[str, str]]] = []
+
+
+def _record(op: str, per_platform: dict[str, str]) -> None:
+    with _lock:
+        for platform, impl in per_platform.items():
+            _INFO[(platform, op)] = impl
+            for rec in _RECORDERS:
+                rec.setdefault(platform, {})[op] = impl
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, dict[str, str]]]:
+    """Collects ``{platform: {op: impl}}`` for the ops traced inside the block."""
+    rec: dict[str, dict[str, str]] = {}
+    with _lock:
+        _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        with _lock:
+            _RECORDERS.remove(rec)
+
+
+def kernel_info(platform: str | None = None) -> dict[str, str]:
+    """The implementation each traced op got for ``platform`` (default: the target platform).
+
+    Values are ``"pallas_tpu"``, ``"pallas_gpu"``, ``"xla"`` or
+    ``"xla (fallback: <why the kernel was not used>)"``; ops not traced yet are absent. The
+    record is process-wide: the last trace of an op decides its entry.
+    """
+    platform = _normalize(platform) if platform else target_platform()
+    key = platform if platform in _PLATFORMS else "cpu"
+    with _lock:
+        return {op: impl for (p, op), impl in sorted(_INFO.items()) if p == key}
+
+
+def _warn_once(op: str, reason: str) -> None:
+    with _lock:
+        if (op, reason) in _WARNED:
+            return
+        _WARNED.add((op, reason))
+    logger.warning("%s: using the XLA path: %s", op, reason)
+
+
+def _fallback(reason: str) -> str:
+    return f"xla (fallback: {reason})"
+
+
+# --------------------------------------------------------------------------------------------
+# TPU compile probes
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def compile_probes() -> Iterator[None]:
+    """While active, every ``impl="auto"`` TPU kernel call is compiled on its own first.
+
+    Only when the target is a TPU device (live, or abstract from a topology). A kernel Mosaic
+    rejects is replaced by the XLA path (one warning naming the op and the error). Results
+    are cached per kernel signature, so each distinct call compiles once per process.
+    """
+    _PROBE_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _PROBE_DEPTH[0] -= 1
+
+
+def _abstract(x: Any, device: jax.Device) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(
+        jnp.shape(x), jnp.result_type(x), sharding=SingleDeviceSharding(device)
+    )
+
+
+# HBM exhaustion of the probe program (operands alone); VMEM/SMEM exhaustion is the kernel's.
+_MEMORY_ERRORS = ("Ran out of memory on HBM", "exceeds available HBM")
+
+
+def _probe_tpu(
+    op: str, fn: Callable, args: Sequence[Any], static_key: Any, donate: tuple[int, ...]
+) -> str | None:
+    """Compile ``fn(*args)`` alone for the target TPU device; the error text, or None.
+
+    ``donate``: the arguments the op updates in place (donated, as in the real program, so
+    the probe needs no second copy of a page array). An HBM out-of-memory verdict says
+    nothing about the kernel (the probe holds its operands alone, the real program shares
+    them), so it does not count as a failure; running out of VMEM or SMEM does.
+    """
+    device = target_device()
+    if device is None or device.platform != "tpu":
+        return None
+    sig = tuple((tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in args)
+    key = (op, device.device_kind, sig, static_key)
+    with _lock:
+        if key in _PROBED:
+            return _PROBED[key]
+    try:
+        specs = [_abstract(a, device) for a in args]
+        with jax.default_device(device):
+            jax.jit(fn, donate_argnums=donate).trace(*specs).lower().compile()
+        error = None
+    except Exception as e:  # noqa: BLE001 - any compiler rejection means "do not use it"
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        error = f"{type(e).__name__}: {first}"[:500]
+        if any(m in str(e) for m in _MEMORY_ERRORS):
+            logger.info("%s: compile probe out of memory alone (%s); kernel kept", op, first)
+            error = None
+    with _lock:
+        _PROBED[key] = error
+    return error
+
+
+# --------------------------------------------------------------------------------------------
+# GPU kernel availability
+# --------------------------------------------------------------------------------------------
+
+
+def _gpu_attention_module() -> Any:
+    return importlib.import_module("kernels_pallas.gpu.attention")
+
+
+def gpu_attention_unsupported_reason(
+    *, head_dim: int, num_q_per_kv: int, block_size: int, dtype: Any
+) -> str | None:
+    """Why the compiled Mosaic GPU attention kernel cannot take a geometry (None if it can):
+    ``kernels_pallas.gpu.attention.unsupported_reason``, the kernel's own statement."""
+    try:
+        mod = _gpu_attention_module()
+    except ImportError as e:
+        return f"kernels_pallas.gpu.attention is not importable ({e})"
+    return mod.unsupported_reason(
+        head_dim=head_dim, num_q_per_kv=num_q_per_kv, block_size=block_size, dtype=dtype
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _live_gpu_reason() -> str | None:
+    """Why a live GPU cannot run the Mosaic GPU kernels (None: Hopper, or no GPU present)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None  # lowering for CUDA without a GPU: assume Hopper
+    cc = str(getattr(devices[0], "compute_capability", ""))
+    if cc.startswith("9."):
+        return None
+    return f"compute capability {cc or 'unknown'} (the Mosaic GPU kernels need Hopper, 9.x)"
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def run_forced_check(op: str, family: str, interpret: bool) -> None:
+    """A forced TPU kernel needs a TPU target or ``interpret=True``.
+
+    Raises:
+      ValueError: otherwise.
+    """
+    platform = target_platform()
+    if family == "pallas_tpu" and platform != "tpu" and not interpret:
+        raise ValueError(
+            f"{op}: the Mosaic TPU kernel needs a TPU target (a TPU backend or TPU default "
+            f"device) or interpret=True (target is {platform!r})"
+        )
+
+
+def record(op: str, impl: str) -> None:
+    """Record ``impl`` for ``op`` on every platform (forced or platform-independent ops)."""
+    _record(op, dict.fromkeys(_PLATFORMS, impl))
+
+
+def _forced_family(op: str, impl: str, interpret: bool, has_gpu: bool) -> str:
+    if impl == "pallas":
+        family = "pallas_gpu" if target_platform() in ("cuda", "rocm") else "pallas_tpu"
+    else:
+        family = impl
+    run_forced_check(op, family, interpret)
+    if family == "pallas_gpu" and not has_gpu:
+        # No Mosaic GPU kernel for this op (the KV ops: XLA's in-place scatter is what a GPU
+        # wants, see kernels_pallas.kv_ops): a model forced onto the GPU kernels still runs.
+        return "xla"
+    return family
+
+
+def run(
+    op: str,
+    impl: str,
+    interpret: bool,
+    args: Sequence[Any],
+    *,
+    xla: Callable[..., Any],
+    tpu: Callable[..., Any] | None,
+    gpu: Callable[..., Any] | None,
+    tpu_reason: str | None = None,
+    gpu_reason: str | None = None,
+    gpu_default: bool = True,
+    static_key: Any = None,
+    donate: tuple[int, ...] = (),
+) -> Any:
+    """Run ``op`` on ``args`` (arrays only) with the implementation ``impl`` selects.
+
+    Args:
+      op: the op's public name (registry key, warning text).
+      impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"`` (checked by
+        the caller).
+      interpret: forced kernels run in interpret mode (the callables already carry it).
+      args: the array arguments every implementation takes.
+      xla, tpu, gpu: the implementations (``None``: no such kernel).
+      tpu_reason, gpu_reason: why the TPU / GPU kernel cannot take these arguments.
+      gpu_default: whether ``auto`` uses the GPU kernel (when it exists and takes them).
+      static_key: hashable summary of the static options baked into ``tpu`` (probe cache).
+      donate: indices of ``args`` the op updates in place (donated in the compile probe).
+
+    Raises:
+      ValueError: a forced TPU kernel on a non-TPU target without ``interpret``, or a forced
+        kernel that cannot take the arguments.
+    """
+    if impl == "reference":
+        record(op, "xla")
+        return xla(*args)
+    if impl != "auto":
+        family = _forced_family(op, impl, interpret, gpu is not None)
+        if family == "xla":
+            record(op, "xla")
+            return xla(*args)
+        reason = tpu_reason if family == "pallas_tpu" else gpu_reason
+        if reason is not None and not interpret:
+            raise ValueError(f"{op}: impl={impl!r} cannot run these arguments: {reason}")
+        record(op, family)
+        return (tpu if family == "pallas_tpu" else gpu)(*args)
+
+    # auto: one branch per platform, pruned at lowering. Fallback warnings are logged for the
+    # target platform only (a CPU run need not hear why the GPU kernel would not be used).
+    platform = target_platform()
+    if tpu is None:
+        tpu_fn, tpu_impl = xla, "xla"
+    elif tpu_reason is not None:
+        if platform == "tpu":
+            _warn_once(op, f"the Mosaic TPU kernel cannot take these arguments: {tpu_reason}")
+        tpu_fn, tpu_impl = xla, _fallback(tpu_reason)
+    else:
+        tpu_fn, tpu_impl = tpu, "pallas_tpu"
+        if _PROBE_DEPTH[0]:
+            error = _probe_tpu(op, tpu, args, static_key, donate)
+            if error is not None:
+                _warn_once(op, f"the Mosaic TPU kernel failed to compile: {error}")
+                tpu_fn, tpu_impl = xla, _fallback(f"Mosaic compile error: {error}")
+    if gpu is None or not gpu_default:
+        gpu_fn, gpu_impl = xla, "xla"
+    else:
+        reason = gpu_reason or _live_gpu_reason()
+        if reason is not None:
+            if platform == "cuda":
+                _warn_once(op, f"the Mosaic GPU kernel cannot run here: {reason}")
+            gpu_fn, gpu_impl = xla, _fallback(reason)
+        else:
+            gpu_fn, gpu_impl = gpu, "pallas_gpu"
+    _record(op, {"tpu": tpu_impl, "cuda": gpu_impl, "cpu": "xla"})
+    if tpu_fn is xla and gpu_fn is xla:
+        return xla(*args)
+    return jax.lax.platform_dependent(*args, tpu=tpu_fn, cuda=gpu_fn, default=xla)

@@ -1,0 +1,354 @@
+"""Compile for a TPU without a TPU: libtpu's real compiler on abstract topology devices.
+
+``pip install "jax[tpu]"`` brings libtpu, whose compiler runs on any host: an abstract
+topology (``v5e:2x2``, ``v6e:2x2``, ``v4:2x2x1``, ``v5p:2x2x1`` ...) gives devices that
+programs can be lowered and compiled for (Mosaic and XLA:TPU passes included) but not run.
+
+Example::
+
+    from kernels_pallas import aot
+
+    with aot.tpu_target("v5e:2x2") as devices:
+        q = aot.spec((64, 32, 128), jnp.bfloat16, devices[0])
+        ...
+        compiled = jax.jit(fn).trace(q, ...).lower().compile()
+        assert "tpu_custom_call" in compiled.as_text()
+
+Inside :func:`tpu_target` the default device is the topology's first device, so
+``impl="auto"`` picks the Mosaic TPU kernels exactly as on a live TPU (see
+:mod:`kernels_pallas._dispatch`). Set ``JAX_PLATFORMS=cpu`` when no TPU is attached, so
+backend initialisation does not probe for one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Sharding, SingleDeviceSharding
+
+__all__ = [
+    "HBM_BYTES",
+    "KERNEL_OPS",
+    "KernelCase",
+    "compile_case",
+    "compile_timed",
+    "hbm_bytes",
+    "kernel_grid",
+    "spec",
+    "tpu_devices",
+    "tpu_target",
+]
+
+_GIB = 1 << 30
+
+#: HBM per chip by ``device_kind`` (public chip specs), the last resort of :func:`hbm_bytes`:
+#: a live chip reports its usable memory (``memory_stats()["bytes_limit"]``) and the TPU
+#: compiler states it for abstract devices (15.75 GiB on v5e, 31.25 GiB on v6e).
+HBM_BYTES = {
+    "TPU v2": 8 * _GIB,
+    "TPU v3": 16 * _GIB,
+    "TPU v4": 32 * _GIB,
+    "TPU v4 lite": 8 * _GIB,
+    "TPU v5 lite": 16 * _GIB,  # v5e
+    "TPU v5": 95 * _GIB,  # v5p
+    "TPU v5p": 95 * _GIB,
+    "TPU v6 lite": 32 * _GIB,  # v6e (Trillium)
+    "TPU7x": 192 * _GIB,
+}
+
+
+@functools.cache
+def _topology(name: str) -> Any:
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name=name, platform="tpu")
+
+
+def tpu_devices(name: str) -> list[jax.Device]:
+    """The abstract devices of a TPU topology, e.g. ``"v5e:2x2"`` (4 chips).
+
+    Raises:
+      ValueError: libtpu is not installed or does not know the topology.
+    """
+    try:
+        return list(_topology(name).devices)
+    except Exception as e:  # noqa: BLE001 - libtpu missing / unknown name: say which
+        raise ValueError(
+            f"cannot describe TPU topology {name!r} ({type(e).__name__}: {e}); it needs "
+            "libtpu (pip install 'jax[tpu]') and a name like v5e:2x2, v6e:2x2, v4:2x2x1"
+        ) from e
+
+
+@contextlib.contextmanager
+def tpu_target(name_or_devices: str | Sequence[jax.Device]) -> Iterator[list[jax.Device]]:
+    """Make a TPU topology's first device the default device; yields the devices."""
+    devices = (
+        tpu_devices(name_or_devices) if isinstance(name_or_devices, str) else list(name_or_devices)
+    )
+    with jax.default_device(devices[0]):
+        yield devices
+
+
+def spec(
+    shape: Sequence[int], dtype: Any, where: jax.Device | Sharding, memory_kind: str | None = None
+) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` placed on a device (or with a sharding), e.g. abstract TPU."""
+    sharding = SingleDeviceSharding(where) if isinstance(where, jax.Device) else where
+    if memory_kind is not None:
+        sharding = sharding.with_memory_kind(memory_kind)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+@functools.cache
+def _compiler_hbm(device: jax.Device) -> int | None:
+    """Usable HBM the TPU compiler assumes for ``device``: compile a program far too big and
+    read "exceeds available HBM (15.75G)" from the error (no allocation happens)."""
+    import re
+
+    import jax.numpy as jnp
+
+    try:
+        with jax.default_device(device):
+            x = spec((1 << 20, 1 << 20), jnp.float32, device)  # 4 TiB
+            jax.jit(lambda a: a + 1).trace(x).lower().compile()
+    except Exception as e:  # noqa: BLE001 - the expected out-of-memory verdict
+        m = re.search(r"available HBM \(([0-9.]+)([KMGT])\)", str(e))
+        if m:
+            return int(float(m.group(1)) * (1 << (10 * "KMGT".index(m.group(2)) + 10)))
+    return None
+
+
+def hbm_bytes(device: jax.Device) -> int | None:
+    """Usable HBM of one chip: a live device's ``bytes_limit``; for an abstract device what
+    the TPU compiler allows a program (e.g. 15.75 GiB on v5e, 31.25 GiB on v6e), else
+    :data:`HBM_BYTES`."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - abstract devices raise; ask the compiler
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if device.platform == "tpu":
+        found = _compiler_hbm(device)
+        if found:
+            return found
+    return HBM_BYTES.get(device.device_kind)
+
+
+def compile_timed(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> tuple[Any, float]:
+    """``(jax.jit(fn, **jit_kwargs).trace(*args).lower().compile(), seconds)``."""
+    t0 = time.perf_counter()
+    jitted = fn if hasattr(fn, "trace") and not jit_kwargs else jax.jit(fn, **jit_kwargs)
+    compiled = jitted.trace(*args).lower().compile()
+    return compiled, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel grid (tests/test_tpu_compile.py, scripts/compile_check.py without --config)
+# --------------------------------------------------------------------------------------------
+
+KERNEL_OPS = ("ragged_paged_attention", "paged_attention", "write_kv", "copy_blocks")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    """One public-API kernel call, compiled for a TPU target with ``impl="auto"``.
+
+    Attributes:
+      op: one of :data:`KERNEL_OPS`.
+      dtype: page / query dtype name.
+      head_dim: D.
+      q_per_kv: G = H / K.
+      block_size: S.
+      kv_heads: K.
+      num_seqs: B (rows of the block table).
+      max_len: tokens one sequence can hold (M = max_len / S table columns).
+      num_tokens: T query tokens (ragged) / new tokens (write_kv).
+      sliding_window, soft_cap: attention options.
+      layers: L of stacked ``[L, K, N, S, D]`` pages read with a traced ``layer=`` (0: one
+        layer's ``[K, N, S, D]``).
+      num_blocks: N.
+    """
+
+    op: str
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    q_per_kv: int = 4
+    block_size: int = 16
+    kv_heads: int = 2
+    num_seqs: int = 8
+    max_len: int = 1024
+    num_tokens: int = 64
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    layers: int = 2
+    num_blocks: int = 512
+
+    @property
+    def name(self) -> str:
+        parts = [self.op, self.dtype, f"k{self.kv_heads}", f"d{self.head_dim}"]
+        parts.append(f"s{self.block_size}")
+        if self.op in ("ragged_paged_attention", "paged_attention"):
+            parts.append(f"g{self.q_per_kv}")
+            parts.append(f"b{self.num_seqs}x{self.max_len}")
+            if self.sliding_window:
+                parts.append(f"win{self.sliding_window}")
+            if self.soft_cap:
+                parts.append(f"cap{self.soft_cap:g}")
+        parts.append(f"L{self.layers}" if self.layers else "1layer")
+        return "-".join(parts)
+
+
+def _case_fn_and_args(case: KernelCase, device: jax.Device) -> tuple[Callable, tuple, tuple]:
+    """``(fn, abstract args, donate_argnums)`` calling the public op with ``impl="auto"``."""
+    import jax.numpy as jnp
+
+    import kernels_pallas as kp
+
+    i32 = jnp.int32
+    dt = jnp.dtype(case.dtype)
+    kh, d, s = case.kv_heads, case.head_dim, case.block_size
+    page_shape = (kh, case.num_blocks, s, d)
+    if case.layers:
+        page_shape = (case.layers, *page_shape)
+    pages = spec(page_shape, dt, device)
+    m = -(-case.max_len // s)
+    b = case.num_seqs
+    layer = (spec((), i32, device),) if case.layers else ()
+    opts = dict(sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+
+    def lkw(rest: tuple) -> dict:
+        return {"layer": rest[0]} if rest else {}
+
+    if case.op == "ragged_paged_attention":
+        t = case.num_tokens
+        args = (
+            spec((t, kh * case.q_per_kv, d), dt, device), pages, pages, spec((b,), i32, device),
+            spec((b, m), i32, device), spec((b + 1,), i32, device), spec((), i32, device), *layer,
+        )  # fmt: skip
+
+        def fn(q, k, v, lens, tables, cu, n, *rest):
+            return kp.ragged_paged_attention(q, k, v, lens, tables, cu, n, **opts, **lkw(rest))
+
+        return fn, args, ()
+    if case.op == "paged_attention":
+        args = (
+            spec((b, kh * case.q_per_kv, d), dt, device), pages, pages, spec((b,), i32, device),
+            spec((b, m), i32, device), *layer,
+        )  # fmt: skip
+
+        def fn(q, k, v, lens, tables, *rest):
+            return kp.paged_attention(q, k, v, lens, tables, **opts, **lkw(rest))
+
+        return fn, args, ()
+    if case.op == "write_kv":
+        t = case.num_tokens
+        new = spec((t, kh, d), dt, device)
+        args = (pages, pages, new, new, spec((t,), i32, device), *layer)
+
+        def fn(kp_, vp_, k, v, slots, *rest):
+            return kp.write_kv(kp_, vp_, k, v, slots, **lkw(rest))
+
+        return fn, args, (0, 1)
+    if case.op == "copy_blocks":
+        ids = spec((case.num_seqs,), i32, device)
+
+        def fn(kp_, vp_, src, dst):
+            return kp.copy_blocks(kp_, vp_, src, dst)
+
+        return fn, (pages, pages, ids, ids), (0, 1)
+    raise ValueError(f"unknown kernel op {case.op!r}; expected one of {KERNEL_OPS}")
+
+
+def compile_case(case: KernelCase, device: jax.Device) -> dict[str, Any]:
+    """Compile one case through the public API (``impl="auto"``) for ``device``.
+
+    Returns:
+      ``{"name", "op", "compiled", "seconds", "mosaic", "impl", "error"}``: ``mosaic`` says
+      whether the compiled program contains the Mosaic kernel (``tpu_custom_call``), ``impl``
+      what the dispatch chose for the op.
+    """
+    from kernels_pallas import _dispatch
+
+    out: dict[str, Any] = {"name": case.name, "op": case.op, "chip": device.device_kind}
+    t0 = time.perf_counter()
+    try:
+        with tpu_target([device]):
+            fn, args, donate = _case_fn_and_args(case, device)
+            compiled = jax.jit(fn, donate_argnums=donate).trace(*args).lower().compile()
+            out["impl"] = _dispatch.kernel_info("tpu").get(case.op)
+        out.update(compiled=True, mosaic="tpu_custom_call" in compiled.as_text(), error=None)
+    except Exception as e:  # noqa: BLE001 - reported per case, the grid goes on
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+        out.update(compiled=False, mosaic=False, error=f"{type(e).__name__}: {first}"[:400])
+        out.setdefault("impl", None)
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def kernel_grid(wide: bool = False) -> list[KernelCase]:
+    """The compile grid: bf16 and f32; D 64/128/256; G 1..8; S 8..128; window and soft cap;
+    stacked ``layer=``; block tables from 1 to 256 sequences x 32K tokens.
+
+    ``wide=False`` is a covering subset (every value of every axis appears at least once,
+    ~20 cases); ``wide=True`` crosses dtype x G x D for both attention ops (S cycling
+    through 8..128, options alternating) and dtype x D x S for the KV ops.
+    """
+    big = dict(num_seqs=256, max_len=32768, num_blocks=4096)
+    one = dict(num_seqs=1, max_len=32768, num_blocks=4096)
+    if not wide:
+        r, p, w, c = "ragged_paged_attention", "paged_attention", "write_kv", "copy_blocks"
+        return [
+            KernelCase(r, "bfloat16", 128, 1, 16, soft_cap=30.0),
+            KernelCase(r, "bfloat16", 128, 3, 32, sliding_window=100),
+            KernelCase(r, "bfloat16", 64, 5, 8, layers=0),
+            KernelCase(r, "bfloat16", 128, 6, 16, sliding_window=64, soft_cap=50.0),
+            KernelCase(r, "float32", 256, 7, 128),
+            KernelCase(r, "float32", 128, 8, 64, layers=0),
+            KernelCase(r, "bfloat16", 128, 4, 16, num_tokens=256, **big),
+            KernelCase(r, "bfloat16", 128, 2, 16, num_tokens=16, **one),
+            KernelCase(r, "bfloat16", 128, 1, 16, kv_heads=32, num_tokens=256),  # Llama-2-7B
+            KernelCase(p, "bfloat16", 128, 4, 16, soft_cap=30.0),
+            KernelCase(p, "float32", 64, 7, 8, sliding_window=50),
+            KernelCase(p, "bfloat16", 256, 1, 128, layers=0),
+            KernelCase(p, "bfloat16", 128, 8, 16, **big),
+            KernelCase(w, "bfloat16", 128, block_size=16, num_tokens=256),
+            KernelCase(w, "bfloat16", 64, block_size=8, layers=0),
+            KernelCase(w, "float32", 256, block_size=128),
+            KernelCase(c, "bfloat16", 128, block_size=16),
+            KernelCase(c, "float32", 64, block_size=8, layers=0),
+        ]
+    sizes = (8, 16, 32, 64, 128)
+    cases = []
+    i = 0
+    for op in ("ragged_paged_attention", "paged_attention"):
+        for dtype in ("bfloat16", "float32"):
+            for g in range(1, 9):
+                for d in (64, 128, 256):
+                    opts = [{}, {"sliding_window": 100}, {"soft_cap": 30.0},
+                            {"sliding_window": 64, "soft_cap": 50.0}][i % 4]  # fmt: skip
+                    cases.append(
+                        KernelCase(
+                            op, dtype, d, g, sizes[i % len(sizes)], layers=2 * (i % 2), **opts
+                        )  # fmt: skip
+                    )
+                    i += 1
+        for tables in (one, big):
+            for s in (8, 16, 128):
+                cases.append(KernelCase(op, "bfloat16", 128, 4, s, num_tokens=256, **tables))
+        for kh, g, d in ((32, 1, 128), (16, 1, 256), (8, 8, 256)):  # wide heads: VMEM budget
+            for dtype in ("bfloat16", "float32"):
+                cases.append(KernelCase(op, dtype, d, g, 16, kv_heads=kh, num_tokens=256))
+    for op in ("write_kv", "copy_blocks"):
+        for dtype in ("bfloat16", "float32"):
+            for d in (64, 128, 256):
+                for s in sizes:
+                    cases.append(KernelCase(op, dtype, d, block_size=s, layers=2 * (i % 2)))
+                    i += 1
+    return cases

@@ -1,0 +1,198 @@
+"""One dispatch for every kernel op (``kernels_pallas._dispatch``), on this CPU host.
+
+* ``impl="auto"`` follows the platform a program is lowered for: CPU -> XLA; CUDA (exported
+  from here, no GPU: assumed Hopper) -> the Mosaic GPU kernel, or the XLA path with ONE
+  warning when the geometry is one the GPU kernel does not take; the registry
+  (``kernels_pallas.kernel_info``) says what each op got, per platform.
+* forced kernels on the wrong target are refused with a clear error.
+* the engine: ``warmup()`` compiles every swap program (no compilation at the first
+  preemption), ``stats()["kernel_impls"]`` and the ``paxcache_kernel_info`` gauge.
+(The TPU side, with libtpu's compiler, is ``tests/test_tpu_compile.py``.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kernels_pallas as kp
+from kernels_pallas import _dispatch
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(_dispatch, "_WARNED", set())
+
+
+def _ragged_args(g: int, d: int = 128, s: int = 16, dtype=jnp.bfloat16):
+    kh, b, m, t = 2, 4, 8, 32
+    spec = jax.ShapeDtypeStruct
+    return (
+        spec((t, kh * g, d), dtype), spec((3, kh, 64, s, d), dtype),
+        spec((3, kh, 64, s, d), dtype), spec((b,), jnp.int32), spec((b, m), jnp.int32),
+        spec((b + 1,), jnp.int32), spec((), jnp.int32), spec((), jnp.int32),
+    )  # fmt: skip
+
+
+def _ragged_fn():
+    """A new function each call, so jit traces again (dispatch decides at trace time)."""
+
+    def ragged(q, k, v, lens, tables, cu, n, layer):
+        return kp.ragged_paged_attention(q, k, v, lens, tables, cu, n, layer=layer)
+
+    return jax.jit(ragged)
+
+
+def test_auto_on_cpu_is_the_xla_path_and_is_recorded():
+    lowered = _ragged_fn().trace(*_ragged_args(4)).lower()
+    text = lowered.as_text()
+    assert "tpu_custom_call" not in text and "mosaic_gpu" not in text
+    assert kp.kernel_info()["ragged_paged_attention"] == "xla"  # target platform: cpu
+    assert kp.kernel_info("tpu")["ragged_paged_attention"] == "pallas_tpu"
+
+
+def test_export_for_cuda_picks_the_mosaic_gpu_kernel_assuming_hopper():
+    exported = jax.export.export(_ragged_fn(), platforms=["cuda"])(*_ragged_args(4))
+    assert "mosaic_gpu" in exported.mlir_module()
+    assert kp.kernel_info("cuda")["ragged_paged_attention"] == "pallas_gpu"
+
+
+def test_geometry_the_gpu_kernel_refuses_falls_back_to_xla_with_one_warning(caplog, monkeypatch):
+    """G = 6 does not divide the 64-row wgmma tile: the CUDA branch is the XLA path, warned
+    about once (when CUDA is the target), and the registry says why."""
+    monkeypatch.setattr(_dispatch, "target_platform", lambda: "cuda")
+    caplog.set_level(logging.WARNING, logger="kernels_pallas")
+    for _ in range(3):
+        exported = jax.export.export(_ragged_fn(), platforms=["cuda"])(*_ragged_args(6))
+    assert "mosaic_gpu" not in exported.mlir_module()
+    info = kp.kernel_info("cuda")["ragged_paged_attention"]
+    assert info.startswith("xla (fallback: ") and "query heads per kv head (6)" in info
+    msgs = [r.getMessage() for r in caplog.records if "ragged_paged_attention" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+
+
+def test_gpu_reason_comes_from_the_gpu_module_when_it_defines_one(monkeypatch):
+    from kernels_pallas.gpu import attention as ga
+
+    calls = []
+
+    def reason(*, head_dim, num_q_per_kv, block_size, dtype):
+        calls.append((head_dim, num_q_per_kv, block_size, jnp.dtype(dtype).name))
+        return "nope"
+
+    monkeypatch.setattr(ga, "unsupported_reason", reason, raising=False)
+    jax.export.export(_ragged_fn(), platforms=["cuda"])(*_ragged_args(4))
+    assert calls == [(128, 4, 16, "bfloat16")]
+    assert kp.kernel_info("cuda")["ragged_paged_attention"] == "xla (fallback: nope)"
+
+
+@pytest.mark.parametrize(
+    "geometry,why",
+    [
+        (dict(head_dim=96, num_q_per_kv=4, block_size=16, dtype=jnp.bfloat16), "head_dim=96"),
+        (dict(head_dim=128, num_q_per_kv=4, block_size=24, dtype=jnp.bfloat16), "block_size=24"),
+        (dict(head_dim=128, num_q_per_kv=4, block_size=128, dtype=jnp.bfloat16), None),
+        (dict(head_dim=128, num_q_per_kv=4, block_size=16, dtype=jnp.float32), "float32"),
+        (dict(head_dim=128, num_q_per_kv=7, block_size=16, dtype=jnp.bfloat16), "(7)"),
+        (dict(head_dim=128, num_q_per_kv=8, block_size=16, dtype=jnp.bfloat16), None),
+    ],
+)
+def test_gpu_unsupported_reason(geometry, why):
+    reason = _dispatch.gpu_attention_unsupported_reason(**geometry)
+    assert (reason is None) if why is None else (why in reason)
+
+
+def test_forced_tpu_kernel_off_tpu_needs_interpret():
+    q = jnp.zeros((2, 4, 16))
+    pages = jnp.zeros((2, 8, 4, 16))
+    with pytest.raises(ValueError, match="needs a TPU target"):
+        kp.paged_attention(q, pages, pages, jnp.ones(2, jnp.int32), jnp.zeros((2, 2), jnp.int32),
+                           impl="pallas_tpu")  # fmt: skip
+    with pytest.raises(ValueError, match="needs a TPU target"):
+        kp.write_kv(pages, pages, q[:, :2], q[:, :2], np.array([0, 1]), impl="pallas")
+
+
+def test_forced_tpu_write_kv_refuses_block_sizes_off_the_tile_unless_interpreted(monkeypatch):
+    """Compiled, write_kv moves 8-row HBM tiles, so S must be a multiple of 8."""
+    pages = jnp.zeros((2, 8, 4, 16))
+    k = jnp.ones((2, 2, 16))
+    with monkeypatch.context() as m:
+        m.setattr(_dispatch, "target_platform", lambda: "tpu")
+        with pytest.raises(ValueError, match="multiple of the 8-row HBM tile"):
+            kp.write_kv(pages, pages, k, k, np.array([0, 5]), impl="pallas_tpu")
+    out, _ = kp.write_kv(pages, pages, k, k, np.array([0, 5]), impl="pallas_tpu", interpret=True)
+    assert float(out[:, 0, 0].sum()) == 32.0 and float(out[:, 1, 1].sum()) == 32.0
+
+
+def test_swap_is_the_memory_kinds_program_everywhere():
+    dev = jnp.zeros((1, 1, 4, 2, 8), jnp.float32)
+    kp.swap_blocks(dev, jnp.zeros_like(dev), np.array([0]), np.array([1]))
+    assert kp.kernel_info("tpu")["swap_blocks"] == "xla"
+
+
+# --------------------------------------------------------------------------------------------
+# Engine: warm-up compiles swaps, kernel_impls, the metrics gauge
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swap_engine():
+    from paxcache import Engine
+    from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    eng = Engine(
+        model, ByteTokenizer(), num_blocks=12, block_size=8, max_num_seqs=4, watermark=0.0,
+        max_num_batched_tokens=32, num_host_blocks=24, preemption_mode="swap",
+    )  # fmt: skip
+    eng.warmup()
+    return eng
+
+
+def test_warm_engine_swaps_without_compiling(swap_engine):
+    """Six prompts (up to 57 tokens, 10 new each) in 12 blocks of 8: sequences are swapped
+    out and back in, and none of it compiles (warm-up compiled every swap bucket)."""
+    from paxcache import SamplingParams
+
+    eng = swap_engine
+    before = eng.stats()["num_compilations"]
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (3, 40, 20, 2, 57, 9)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    st = eng.stats()
+    assert st["num_swaps"] > 0, st
+    assert st["num_compilations"] == before
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+
+
+def test_stats_and_metrics_show_each_ops_implementation(swap_engine):
+    from paxcache.server import _EngineStatsCollector
+
+    impls = swap_engine.stats()["kernel_impls"]
+    assert {impls[op] for op in ("ragged_paged_attention", "write_kv", "copy_blocks")} == {"xla"}
+
+    shown = {"write_kv": "pallas_tpu", "copy_blocks": "xla (fallback: Mosaic compile error: X)"}
+
+    class Runner:
+        stats_snapshot = dict(swap_engine.stats(), kernel_impls=shown)
+        num_inflight = 0
+        num_engine_errors = 0
+
+    families = {m.name: m for m in _EngineStatsCollector(Runner()).collect()}
+    samples = {
+        (s.labels["op"], s.labels["impl"], s.labels["fallback"]): s.value
+        for s in families["paxcache_kernel_info"].samples
+    }
+    assert samples == {
+        ("copy_blocks", "xla", "Mosaic compile error: X"): 1.0,
+        ("write_kv", "pallas_tpu", ""): 1.0,
+    }

@@ -1,0 +1,319 @@
+"""The real TPU compiler, without a TPU: every kernel and the engine's programs.
+
+libtpu (``pip install "jax[tpu]"``) compiles for abstract topology devices (``v5e:2x2``,
+``v6e:2x2``) on any host: Mosaic and XLA:TPU passes included, nothing runs. Skipped when
+libtpu is not installed (``.ci/tpu_compile.sh`` installs it and runs this file).
+
+* the kernel grid through the public API with ``impl="auto"`` under a TPU default device
+  (``kernels_pallas.aot.kernel_grid``): a fast covering subset here, the wide grid under
+  ``-m slow``; every program must contain the Mosaic kernel (``tpu_custom_call``);
+* target-aware dispatch: AOT for TPU and ``jax.export(platforms=["tpu"])`` pick the Mosaic
+  kernels on a CPU host, a CPU lowering of the same function the XLA path;
+* swap programs (both directions, sharded or not) compile, in a subprocess, because the
+  formulation they replace aborted the compiler (a CHECK failure kills the process);
+* a kernel Mosaic rejects falls back to XLA under ``compile_probes`` with one warning;
+* ``scripts/compile_check.py`` on small models (default run) and on Llama-3-8B
+  (``tests/fixtures/llama3_8b_config.json``, ``-m slow``) at tp=1 and tp=4 on v5e:2x2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernels_pallas as kp
+from kernels_pallas import _dispatch, aot
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA3_8B = REPO / "tests" / "fixtures" / "llama3_8b_config.json"
+CHIPS = ["v5e:2x2", "v6e:2x2"]
+
+
+def _libtpu_available() -> bool:
+    try:
+        aot.tpu_devices("v5e:2x2")
+    except ValueError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(
+    not _libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]')"
+)
+
+
+@pytest.fixture(scope="module", params=CHIPS)
+def chip(request) -> jax.Device:
+    return aot.tpu_devices(request.param)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel grid
+# --------------------------------------------------------------------------------------------
+
+
+def _assert_mosaic(result: dict) -> None:
+    assert result["compiled"], result["error"]
+    assert result["impl"] == "pallas_tpu", result
+    assert result["mosaic"], f"{result['name']}: no tpu_custom_call in the compiled program"
+
+
+@pytest.mark.parametrize("case", aot.kernel_grid(wide=False), ids=lambda c: c.name)
+def test_fast_kernel_grid_compiles_to_mosaic(chip, case):
+    _assert_mosaic(aot.compile_case(case, chip))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chip_name", CHIPS)
+def test_wide_kernel_grid_compiles_to_mosaic(chip_name):
+    device = aot.tpu_devices(chip_name)[0]
+    bad = [r for r in map(lambda c: aot.compile_case(c, device), aot.kernel_grid(wide=True))
+           if not (r["compiled"] and r["mosaic"] and r["impl"] == "pallas_tpu")]  # fmt: skip
+    assert not bad, bad[:5]
+
+
+# --------------------------------------------------------------------------------------------
+# Target-aware dispatch through the public API
+# --------------------------------------------------------------------------------------------
+
+
+def _qwen2_7b_ragged(where: jax.Device | None):
+    """Qwen2-7B attention geometry (28 query / 4 kv heads: G = 7), not in the grid."""
+    i32 = jnp.int32
+
+    def s(shape, dtype):
+        if where is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return aot.spec(shape, dtype, where)
+
+    args = (
+        s((96, 28, 128), jnp.bfloat16), s((28, 4, 300, 16, 128), jnp.bfloat16),
+        s((28, 4, 300, 16, 128), jnp.bfloat16), s((12,), i32), s((12, 40), i32),
+        s((13,), i32), s((), i32), s((), i32),
+    )  # fmt: skip
+
+    def fn(q, k, v, lens, tables, cu, n, layer):
+        out = kp.ragged_paged_attention(q, k, v, lens, tables, cu, n, layer=layer)
+        k, v = kp.write_kv(k, v, q[:, :4], q[:, 4:8], lens[:1].repeat(96), layer=layer)
+        return out, k, v
+
+    return fn, args
+
+
+def test_auto_under_a_tpu_default_device_compiles_the_mosaic_kernels(chip):
+    fn, args = _qwen2_7b_ragged(chip)
+    with aot.tpu_target([chip]):
+        compiled = jax.jit(fn, donate_argnums=(1, 2)).trace(*args).lower().compile()
+        assert kp.kernel_info()["ragged_paged_attention"] == "pallas_tpu"
+        assert kp.kernel_info()["write_kv"] == "pallas_tpu"
+    assert compiled.as_text().count("tpu_custom_call") >= 2
+
+
+def test_export_for_tpu_picks_mosaic_and_cpu_lowering_picks_xla():
+    """The same function: exported for TPU (Mosaic's lowering reads the chip generation from
+    the default device, here an abstract v5e) it has the kernels; lowered for CPU it has
+    none (``platform_dependent`` branches pruned per lowering platform)."""
+    fn, args = _qwen2_7b_ragged(None)
+    with aot.tpu_target("v5e:2x2"):
+        tpu = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in tpu
+    cpu = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "tpu_custom_call" not in cpu
+    assert kp.kernel_info("cpu")["ragged_paged_attention"] == "xla"
+
+
+def test_a_kernel_mosaic_rejects_falls_back_to_xla_with_one_warning(chip, monkeypatch, caplog):
+    """A real Mosaic compile error (a VMEM scratch far over the chip's VMEM) inside
+    ``compile_probes``: the op runs the XLA path, warned once, and kernel_info says why."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from kernels_pallas.tpu import paged_attention as mod
+
+    def too_big(q, k_pages, v_pages, lengths, block_tables, **kw):
+        def kernel(q_ref, o_ref, scratch):
+            o_ref[...] = q_ref[...]
+
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            scratch_shapes=[pltpu.VMEM((8192, 8192, 8), jnp.float32)],  # 2 GiB of VMEM
+        )(q)
+
+    monkeypatch.setattr(mod, "paged_attention_tpu", too_big)
+    monkeypatch.setattr(_dispatch, "_PROBED", {})
+    monkeypatch.setattr(_dispatch, "_WARNED", set())
+    i32 = jnp.int32
+    args = (
+        aot.spec((8, 8, 128), jnp.float32, chip), aot.spec((2, 64, 16, 128), jnp.float32, chip),
+        aot.spec((2, 64, 16, 128), jnp.float32, chip), aot.spec((8,), i32, chip),
+        aot.spec((8, 4), i32, chip),
+    )  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="kernels_pallas")
+    with aot.tpu_target([chip]), kp.compile_probes():
+        for _ in range(2):  # traced twice: still one warning
+            compiled = jax.jit(kp.paged_attention).trace(*args).lower().compile()
+        info = kp.kernel_info()["paged_attention"]
+    assert info.startswith("xla (fallback: Mosaic compile error")
+    assert "tpu_custom_call" not in compiled.as_text()
+    warnings = [r for r in caplog.records if "paged_attention" in r.getMessage()]
+    assert len(warnings) == 1 and "failed to compile" in warnings[0].getMessage()
+
+
+# --------------------------------------------------------------------------------------------
+# Swap programs (in a subprocess: the old formulation aborted the compiler)
+# --------------------------------------------------------------------------------------------
+
+_SWAP_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from kernels_pallas import aot, kv_ops
+topo, dtype, tp = sys.argv[1], jnp.dtype(sys.argv[2]), int(sys.argv[3])
+devices = aot.tpu_devices(topo)
+mesh = Mesh(np.asarray(devices[:tp]), ("tp",))
+dev = NamedSharding(mesh, P(None, "tp"))
+host = dev.with_memory_kind("pinned_host")
+with aot.tpu_target(devices):
+    d = jax.ShapeDtypeStruct((4, 8, 256, 16, 128), dtype, sharding=dev)
+    h = jax.ShapeDtypeStruct((4, 8, 64, 16, 128), dtype, sharding=host)
+    for p in (1, 16):
+        for name, src, dst in (("out", (d, d), (h, h)), ("in", (h, h), (d, d))):
+            fn, size = kv_ops.swap_program(src, dst, p)
+            ids = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=NamedSharding(mesh, P()))
+            fn.trace(src, dst, ids, ids).lower().compile()
+            print(f"compiled swap_{name}[{size}]", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "topo,dtype,tp",
+    [("v5e:2x2", "bfloat16", 1), ("v5e:2x2", "bfloat16", 4), ("v6e:2x2", "float32", 2)],
+)
+def test_swap_programs_compile_both_directions_without_aborting(topo, dtype, tp):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SWAP_SCRIPT, topo, dtype, str(tp)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("compiled swap_") == 4, proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# scripts/compile_check.py
+# --------------------------------------------------------------------------------------------
+
+# head_dim 128: with head_dim 64 XLA:TPU gives [L, K, N, S, 64] caches a transposed default
+# layout and every step copies the whole cache to the row-major layout the kernels need (see
+# README "Running on a TPU VM", known limits).
+SMALL = {
+    "model_type": "qwen2",  # biases, GQA with G = 6 (Qwen2-1.5B's head geometry)
+    "hidden_size": 1536,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 1024,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def _compile_check(*args: str) -> int:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import compile_check
+    finally:
+        sys.path.pop(0)
+    return compile_check.main(list(args))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compile_check_script_on_a_small_model(tmp_path, tp, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    out = tmp_path / "report.json"
+    rc = _compile_check(
+        "--target", "v5e:2x2", "--config", str(cfg), "--tp", str(tp), "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "32", "--num-host-blocks", "4", "--num-blocks", "2048",
+        "--json", str(out),
+    )  # fmt: skip
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert rc == 0, text
+    assert report["ok"] and not report["failures"]
+    names = [p["name"] for p in report["programs"]]
+    assert names[:2] == ["step[T=16]", "step[T=32]"]
+    assert {"swap_out[1]", "swap_in[1]", "swap_out[4]", "swap_in[4]"} <= set(names)
+    for p in report["programs"]:
+        assert p["compiled"] and p["fits_hbm"], p
+        assert p["memory"]["total_hbm"] <= report["hbm_bytes_per_chip"]
+    step = report["programs"][0]
+    assert step["kernels"] == {
+        "copy_blocks": "pallas_tpu",
+        "ragged_paged_attention": "pallas_tpu",
+        "write_kv": "pallas_tpu",
+    }
+    assert step["mosaic_kernels"] == 3
+    eng = report["engine"]
+    assert eng["num_blocks"] == 2048 and eng["kv_tokens"] == 2048 * 16
+    assert "step[T=16]" in text and "OK" in text.splitlines()[-1]
+
+
+def test_compile_check_kernel_grid_and_bad_arguments(tmp_path, capsys, monkeypatch):
+    grid = aot.kernel_grid()[::8]  # the grid itself is compiled by the tests above
+    monkeypatch.setattr(aot, "kernel_grid", lambda wide=False: grid)
+    assert _compile_check("--target", "v6e:2x2", "--json", str(tmp_path / "k.json")) == 0
+    report = json.loads((tmp_path / "k.json").read_text())
+    assert [r["name"] for r in report["kernels"]] == [c.name for c in grid] and report["ok"]
+    assert "kernel grid for v6e:2x2" in capsys.readouterr().out
+    assert _compile_check("--target", "v99:1x1") == 2
+    assert "cannot describe TPU topology" in capsys.readouterr().err
+    missing = tmp_path / "nope" / "config.json"
+    assert _compile_check("--target", "v5e:2x2", "--config", str(missing)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 4])
+def test_llama3_8b_whole_step_compiles_on_v5e(tmp_path, tp):
+    """Llama-3-8B bf16 on v5e:2x2: the fused step (and swap programs) compile with the Mosaic
+    kernels and fit the chip at tp=1 (14.96 GiB of weights, the KV sized into what is left)
+    and at tp=4 (weights and KV split over 4 chips)."""
+    out = tmp_path / "r.json"
+    rc = _compile_check(
+        "--target", "v5e:2x2", "--config", str(LLAMA3_8B), "--tp", str(tp), "--max-num-seqs",
+        "32", "--max-num-batched-tokens", "16", "--num-host-blocks", "2", "--json", str(out),
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert rc == 0, report["failures"]
+    step = report["programs"][0]
+    assert step["name"] == "step[T=16]" and step["fits_hbm"], step
+    assert set(step["kernels"].values()) == {"pallas_tpu"} and step["mosaic_kernels"] == 3
+    weights = report["engine"]["weights_bytes_per_chip"] / 2**30
+    assert (14.5 < weights < 15.5) if tp == 1 else (4 < weights < 5)
+
+
+def test_a_model_that_cannot_fit_exits_nonzero(tmp_path, capsys):
+    """Llama-3-8B's 14.96 GiB of weights on a chip declared with 12 GiB: the engine's KV
+    sizing finds no room, the check says so and exits 1 (nothing is compiled)."""
+    out = tmp_path / "r.json"
+    rc = _compile_check(
+        "--target", "v5e:2x2", "--config", str(LLAMA3_8B), "--hbm-gib", "12", "--json", str(out)
+    )
+    report = json.loads(out.read_text())
+    assert rc == 1 and not report["ok"]
+    assert "holds no block" in report["failures"][0]
+    assert "FAILED: engine" in capsys.readouterr().out
