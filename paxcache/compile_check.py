@@ -128,8 +128,8 @@ class AbstractEngine(Engine):
 
     # -- placement hooks (see Engine) ------------------------------------------------------
 
-    def _on_accelerator(self) -> bool:
-        return True
+    def _target_backend(self) -> str:
+        return "tpu"  # the TPU defaults (batch limits, KV sizing), whatever this host is
 
     def _memory_stats(self) -> dict[str, int]:
         return {"bytes_limit": int(self._hbm), "bytes_in_use": self.weights_bytes_per_device}
@@ -238,8 +238,8 @@ def check_engine(
     *,
     dtype: Any = jnp.bfloat16,
     tp: int = 1,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 256,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
     block_size: int = 16,
     num_host_blocks: int | None = None,
     max_model_len: int | None = None,
@@ -253,7 +253,7 @@ def check_engine(
       config: the model (see :func:`load_hf_config`).
       dtype: weights, activations and KV cache dtype.
       tp, max_num_seqs, max_num_batched_tokens, block_size, max_model_len: as for
-        :class:`~paxcache.engine.Engine`.
+        :class:`~paxcache.engine.Engine` (``None``: the engine's defaults for a TPU).
       num_host_blocks: host swap pool (default: 4 sequences of ``max_model_len``; 0: no
         swap programs).
       hbm_bytes: HBM of one chip (default: what the TPU compiler allows a program).
@@ -318,8 +318,8 @@ def check_engine(
             "block_size": cfg.block_size,
             "kv_tokens": cfg.num_blocks * cfg.block_size,
             "max_model_len": engine.max_model_len,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_seqs": engine.max_num_seqs,
+            "max_num_batched_tokens": engine.max_num_batched_tokens,
             "buckets": list(engine.buckets),
             "num_host_blocks": cfg.num_host_blocks,
             "weights_bytes_per_chip": engine.weights_bytes_per_device,

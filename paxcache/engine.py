@@ -189,7 +189,7 @@ class Engine:
     ) -> None:
         cfg = model.config
         cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
-        backend_defaults = default_batch_limits(jax.default_backend())
+        backend_defaults = default_batch_limits(self._target_backend())
         if max_num_seqs is None:
             max_num_seqs = backend_defaults[0]
         if max_num_batched_tokens is None:
@@ -378,9 +378,13 @@ class Engine:
     # Placement hooks: where the weights, block state and KV cache live. scripts/compile_check.py
     # overrides them to build the same engine from abstract values on a TPU topology.
 
+    def _target_backend(self) -> str:
+        """The platform the engine's programs run on (batch-limit defaults, KV sizing)."""
+        return jax.default_backend()
+
     def _on_accelerator(self) -> bool:
         """Whether the default KV sizing takes a fraction of free accelerator memory."""
-        return jax.default_backend() != "cpu"
+        return self._target_backend() != "cpu"
 
     def _memory_stats(self) -> dict[str, int] | None:
         """Memory stats the KV sizing uses (None: the first device's ``memory_stats()``)."""

@@ -41,8 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="HF config.json (or its directory); omit for the kernel grid")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel chips of the topology")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="default: the engine's TPU default (256)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default: the engine's TPU default (2048)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
