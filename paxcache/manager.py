@@ -223,11 +223,10 @@ class BlockManager:
                 "host_free": _num_free_host(self._state),
             }
         )
-        checks["manager_slots_match_state"] = sorted(self._slots.values()) == [
+        held = sorted(self._slots.values())
+        checks["manager_slots_match_state"] = held == [
             int(i) for i in np.flatnonzero(info["active"])
-        ] and sorted(self._slots.values()) + sorted(self._free_slots) == sorted(
-            range(self._cfg.max_seqs)
-        )
+        ] and sorted(held + self._free_slots) == list(range(self._cfg.max_seqs))
         checks["manager_swapped_match_state"] = self._swapped == {
             int(i) for i in np.flatnonzero(info["swapped"])
         }
