@@ -53,52 +53,12 @@ from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, Re
 from paxcache.sampling import SamplingParams
 from paxcache.scheduler import Scheduler, StepPlan, StepResult
 from paxcache.sequence import Sequence as Seq
+from paxcache.sequence import new_request
+from paxcache.step import default_batch_limits
 
-__all__ = ["Engine", "RequestOutput", "CompletionOutput"]
+__all__ = ["CompletionOutput", "Engine", "RequestOutput", "default_batch_limits"]
 
 logger = logging.getLogger(__name__)
-
-
-# Every XLA backend compilation in this process, counted through JAX's monitoring events (so
-# a cache miss that re-lowers a cached trace counts too, not only retraces).
-_BACKEND_COMPILES = [0]
-
-
-def _on_event(event: str, duration: float, **kwargs: Any) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _BACKEND_COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-def _token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
-    buckets = []
-    b = min(smallest, max_tokens)
-    while b < max_tokens:
-        buckets.append(b)
-        b *= 2
-    buckets.append(max_tokens)
-    return tuple(buckets)
-
-
-# Default (max_num_seqs, max_num_batched_tokens) by backend, chosen like vLLM's (which picks
-# them by hardware and usage): enough rows and tokens per step to keep the device busy, few
-# enough that the largest step stays short (decode latency for everyone waits on it) and the
-# warm-up compiles few buckets.
-# * TPU / GPU: vLLM's OpenAI-server defaults on most GPUs (256 sequences, 2048 tokens).
-# * CPU: a matmul over few rows is bound by reading the weights, so a decode step of 64 rows
-#   costs little more than one of 32 and halves the steps of a busy batch (1.6x the
-#   throughput on the workload of scripts/bench_peer.py); a 256-token step already runs the
-#   matmuls at full speed, while 1024 tokens made the XLA attention path (which gathers
-#   each token row's context) the bottleneck: 3x slower (bench/results/step_profile_*.md).
-DEFAULT_BATCH_LIMITS = {"cpu": (64, 256)}
-DEFAULT_BATCH_LIMITS_ACCELERATOR = (256, 2048)
-
-
-def default_batch_limits(backend: str) -> tuple[int, int]:
-    """``(max_num_seqs, max_num_batched_tokens)`` the engine uses on ``backend`` by default."""
-    return DEFAULT_BATCH_LIMITS.get(backend, DEFAULT_BATCH_LIMITS_ACCELERATOR)
 
 
 class _StepFailed(Exception):
@@ -180,7 +140,7 @@ class Engine:
     ) -> None:
         cfg = model.config
         cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
-        backend_defaults = default_batch_limits(jax.default_backend())
+        backend_defaults = step_lib.default_batch_limits(jax.default_backend())
         if max_num_seqs is None:
             max_num_seqs = backend_defaults[0]
         if max_num_batched_tokens is None:
@@ -263,7 +223,7 @@ class Engine:
             sliding_window=self.sliding_window,
         )
         self.bytes_per_block = bytes_per_block
-        self.buckets = _token_buckets(max_num_batched_tokens)
+        self.buckets = step_lib.token_buckets(max_num_batched_tokens)
         graphdef, params = nnx.split(model)
         self.mesh, self._params = self._place_params(model, params, tp)
         self._kv_spec = dict(
@@ -294,7 +254,7 @@ class Engine:
         )
         self._swap_impl = "reference" if impl == "reference" else "auto"
         self._num_traces = 0
-        self._compiles_at_start = _BACKEND_COMPILES[0]
+        self._compiles_at_start = compile_cache_lib.backend_compiles()
         self._cache_hits_at_start = compile_cache_lib.cache_hits()
         fused = functools.partial(step_lib.step, config=self._step_config)
         self._jit_step = jax.jit(self._count_traces(fused), donate_argnums=(0, 1))
@@ -423,12 +383,6 @@ class Engine:
     def num_host_blocks(self) -> int:
         return self.cache_config.num_host_blocks
 
-    def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
-
-    def num_free_host_blocks(self) -> int:
-        return self.block_manager.num_free_host_blocks
-
     def free_slots(self) -> int:
         """Allocator slots no sequence holds."""
         return self.block_manager.num_free_slots
@@ -497,26 +451,14 @@ class Engine:
                 f"cache_salt must be hashable, got {type(cache_salt).__name__}"
             ) from None
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
-        seqs = [
-            Seq(
-                request_id=request_id,
-                index=j,
-                token_ids=list(ids),
-                num_prompt=len(ids),
-                params=params,
-                seed=seed,
-                cache_salt=cache_salt,
-            )
-            for j in range(params.n)
-        ]
-        for s in seqs:
-            s.logprobs = [] if params.logprobs is not None else None
-            s.decoder = _make_decoder(self.tokenizer)
-        lead = seqs[0]
-        lead.followers = seqs[1:]
-        for f in seqs[1:]:
-            f.leader = lead
-            f.arrival = lead.arrival
+        seqs = new_request(
+            request_id,
+            ids,
+            params,
+            seed=seed,
+            cache_salt=cache_salt,
+            make_decoder=lambda: _make_decoder(self.tokenizer),
+        )
         self._requests[request_id] = RequestState(request_id, text, list(ids), params, seqs)
         self.scheduler.add(seqs)
 
@@ -748,7 +690,7 @@ class Engine:
         """XLA compilations in this process since the engine was made. JAX's compile event
         also fires for executables loaded from the persistent cache; those are not counted
         here (they are ``num_compile_cache_hits``)."""
-        events = _BACKEND_COMPILES[0] - self._compiles_at_start
+        events = compile_cache_lib.backend_compiles() - self._compiles_at_start
         return events - (compile_cache_lib.cache_hits() - self._cache_hits_at_start)
 
     def stats(self) -> dict[str, Any]:

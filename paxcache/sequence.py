@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 from paxcache.sampling import SamplingParams
 
-__all__ = ["SeqState", "Sequence", "check_stop"]
+__all__ = ["SeqState", "Sequence", "check_stop", "new_request"]
 
 
 class SeqState:
@@ -134,6 +134,43 @@ class Sequence:
         self.state = SeqState.FINISHED
         self.finish_reason = reason
         self.error = error
+
+
+def new_request(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    seed: int,
+    cache_salt: Hashable | None = None,
+    make_decoder: Callable[[], Any] = lambda: None,
+) -> list[Sequence]:
+    """The ``params.n`` sequences of a new request, in index order.
+
+    The first is the leader; the others follow it (they wait for its prompt, are admitted
+    with it by forking its blocks, and sample their first token from its last prompt row),
+    and share its arrival, so the request is one unit in the age order.
+    """
+    seqs = [
+        Sequence(
+            request_id=request_id,
+            index=j,
+            token_ids=list(prompt_ids),
+            num_prompt=len(prompt_ids),
+            params=params,
+            seed=seed,
+            cache_salt=cache_salt,
+            logprobs=[] if params.logprobs is not None else None,
+            decoder=make_decoder(),
+        )
+        for j in range(params.n)
+    ]
+    lead = seqs[0]
+    lead.followers = seqs[1:]
+    for f in seqs[1:]:
+        f.leader = lead
+        f.arrival, f.arrival_time = lead.arrival, lead.arrival_time
+    return seqs
 
 
 def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len: int) -> None:

@@ -50,14 +50,47 @@ __all__ = [
     "StepInputs",
     "StepOutputs",
     "StepShapes",
+    "default_batch_limits",
     "empty_inputs",
     "prepare_inputs",
     "prepare_sampling",
     "prepare_tokens",
     "step",
+    "token_buckets",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """The token-count buckets of a step budget: powers of two from ``smallest``, then the
+    budget itself (e.g. 256 -> 16, 32, 64, 128, 256)."""
+    buckets = []
+    b = min(smallest, max_tokens)
+    while b < max_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_tokens)
+    return tuple(buckets)
+
+
+# Default (max_num_seqs, max_num_batched_tokens) by backend, chosen like vLLM's (which picks
+# them by hardware and usage): enough rows and tokens per step to keep the device busy, few
+# enough that the largest step stays short (decode latency for everyone waits on it) and the
+# warm-up compiles few buckets.
+# * TPU / GPU: vLLM's OpenAI-server defaults on most GPUs (256 sequences, 2048 tokens).
+# * CPU: a matmul over few rows is bound by reading the weights, so a decode step of 64 rows
+#   costs little more than one of 32 and halves the steps of a busy batch (1.6x the
+#   throughput on the workload of scripts/bench_peer.py); a 256-token step already runs the
+#   matmuls at full speed, while 1024 tokens made the XLA attention path (which gathers
+#   each token row's context) the bottleneck: 3x slower (bench/results/step_profile_*.md).
+DEFAULT_BATCH_LIMITS = {"cpu": (64, 256)}
+DEFAULT_BATCH_LIMITS_ACCELERATOR = (256, 2048)
+
+
+def default_batch_limits(backend: str) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` the engine uses on ``backend`` by default."""
+    return DEFAULT_BATCH_LIMITS.get(backend, DEFAULT_BATCH_LIMITS_ACCELERATOR)
 
 
 @dataclasses.dataclass(frozen=True)
