@@ -214,7 +214,16 @@ def paged_attention_op(
     def local(q, k, v, k_pages, v_pages, metadata, layer_arr):
         lyr = layer if static_layer else layer_arr
         kv_kwargs: dict[str, Any] = {} if lyr is None else {"layer": lyr}
-        k_pages, v_pages = kp.write_kv(k_pages, v_pages, k, v, metadata.slot_mapping, **kv_kwargs)
+        k_pages, v_pages = kp.write_kv(
+            k_pages,
+            v_pages,
+            k,
+            v,
+            metadata.slot_mapping,
+            impl=impl,
+            interpret=interpret,
+            **kv_kwargs,
+        )
         out = kp.ragged_paged_attention(
             q,
             k_pages,
