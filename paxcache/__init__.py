@@ -17,7 +17,6 @@ __version__ = "0.1.0"
 # missing optional dependency (e.g. the server's) never breaks the allocator.
 _LAZY = {
     "CacheConfig": ("paxcache.config", "CacheConfig"),
-    "EngineConfig": ("paxcache.config", "EngineConfig"),
     "BlockManager": ("paxcache.manager", "BlockManager"),
     "allocator": ("paxcache.allocator", None),
     "errors": ("paxcache.errors", None),

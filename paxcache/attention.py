@@ -5,7 +5,10 @@ tokens (1 for a decode, a whole prompt, or a chunk of one), packed into T rows. 
 :class:`AttentionMetadata` pytree says, for that step, where each row's key/value goes in the
 paged cache and which pages each sequence reads. It is built inside ``jit`` from the block
 tables of a ``BlockState`` and the step's token counts, so allocation and attention compile
-into one program.
+into one program. It also carries, as static fields, how the op runs (kernel ``impl``,
+``interpret``, the tensor-parallel ``mesh``): whoever builds the step's metadata (the engine)
+decides that once, and every :class:`~paxcache.nn.PagedAttention` layer of the model follows
+it, whether the model is the bundled Llama or a user's own.
 
 Shape letters: B sequences in the step, T token rows, H query heads, K kv heads, D head dim,
 L layers, N blocks, S block size, M max blocks per sequence.
@@ -42,6 +45,11 @@ class AttentionMetadata:
         for rotary embeddings.
       row_valid: ``bool[T]`` which rows are real tokens.
       row_seq: ``i32[T]`` the sequence (index into the step's B) each row belongs to.
+      impl: static kernel implementation (``"auto"``, ``"reference"``, ``"pallas"``, ...; see
+        :func:`kernels_pallas.ragged_paged_attention`).
+      interpret: static; run Pallas kernels in interpret mode (CPU tests).
+      mesh: static mesh with a ``"tp"`` axis, or None: the op then runs per device, split
+        over heads (see :func:`paged_attention_op`).
     """
 
     block_tables: jax.Array
@@ -52,6 +60,9 @@ class AttentionMetadata:
     positions: jax.Array
     row_valid: jax.Array
     row_seq: jax.Array
+    impl: str = flax.struct.field(pytree_node=False, default="auto")
+    interpret: bool = flax.struct.field(pytree_node=False, default=False)
+    mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +77,10 @@ def build_metadata(
     num_seqs: jax.Array | int,
     num_tokens: int,
     block_size: int,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> AttentionMetadata:
     """Build the metadata of a ragged step from per-sequence tables and counts (jit-friendly).
 
@@ -77,6 +92,7 @@ def build_metadata(
         or are ignored).
       num_tokens: static T (rows in the step; ``sum(q_lens) <= T``).
       block_size: static S.
+      impl, interpret, mesh: how the step's attention runs (static fields of the result).
 
     Returns:
       The step's :class:`AttentionMetadata`.
@@ -101,6 +117,9 @@ def build_metadata(
         positions=pos.astype(jnp.int32),
         row_valid=valid,
         row_seq=seq,
+        impl=impl,
+        interpret=interpret,
+        mesh=mesh,
     )
 
 
@@ -111,6 +130,10 @@ def metadata_from_state(
     num_seqs: jax.Array | int,
     num_tokens: int,
     kv_lens: jax.Array | None = None,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> AttentionMetadata:
     """Metadata for a step over allocator slots ``slot_ids``, read from a ``BlockState``.
 
@@ -123,12 +146,23 @@ def metadata_from_state(
       num_tokens: static T.
       kv_lens: ``i32[B]`` lengths after the step; default ``state.seq_lens[slot_ids]`` (right
         for decodes and whole prompts; a chunked prefill passes its computed length + chunk).
+      impl, interpret, mesh: as in :func:`build_metadata`.
     """
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     tables = state.block_tables[slot_ids]
     if kv_lens is None:
         kv_lens = state.seq_lens[slot_ids]
-    return build_metadata(tables, kv_lens, q_lens, num_seqs, num_tokens, state.cfg.block_size)
+    return build_metadata(
+        tables,
+        kv_lens,
+        q_lens,
+        num_seqs,
+        num_tokens,
+        state.cfg.block_size,
+        impl=impl,
+        interpret=interpret,
+        mesh=mesh,
+    )
 
 
 def paged_attention_op(
@@ -143,8 +177,8 @@ def paged_attention_op(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    impl: str = "auto",
-    interpret: bool = False,
+    impl: str | None = None,
+    interpret: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Write this step's K/V into the paged cache, then attend over it (causal, ragged).
@@ -155,13 +189,15 @@ def paged_attention_op(
       k_pages, v_pages: ``[K, N, S, D]``, or ``[L, K, N, S, D]`` with ``layer``.
       metadata: the step's :class:`AttentionMetadata`.
       layer: layer index into stacked pages (int or traced scalar, e.g. inside ``lax.scan``).
-      sm_scale, soft_cap, sliding_window, impl, interpret: as in
-        :func:`kernels_pallas.ragged_paged_attention`.
-      mesh: a mesh with a ``"tp"`` axis (see :mod:`paxcache.sharding`): the write and the
-        attention run per device under ``jax.shard_map``, on ``H / tp`` query heads and
-        ``Kc / tp`` kv heads of the pages, which must be split over heads
-        (``P(None, "tp")``); metadata is replicated. With ``Kc > K`` (kv heads replicated
-        for ``tp > K``), ``k``/``v`` are repeated to ``Kc`` heads first (``Kc % K == 0``).
+      sm_scale, soft_cap, sliding_window: as in :func:`kernels_pallas.ragged_paged_attention`.
+      impl, interpret: as in :func:`kernels_pallas.ragged_paged_attention`; None (default)
+        takes the metadata's.
+      mesh: default the metadata's. A mesh with a ``"tp"`` axis (see
+        :mod:`paxcache.sharding`): the write and the attention run per device under
+        ``jax.shard_map``, on ``H / tp`` query heads and ``Kc / tp`` kv heads of the pages,
+        which must be split over heads (``P(None, "tp")``); metadata is replicated. With
+        ``Kc > K`` (kv heads replicated for ``tp > K``), ``k``/``v`` are repeated to ``Kc``
+        heads first (``Kc % K == 0``).
 
     Returns:
       ``(out [T, H, D], (k_pages, v_pages))`` with the new K/V written. Padding rows of
@@ -170,12 +206,24 @@ def paged_attention_op(
     Raises:
       ValueError: with ``mesh``, head counts that do not split over its ``tp`` axis.
     """
+    impl = metadata.impl if impl is None else impl
+    interpret = metadata.interpret if interpret is None else interpret
+    mesh = metadata.mesh if mesh is None else mesh
     static_layer = layer is None or isinstance(layer, int)
 
     def local(q, k, v, k_pages, v_pages, metadata, layer_arr):
         lyr = layer if static_layer else layer_arr
         kv_kwargs: dict[str, Any] = {} if lyr is None else {"layer": lyr}
-        k_pages, v_pages = kp.write_kv(k_pages, v_pages, k, v, metadata.slot_mapping, **kv_kwargs)
+        k_pages, v_pages = kp.write_kv(
+            k_pages,
+            v_pages,
+            k,
+            v,
+            metadata.slot_mapping,
+            impl=impl,
+            interpret=interpret,
+            **kv_kwargs,
+        )
         out = kp.ragged_paged_attention(
             q,
             k_pages,

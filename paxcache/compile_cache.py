@@ -27,8 +27,9 @@ through JAX itself (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept whe
 directory is asked for.
 
 Counters: :func:`cache_hits` counts executables loaded from the cache in this process (JAX's
-``/jax/compilation_cache/cache_hits`` event); compilations that miss are counted by the
-engine's ``num_compilations``.
+``/jax/compilation_cache/cache_hits`` event); :func:`backend_compiles` counts every XLA
+backend compilation (JAX's compile event, which also fires for an executable loaded from the
+cache: the engine's ``num_compilations`` subtracts the hits).
 """
 
 from __future__ import annotations
@@ -40,7 +41,16 @@ from typing import Any
 
 import jax
 
-__all__ = ["cache_hits", "current_dir", "default_dir", "disable", "enable", "resolve"]
+__all__ = [
+    "backend_compiles",
+    "cache_hits",
+    "cache_misses",
+    "current_dir",
+    "default_dir",
+    "disable",
+    "enable",
+    "resolve",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +58,7 @@ ENV_VAR = "PAXCACHE_COMPILE_CACHE"
 
 _HITS = [0]
 _MISSES = [0]
+_BACKEND_COMPILES = [0]
 
 
 def _on_event(event: str, **kwargs: Any) -> None:
@@ -57,7 +68,19 @@ def _on_event(event: str, **kwargs: Any) -> None:
         _MISSES[0] += 1
 
 
+def _on_duration_event(event: str, duration: float, **kwargs: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _BACKEND_COMPILES[0] += 1
+
+
 jax.monitoring.register_event_listener(_on_event)
+jax.monitoring.register_event_duration_secs_listener(_on_duration_event)
+
+
+def backend_compiles() -> int:
+    """XLA backend compilations in this process so far (a cache miss that re-lowers a cached
+    trace counts too, not only retraces; loads from the persistent cache count as well)."""
+    return _BACKEND_COMPILES[0]
 
 
 def cache_hits() -> int:

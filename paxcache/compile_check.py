@@ -324,7 +324,7 @@ def check_engine(
             "num_host_blocks": cfg.num_host_blocks,
             "weights_bytes_per_chip": engine.weights_bytes_per_device,
             "kv_cache_bytes_per_chip": kv_per_device,
-            "block_state_bytes_per_chip": _bytes_per_device(engine._state),
+            "block_state_bytes_per_chip": _bytes_per_device(engine.block_manager.state),
             "sizing": "num_blocks = 0.9 * (HBM - weights per chip) // bytes per block per chip",
         }
         weights_total = sum(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["CacheConfig", "EngineConfig"]
+__all__ = ["CacheConfig"]
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -85,42 +85,3 @@ class CacheConfig:
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
         return -(-int(num_tokens) // self.block_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine-level settings (the engine work may extend this; fields are keyword-only-safe).
-
-    Attributes:
-        cache: the KV cache configuration.
-        max_num_batched_tokens: token budget of one engine step.
-        preemption_mode: ``"swap"`` (needs ``cache.num_host_blocks > 0``) or ``"recompute"``.
-        tp: tensor-parallel degree (KV heads split over a ``tp`` mesh axis).
-    """
-
-    cache: CacheConfig
-    max_num_batched_tokens: int = 2048
-    preemption_mode: str = "recompute"
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.cache, CacheConfig):
-            raise ValueError(f"EngineConfig.cache must be a CacheConfig, got {self.cache!r}")
-        if (
-            isinstance(self.max_num_batched_tokens, bool)
-            or not isinstance(self.max_num_batched_tokens, int)
-            or self.max_num_batched_tokens < 1
-        ):
-            raise ValueError(
-                "EngineConfig.max_num_batched_tokens must be an int >= 1, "
-                f"got {self.max_num_batched_tokens!r}"
-            )
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(
-                "EngineConfig.preemption_mode must be 'swap' or 'recompute', "
-                f"got {self.preemption_mode!r}"
-            )
-        if self.preemption_mode == "swap" and self.cache.num_host_blocks == 0:
-            raise ValueError("EngineConfig.preemption_mode='swap' needs cache.num_host_blocks > 0")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"EngineConfig.tp must be an int >= 1, got {self.tp!r}")

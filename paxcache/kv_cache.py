@@ -188,19 +188,6 @@ class KVCache:
             host_v = jax.device_put(np.full(hshape, fill_value, dtype), host_sharding)
         return cls(k=k, v=v, host_k=host_k, host_v=host_v)
 
-    # ---- method forms of the module functions --------------------------------------------
-    def write_layer(self, layer, k, v, slot_mapping, **kw) -> KVCache:
-        return write_layer(self, layer, k, v, slot_mapping, **kw)
-
-    def apply_copies(self, src, dst, **kw) -> KVCache:
-        return apply_copies(self, src, dst, **kw)
-
-    def swap_out(self, plan_src, plan_dst, num=None, **kw) -> KVCache:
-        return swap_out(self, plan_src, plan_dst, num, **kw)
-
-    def swap_in(self, plan_src, plan_dst, num=None, **kw) -> KVCache:
-        return swap_in(self, plan_src, plan_dst, num, **kw)
-
 
 # --------------------------------------------------------------------------------------------
 # Operations

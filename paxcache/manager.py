@@ -16,7 +16,18 @@ raise :class:`~paxcache.errors.NoFreeSlotError`, a subclass of
 ``max_model_len`` raises :class:`~paxcache.errors.SequenceTooLongError`.
 
 Cache salts: ``cache_salt`` may be any hashable; the manager maps each distinct salt to a
-distinct int32 tenant id with a dict (exact: no two salts ever share an id; ``None`` is 0).
+distinct int32 tenant id with a dict (exact: no two salts ever share an id, and an id is never
+reused; ``None`` is 0). Entries whose id no block or held sequence carries any more are dropped
+now and then, so the map stays bounded however many tenants come and go.
+
+Serving: the engine's scheduler (:mod:`paxcache.scheduler`) owns one manager and is its only
+caller. Admission allocates with ``commit=False`` (blocks become visible to prefix lookups once
+computed) and a ``reserve`` (blocks that must stay free for rows already planned);
+:meth:`BlockManager.swap_in` takes the same reserve. The fused device step runs the
+allocator's ``append`` and ``commit`` on :attr:`BlockManager.state` itself and hands the
+resulting state back through :meth:`BlockManager.adopt`. The manager may hold a state placed
+on several devices (replicated over a tensor-parallel mesh) or abstract values (ahead-of-time
+compilation): it never moves the state between devices.
 """
 
 from __future__ import annotations
@@ -49,6 +60,13 @@ _free = jax.jit(allocator.free)
 _swap_out = jax.jit(allocator.swap_out)
 _swap_in = jax.jit(allocator.swap_in)
 _check = jax.jit(allocator.check_invariants)
+_num_free = jax.jit(allocator.num_free_blocks)
+_num_free_host = jax.jit(allocator.num_free_host_blocks)
+_prefix_counts = jax.jit(lambda st: (st.prefix_queries, st.prefix_hits))
+_salts_in_use = jax.jit(lambda st: (st.block_salt, jax.numpy.where(st.active, st.slot_salt, 0)))
+
+_SALT_GC_THRESHOLD = 4096
+"""Salt-map size that triggers dropping the salts no block or held sequence carries."""
 
 TokenIds = Sequence[int] | np.ndarray | jax.Array
 
@@ -74,6 +92,8 @@ class BlockManager:
 
     Args:
         cfg: the cache configuration.
+        state: the initial :class:`~paxcache.allocator.BlockState` (default
+            ``allocator.init(cfg)``); pass one already placed on the devices that will use it.
 
     Example:
         >>> bm = BlockManager(CacheConfig(num_blocks=64, block_size=16, max_seqs=8,
@@ -86,14 +106,24 @@ class BlockManager:
         3
     """
 
-    def __init__(self, cfg: CacheConfig) -> None:
+    def __init__(self, cfg: CacheConfig, *, state: allocator.BlockState | None = None) -> None:
         if not isinstance(cfg, CacheConfig):
             raise PaxcacheError(f"BlockManager expects a CacheConfig, got {type(cfg).__name__}")
+        if state is not None and state.cfg != cfg:
+            raise PaxcacheError("BlockManager: the given state was made for another CacheConfig")
         self._cfg = cfg
-        self._state = allocator.init(cfg)
         self._slots: dict[Hashable, int] = {}
-        self._free_slots: list[int] = list(range(cfg.max_seqs))
-        self._salts: dict[Hashable, int] = {}
+        self._free_slots: list[int] = list(range(cfg.max_seqs))  # a heap: lowest slot first
+        self._swapped: set[int] = set()  # slots whose blocks are on the host (mirrors the state)
+        self._salts: dict[Hashable, int] = {}  # cache_salt -> tenant id (None is 0, not stored)
+        self._next_salt = 1
+        self._salt_gc_at = _SALT_GC_THRESHOLD
+        self._set_state(allocator.init(cfg) if state is None else state)
+
+    def _set_state(self, state: allocator.BlockState, num_free: int | None = None) -> None:
+        self._state = state
+        self._num_free_cache = num_free  # device free count, read lazily
+        self._num_free_host_cache: int | None = None
 
     # -- read-only views ------------------------------------------------------------------
 
@@ -110,18 +140,38 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Device blocks available to new allocations (free plus evictable cached)."""
-        return int(allocator.num_free_blocks(self._state))
+        if self._num_free_cache is None:
+            self._num_free_cache = int(_num_free(self._state))
+        return self._num_free_cache
 
     @property
     def num_free_host_blocks(self) -> int:
         """Free host-tier blocks."""
-        return int(self._state.host_num_free)
+        if self._num_free_host_cache is None:
+            self._num_free_host_cache = int(_num_free_host(self._state))
+        return self._num_free_host_cache
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots no sequence holds."""
+        return len(self._free_slots)
+
+    @property
+    def free_slots(self) -> list[int]:
+        """The slots no sequence holds, ascending (a copy)."""
+        return sorted(self._free_slots)
+
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """``(queried, hit)`` prompt tokens over every allocation so far."""
+        queries, hits = _prefix_counts(self._state)
+        return int(queries), int(hits)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Prompt tokens found in the prefix cache / prompt tokens looked up (0 if none)."""
-        q = int(self._state.prefix_queries)
-        return int(self._state.prefix_hits) / q if q else 0.0
+        q, h = self.prefix_cache_counts
+        return h / q if q else 0.0
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._slots
@@ -138,11 +188,11 @@ class BlockManager:
 
     def seq_len(self, seq_id: Hashable) -> int:
         """Tokens held by ``seq_id``."""
-        return int(self._state.seq_lens[self.slot(seq_id)])
+        return int(np.asarray(self._state.seq_lens)[self.slot(seq_id)])
 
     def is_swapped(self, seq_id: Hashable) -> bool:
         """Whether ``seq_id``'s blocks are on the host tier."""
-        return bool(self._state.swapped[self.slot(seq_id)])
+        return self.slot(seq_id) in self._swapped
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Block ids of ``seq_id``, one per ``block_size`` tokens (host ids while swapped).
@@ -150,8 +200,8 @@ class BlockManager:
         With a sliding window, released leading blocks appear as -1.
         """
         slot = self.slot(seq_id)
-        nblk = self._cfg.blocks_for(int(self._state.seq_lens[slot]))
-        return [int(x) for x in np.asarray(self._state.block_tables[slot, :nblk])]
+        nblk = self._cfg.blocks_for(self.seq_len(seq_id))
+        return [int(x) for x in np.asarray(self._state.block_tables)[slot, :nblk]]
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` tokens would be admitted now, ignoring hits."""
@@ -161,26 +211,105 @@ class BlockManager:
         return free >= self._cfg.watermark_blocks and free >= 0
 
     def check_invariants(self) -> dict[str, bool]:
-        """:func:`allocator.check_invariants` plus the manager's own bookkeeping checks."""
+        """:func:`allocator.check_invariants` plus the manager's own bookkeeping checks
+        (named ``manager_*``): slots and swapped flags match the state, cached counts are
+        current."""
         checks = {k: bool(v) for k, v in _check(self._state).items()}
-        active = np.asarray(self._state.active)
-        checks["manager_slots_match_state"] = (
-            sorted(self._slots.values()) == sorted(int(i) for i in np.flatnonzero(active))
-            and len(self._slots) + len(self._free_slots) == self._cfg.max_seqs
+        info = jax.device_get(
+            {
+                "active": self._state.active,
+                "swapped": self._state.swapped,
+                "free": _num_free(self._state),
+                "host_free": _num_free_host(self._state),
+            }
         )
+        held = sorted(self._slots.values())
+        checks["manager_slots_match_state"] = held == [
+            int(i) for i in np.flatnonzero(info["active"])
+        ] and sorted(held + self._free_slots) == list(range(self._cfg.max_seqs))
+        checks["manager_swapped_match_state"] = self._swapped == {
+            int(i) for i in np.flatnonzero(info["swapped"])
+        }
+        checks["manager_free_counts_current"] = self._num_free_cache in (
+            None,
+            int(info["free"]),
+        ) and self._num_free_host_cache in (None, int(info["host_free"]))
         return checks
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def adopt(self, state: allocator.BlockState, num_free_blocks: int | None = None) -> None:
+        """Takes the state a fused device step returned.
+
+        That step ran the allocator's ``append`` and ``commit`` on :attr:`state` (it never
+        allocates, forks, frees or swaps a slot, so the slot map stays valid).
+
+        Args:
+            state: the step's new state (same config).
+            num_free_blocks: its free-block count when the step returned it (saves a read).
+        """
+        self._set_state(state, num_free_blocks)
+
+    def reset(self, state: allocator.BlockState | None = None) -> None:
+        """Forgets every sequence and starts from an empty ``state`` (default
+        ``allocator.init``), e.g. after a failed device step consumed the donated one. Salt
+        ids stay reserved (never reused)."""
+        self._slots.clear()
+        self._free_slots = list(range(self._cfg.max_seqs))
+        self._swapped.clear()
+        self._set_state(allocator.init(self._cfg) if state is None else state)
+
+    def warmup(self) -> None:
+        """Compiles every program the serving calls use, by refused or empty calls (the state
+        does not change)."""
+        cfg, st = self._cfg, self._state
+        padded = np.zeros(cfg.max_model_len, np.int32)
+        none = np.zeros(cfg.max_seqs, bool)
+        _allocate(st, np.int32(-1), padded, np.int32(1), np.int32(0), commit=False)
+        _fork(st, np.int32(-1), np.int32(-1))
+        _free(st, none)
+        if cfg.num_host_blocks > 0:
+            _swap_out(st, none)
+            _swap_in(st, none)
+        _num_free(st)
+        _num_free_host(st)
+        _prefix_counts(st)
 
     # -- operations -----------------------------------------------------------------------
 
     def _salt_id(self, cache_salt: Hashable | None) -> int:
+        """The tenant id of ``cache_salt``, registering a new one (exact, never reused)."""
+        sid = self._peek_salt(cache_salt)
+        if cache_salt is not None and cache_salt not in self._salts:
+            if len(self._salts) >= self._salt_gc_at:
+                self._collect_salts()
+            self._salts[cache_salt] = sid
+            self._next_salt += 1
+        return sid
+
+    def _peek_salt(self, cache_salt: Hashable | None) -> int:
+        """The id ``cache_salt`` has or would get, registering nothing."""
         if cache_salt is None:
             return 0
         try:
-            return self._salts[cache_salt]
-        except KeyError:
-            return len(self._salts) + 1
+            sid = self._salts.get(cache_salt)
         except TypeError:
-            raise PaxcacheError(f"cache_salt must be hashable, got {cache_salt!r}") from None
+            raise PaxcacheError(
+                f"cache_salt must be hashable, got {type(cache_salt).__name__}"
+            ) from None
+        if sid is not None:
+            return sid
+        if self._next_salt > np.iinfo(np.int32).max:
+            raise PaxcacheError("cache salt ids are exhausted (2**31 distinct salts); restart")
+        return self._next_salt
+
+    def _collect_salts(self) -> None:
+        """Drops the salts whose id no block (cached or held) and no held slot carries: a
+        later request with that salt gets a new id and loses nothing (no block had it)."""
+        blocks, slots = jax.device_get(_salts_in_use(self._state))
+        in_use = set(np.asarray(blocks).tolist()) | set(np.asarray(slots).tolist())
+        self._salts = {k: v for k, v in self._salts.items() if v in in_use}
+        self._salt_gc_at = max(_SALT_GC_THRESHOLD, 2 * len(self._salts))
 
     def _new_slot(self, seq_id: Hashable) -> int:
         try:
@@ -204,6 +333,7 @@ class BlockManager:
         cache_salt: Hashable | None = None,
         *,
         commit: bool = True,
+        reserve: int = 0,
     ) -> int:
         """Admits a prompt; returns how many of its tokens were found in the prefix cache.
 
@@ -213,10 +343,13 @@ class BlockManager:
             cache_salt: tenant key; prompts with different salts never share blocks.
             commit: make the prompt's full blocks visible to lookups now (see
                 :func:`allocator.allocate`); with False call :meth:`commit` once computed.
+            reserve: blocks that must still be free afterwards, on top of the watermark
+                (blocks already promised to other sequences this step).
 
         Raises:
             DuplicateSequenceError, NoFreeSlotError, SequenceTooLongError, OutOfBlocksError
-            (watermark included), PaxcacheError for an empty prompt.
+            (watermark and reserve included), PaxcacheError for an empty prompt or an
+            unhashable salt.
         """
         ids = _as_ids(token_ids)
         cfg = self._cfg
@@ -228,22 +361,30 @@ class BlockManager:
                 f"(max_blocks_per_seq={cfg.max_blocks_per_seq} * block_size={cfg.block_size})"
             )
         slot = self._new_slot(seq_id)
-        salt = self._salt_id(cache_salt)
+        salt = self._peek_salt(cache_salt)
         padded = np.zeros(cfg.max_model_len, np.int32)
         padded[: ids.size] = ids
         state, res = _allocate(
             self._state, np.int32(slot), padded, np.int32(ids.size), np.int32(salt), commit=commit
         )
-        if not bool(res.ok):
+        ok, cached = jax.device_get((res.ok, res.num_cached_tokens))
+        if not ok:
             raise OutOfBlocksError(
                 f"cannot allocate {cfg.blocks_for(ids.size)} blocks for {seq_id!r}: "
                 f"{self.num_free_blocks} free, watermark {cfg.watermark_blocks}"
             )
-        self._state = state
+        num_free = None
+        if reserve > 0:
+            num_free = int(_num_free(state))
+            if num_free < reserve + cfg.watermark_blocks:
+                raise OutOfBlocksError(
+                    f"allocating {seq_id!r} would leave {num_free} free blocks, fewer than the "
+                    f"{reserve} reserved plus the watermark {cfg.watermark_blocks}"
+                )
+        self._salt_id(cache_salt)  # registers a new salt (its id is ``salt``)
+        self._set_state(state, num_free)
         self._take_slot(seq_id, slot)
-        if cache_salt is not None:
-            self._salts.setdefault(cache_salt, salt)
-        return int(res.num_cached_tokens)
+        return int(cached)
 
     def append(
         self, seq_id: Hashable, token_ids: TokenIds | int, *, commit: bool = True
@@ -287,7 +428,6 @@ class BlockManager:
         failed: dict[Hashable, PaxcacheError] = {}
         slots: dict[Hashable, int] = {}
         lens = np.asarray(self._state.seq_lens)
-        swapped = np.asarray(self._state.swapped)
         for seq_id, toks in requests.items():
             slot = self.slot(seq_id)
             if isinstance(toks, (int, np.integer)) and not isinstance(toks, bool):
@@ -297,7 +437,7 @@ class BlockManager:
             else:
                 ids = _as_ids(toks)
                 n = int(ids.size)
-            if swapped[slot]:
+            if slot in self._swapped:
                 failed[seq_id] = SequenceSwappedError(f"sequence {seq_id!r} is swapped out")
                 continue
             if lens[slot] + n > cfg.max_model_len:
@@ -332,7 +472,7 @@ class BlockManager:
             else:
                 cows[seq_id] = [(int(src[slot]), int(dst[slot]))] if dst[slot] >= 0 else []
         if cows:
-            self._state = state  # refused slots are bitwise unchanged in `state`
+            self._set_state(state)  # refused slots are bitwise unchanged in `state`
         return failed, cows
 
     def commit(self, num_computed: Mapping[Hashable, int]) -> None:
@@ -344,7 +484,7 @@ class BlockManager:
         nc = np.zeros(self._cfg.max_seqs, np.int32)
         for seq_id, n in num_computed.items():
             nc[self.slot(seq_id)] = int(n)
-        self._state = _commit(self._state, nc)
+        self._set_state(_commit(self._state, nc), self._num_free_cache)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Makes ``child_id`` share every block of ``parent_id`` (no copy until an append).
@@ -354,13 +494,13 @@ class BlockManager:
             SequenceSwappedError.
         """
         parent = self.slot(parent_id)
-        if bool(self._state.swapped[parent]):
+        if parent in self._swapped:
             raise SequenceSwappedError(f"cannot fork swapped-out sequence {parent_id!r}")
         child = self._new_slot(child_id)
         state, res = _fork(self._state, np.int32(parent), np.int32(child))
-        if not bool(res.ok):  # pragma: no cover - guarded above
+        if not bool(np.asarray(res.ok)):  # pragma: no cover - guarded above
             raise PaxcacheError(f"fork of {parent_id!r} into {child_id!r} refused")
-        self._state = state
+        self._set_state(state, self._num_free_cache)  # a fork takes no block
         self._take_slot(child_id, child)
 
     def free(self, seq_id: Hashable) -> None:
@@ -368,13 +508,14 @@ class BlockManager:
         slot = self.slot(seq_id)
         mask = np.zeros(self._cfg.max_seqs, bool)
         mask[slot] = True
-        self._state = _free(self._state, mask)
+        self._set_state(_free(self._state, mask))
         del self._slots[seq_id]
+        self._swapped.discard(slot)
         heapq.heappush(self._free_slots, slot)
 
-    def _swap(self, seq_id: Hashable, out: bool) -> list[tuple[int, int]]:
+    def _swap(self, seq_id: Hashable, out: bool, reserve: int = 0) -> list[tuple[int, int]]:
         slot = self.slot(seq_id)
-        swapped = bool(self._state.swapped[slot])
+        swapped = slot in self._swapped
         if out and swapped:
             raise SequenceSwappedError(f"sequence {seq_id!r} is already swapped out")
         if not out and not swapped:
@@ -382,22 +523,49 @@ class BlockManager:
         mask = np.zeros(self._cfg.max_seqs, bool)
         mask[slot] = True
         state, plan = (_swap_out if out else _swap_in)(self._state, mask)
-        if not bool(plan.ok[slot]):
+        ok, num, src, dst = jax.device_get((plan.ok, plan.num, plan.src, plan.dst))
+        if not ok[slot]:
             where = "host" if out else "device"
             free = self.num_free_host_blocks if out else self.num_free_blocks
             raise OutOfBlocksError(
                 f"not enough free {where} blocks to swap {'out' if out else 'in'} "
                 f"{seq_id!r} ({free} free)"
             )
-        self._state = state
-        num = int(plan.num)
-        src, dst = np.asarray(plan.src[:num]), np.asarray(plan.dst[:num])
-        return [(int(a), int(b)) for a, b in zip(src, dst, strict=True)]
+        num = int(num)
+        num_free = None
+        if not out:
+            # Swap-in takes exactly ``num`` free blocks (the allocator keeps the watermark).
+            num_free = self.num_free_blocks - num
+            if num_free < reserve + self._cfg.watermark_blocks:
+                raise OutOfBlocksError(
+                    f"swapping {seq_id!r} in would leave {num_free} free blocks, fewer than "
+                    f"the {reserve} reserved plus the watermark {self._cfg.watermark_blocks}"
+                )
+        self._set_state(state, num_free)
+        if out:
+            self._swapped.add(slot)
+        else:
+            self._swapped.discard(slot)
+        return [(int(a), int(b)) for a, b in zip(src[:num], dst[:num], strict=True)]
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
-        """Moves ``seq_id`` to the host tier; returns ``(device_block, host_block)`` copies."""
+        """Moves ``seq_id`` to the host tier; returns ``(device_block, host_block)`` copies.
+
+        Raises:
+            UnknownSequenceError, SequenceSwappedError (already out), OutOfBlocksError (the
+            host pool has no room; nothing changes).
+        """
         return self._swap(seq_id, out=True)
 
-    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
-        """Moves ``seq_id`` back to the device; returns ``(host_block, device_block)`` copies."""
-        return self._swap(seq_id, out=False)
+    def swap_in(self, seq_id: Hashable, *, reserve: int = 0) -> list[tuple[int, int]]:
+        """Moves ``seq_id`` back to the device; returns ``(host_block, device_block)`` copies.
+
+        Args:
+            seq_id: a swapped-out sequence.
+            reserve: blocks that must still be free afterwards, on top of the watermark.
+
+        Raises:
+            UnknownSequenceError, SequenceSwappedError (not swapped out), OutOfBlocksError
+            (too few free device blocks, reserve included; nothing changes).
+        """
+        return self._swap(seq_id, out=False, reserve=reserve)

@@ -6,6 +6,11 @@ the pages and attends over each sequence's whole context (ragged batch: prefill,
 chunked prefill and prefix hits together). It holds no parameters; the cache is passed in and
 returned, so it stays a pure value the caller can donate across steps.
 
+The layer is built with what belongs to the model (heads, head dim, scale, soft cap, sliding
+window). How it runs (kernel implementation, interpret mode, the tensor-parallel mesh) comes
+with the step's :class:`~paxcache.attention.AttentionMetadata`, so the engine's choices reach
+every layer of any model that uses it, the bundled Llama included, with no change to the model.
+
 Shape letters: T token rows, H query heads, K kv heads, D head dim, N blocks, S block size.
 """
 
@@ -29,8 +34,9 @@ class PagedAttention(nnx.Module):
       sm_scale: logit scale, default ``D ** -0.5``.
       soft_cap: optional logit soft cap.
       sliding_window: optional window (a query at ``p`` sees keys in ``(p - window, p]``).
-      impl: kernel choice passed to :mod:`kernels_pallas` (``"auto"`` by default).
-      interpret: run Pallas kernels in interpret mode (CPU tests).
+      impl: pin a kernel choice of :mod:`kernels_pallas`; None (default) follows the
+        metadata's ``impl`` (the engine's).
+      interpret: pin Pallas interpret mode; None follows the metadata.
     """
 
     def __init__(
@@ -42,8 +48,8 @@ class PagedAttention(nnx.Module):
         sm_scale: float | None = None,
         soft_cap: float | None = None,
         sliding_window: int | None = None,
-        impl: str = "auto",
-        interpret: bool = False,
+        impl: str | None = None,
+        interpret: bool | None = None,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -73,8 +79,9 @@ class PagedAttention(nnx.Module):
         Args:
           q: ``[T, H, D]``; k, v: ``[T, K, D]`` (rotary embeddings already applied).
           kv_pages: ``(k_pages, v_pages)``, each ``[K, N, S, D]`` or ``[L, K, N, S, D]``.
-          metadata: the step's :class:`~paxcache.attention.AttentionMetadata`.
-          layer: index into stacked pages.
+          metadata: the step's :class:`~paxcache.attention.AttentionMetadata` (also says how
+            the op runs: ``impl``, ``interpret``, ``mesh``).
+          layer: index into stacked pages (int, or a traced scalar inside ``lax.scan``).
 
         Returns:
           ``(out [T, H, D], (k_pages, v_pages))``.

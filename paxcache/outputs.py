@@ -1,8 +1,10 @@
-"""Request and completion outputs returned by the engine (vLLM-compatible field names)."""
+"""Request and completion outputs returned by the engine (vLLM-compatible field names), and
+the engine's per-request record that builds them (:class:`RequestState`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 INTERNAL_ERROR = "internal error while processing this request"
 """``RequestOutput.error`` of a request that failed inside the engine (the details are logged,
@@ -62,3 +64,80 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+
+
+class RequestState:
+    """The engine's record of one live request: its sequences (each a
+    :class:`paxcache.sequence.Sequence`) and what its outputs have reported so far.
+
+    Args:
+      request_id: the id given to ``add_request``.
+      prompt: the prompt text (None for token ids).
+      prompt_ids: the prompt's tokens.
+      params: its ``SamplingParams``.
+      seqs: its ``n`` sequences, in index order.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: Any,
+        seqs: list[Any],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_ids
+        self.params = params
+        self.seqs = seqs
+        # output_kind="delta": tokens / logprobs of each completion already reported.
+        self.sent_tokens = [0] * len(seqs)
+        self.sent_logprobs = [0] * len(seqs)
+
+    def output(self, *, finished: bool) -> RequestOutput:
+        """The request's output now (cumulative, or only what is new with
+        ``output_kind="delta"``); text that may still turn out to be the start of a stop
+        string is held back until it cannot."""
+        comps = []
+        stops = self.params.stop or ()
+        hold = max((len(s) for s in stops), default=1) - 1
+        delta = self.params.output_kind == "delta"
+        for i, s in enumerate(self.seqs):
+            visible = len(s.text) if s.is_finished else max(s.emitted, len(s.text) - hold)
+            new_text = s.text[s.emitted : visible]
+            s.emitted = visible
+            if delta:  # only what is new: linear in the output length, however long
+                start = s.num_prompt + self.sent_tokens[i]
+                token_ids = s.token_ids[start:] if s.num_generated > 0 else []
+                self.sent_tokens[i] += len(token_ids)
+                logprobs = None
+                if s.logprobs is not None:
+                    logprobs = s.logprobs[self.sent_logprobs[i] :]
+                    self.sent_logprobs[i] = len(s.logprobs)
+                text = new_text
+            else:
+                token_ids = list(s.token_ids[s.num_prompt :]) if s.num_generated > 0 else []
+                logprobs = list(s.logprobs) if s.logprobs is not None else None
+                text = s.text[:visible]
+            comps.append(
+                CompletionOutput(
+                    index=s.index,
+                    token_ids=token_ids,
+                    text=text,
+                    finish_reason=s.finish_reason,
+                    logprobs=logprobs,
+                    new_token_ids=list(s.new_ids),
+                    new_text=new_text,
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=comps,
+            finished=finished,
+            error=next((s.error for s in self.seqs if s.error), None),
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in self.seqs),
+        )

@@ -1,17 +1,24 @@
 """Continuous-batching scheduler: host-side, plain Python; decides *what* runs each step.
 
-The scheduler never touches device arrays. It keeps the queues and the per-sequence token
-accounting, and produces a :class:`StepPlan` (which sequences run how many tokens) that the
-engine turns into one fused, jit-compiled device step. It asks the engine, through the
-:class:`CacheOps` callbacks, to admit, preempt or resume sequences; those calls are the only
-places the allocator is consulted outside the fused step.
+The scheduler owns the queues, the per-sequence accounting (:mod:`paxcache.sequence`) and the
+one host-side :class:`~paxcache.manager.BlockManager`. A step reads in one direction, and
+nothing here calls back into the engine:
 
-Unified token accounting (prefill, chunked prefill, decode and recompute are one thing):
-``seq.token_ids`` holds the prompt followed by the generated tokens; ``seq.num_computed`` of
-them have their K/V in the cache. A step feeds ``token_ids[num_computed : num_computed + q]``;
-when that reaches the end of ``token_ids`` the step also samples the next token. A decode is
-simply ``q == 1``. After a recompute preemption ``num_computed`` is reset to 0 and the whole
-history is prefilled again (prefix-cache hits make that cheap).
+1. :meth:`Scheduler.schedule` returns a :class:`StepPlan`: the rows (which sequences feed how
+   many tokens), the samples, and what it did to the block manager to make room for them:
+   admissions, swaps out and in with their ``(src, dst)`` block pairs, preemptions, failures.
+   It moves no KV and runs no model: the plan's block copies are the engine's to make.
+2. The engine carries the plan out (swaps, then one fused device step: :mod:`paxcache.step`).
+3. :meth:`Scheduler.postprocess` takes the step's :class:`StepResult`: the block manager adopts
+   the block state the step returned, rows advance, sampled tokens (and logprobs) are appended
+   and detokenized, stop conditions are applied and finished sequences are freed. It is the
+   only place a step's results change a sequence.
+
+Token accounting is unified (prefill, chunked prefill, decode and recompute are one thing; see
+:mod:`paxcache.sequence`): a step feeds ``token_ids[num_computed : num_computed + q]`` and
+samples when that reaches the end; a decode is simply ``q == 1``. After a recompute
+preemption ``num_computed`` is reset to 0 and the whole history is prefilled again
+(prefix-cache hits make that cheap).
 
 Policies (the order in which running sequences share the step's token budget):
   ``"fifo"``: running decodes first (they never stall behind a long prompt), then prefill
@@ -69,168 +76,116 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import itertools
-from collections.abc import Callable
-from typing import Any, Protocol
+import logging
+from collections.abc import Collection
 
-from paxcache.sampling import SamplingParams
+import numpy as np
 
-__all__ = ["CacheOps", "Scheduler", "SeqState", "Sequence", "StepPlan"]
+from paxcache.errors import OutOfBlocksError
+from paxcache.manager import BlockManager
+from paxcache.outputs import INTERNAL_ERROR
+from paxcache.sequence import SeqState, Sequence, check_stop
 
+__all__ = ["Scheduler", "SeqState", "Sequence", "StepPlan", "StepResult"]
 
-class SeqState:
-    """Where a sequence is."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-_arrival = itertools.count()
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """One completion of a request (``n`` of them for ``SamplingParams.n > 1``).
-
-    Attributes:
-      request_id: the owning request.
-      index: completion index ``j`` in ``0..n-1``.
-      token_ids: prompt followed by generated tokens.
-      num_prompt: prompt length (original prompt, not counting generated tokens).
-      params: the request's sampling parameters.
-      seed: the request's seed (fixed at arrival).
-      arrival: arrival order (ties broken by index): the age order of every rule.
-      slot: allocator slot while running or swapped, else -1.
-      num_computed: tokens whose K/V is in the cache.
-      num_allocated: tokens covered by the slot's blocks (the allocator's ``seq_lens``).
-      followers: sequences forked from this one at admission (``n > 1``). While one still
-        waits for this sequence's prompt (its ``leader`` is this sequence) it has no rows of
-        its own and is preempted and resumed with it; after the first sample it is independent.
-      leader: the sequence this one follows, while it waits.
-      shared_last: its last, partially filled block may be shared with a sibling (just
-        forked): its next write may copy on write.
-      num_preemptions: times this sequence was preempted (swap or recompute).
-      preempted_at: the scheduler's departure count when it was last preempted (rule R5).
-    """
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    num_prompt: int
-    params: SamplingParams
-    seed: int
-    salt: int = 0
-    arrival: int = dataclasses.field(default_factory=lambda: next(_arrival))
-    state: str = SeqState.WAITING
-    slot: int = -1
-    num_computed: int = 0
-    num_allocated: int = 0
-    followers: list[Sequence] = dataclasses.field(default_factory=list)
-    leader: Sequence | None = None
-    shared_last: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_preemptions: int = 0
-    preempted_at: int = -1
-    # Output state (kept by the engine).
-    text: str = ""
-    emitted: int = 0
-    logprobs: list[dict] | None = None
-    decoder: Any = None
-    new_ids: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
-    @property
-    def remaining(self) -> int:
-        """Tokens still to feed before the next sample."""
-        return len(self.token_ids) - self.num_computed
-
-    @property
-    def is_finished(self) -> bool:
-        return self.state == SeqState.FINISHED
-
-    @property
-    def age(self) -> tuple[int, int]:
-        """Sort key of the age order: smaller is older."""
-        return (self.arrival, self.index)
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class StepPlan:
-    """What one device step runs.
+    """What one step runs, and what :meth:`Scheduler.schedule` changed to make room for it.
 
     Attributes:
       rows: ``(seq, q)`` in batch order: ``q`` tokens of ``seq`` are fed.
+      slots: the block-manager slot of each row's sequence.
       samples: ``(seq, row_index)``: ``seq`` samples its next token from the logits of the
         last token of batch row ``row_index`` (a follower samples from its leader's row).
+      swap_out: ``(device_block, host_block)`` copies to make before the step (the blocks of
+        the sequences swapped out).
+      swap_in: ``(host_block, device_block)`` copies to make before the step, after
+        ``swap_out`` (never both in one step: rule R3).
+      swapped_out: sequences preempted by swapping (their KV is in ``swap_out``).
+      swapped_in: sequences resumed from the host (their KV is in ``swap_in``).
+      admitted: sequences given blocks this step (new, or resumed after a recompute).
+      preempted: sequences preempted this step (swapped out or freed for recompute).
+      failed: sequences the scheduler finished with an error (they can never fit).
     """
 
-    rows: list[tuple[Sequence, int]]
-    samples: list[tuple[Sequence, int]]
+    rows: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    slots: list[int] = dataclasses.field(default_factory=list)
+    samples: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swapped_out: list[Sequence] = dataclasses.field(default_factory=list)
+    swapped_in: list[Sequence] = dataclasses.field(default_factory=list)
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    failed: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(q for _, q in self.rows)
 
 
-class CacheOps(Protocol):
-    """What the scheduler needs from the engine's cache (all host-synchronous).
+@dataclasses.dataclass
+class StepResult:
+    """What the device step returned, on the host (row ``i`` of ``plan.rows``, sample ``j``
+    of ``plan.samples``).
 
-    ``admit`` and ``swap_in`` take a ``reserve``: they refuse (changing nothing) unless
-    ``reserve`` blocks plus the watermark are still free afterwards (rule R6).
+    Attributes:
+      state: the block state the step returned (the allocator's ``append`` and ``commit``
+        ran in it); the block manager adopts it.
+      num_free_blocks: its free-block count.
+      row_ok: ``bool[R]`` whether row ``i`` got its blocks (always, unless a bug).
+      tokens: ``i32[R]`` sampled token ``j``.
+      logprob: ``f32[R]`` its log-probability, or None when no sample asked for logprobs.
+      top_ids, top_logprobs: ``[R, K]`` the top-K candidates, or None (as ``logprob``).
+      failed_requests: requests whose host work for this step raised (preparing their
+        sampling inputs): they fail, the others go on.
     """
 
-    block_size: int
-    num_host_blocks: int
-
-    def num_free_blocks(self) -> int: ...
-
-    def num_free_host_blocks(self) -> int: ...
-
-    def free_slots(self) -> int: ...
-
-    def admit(self, seqs: list[Sequence], reserve: int = 0) -> bool: ...
-
-    def release(self, seq: Sequence) -> None: ...
-
-    def swap_out(self, seq: Sequence) -> bool: ...
-
-    def swap_in(self, seq: Sequence, reserve: int = 0) -> bool: ...
-
-    def blocks_held(self, seq: Sequence) -> int: ...
+    state: object
+    num_free_blocks: int
+    row_ok: np.ndarray
+    tokens: np.ndarray
+    logprob: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    failed_requests: Collection[str] = ()
 
 
 class Scheduler:
-    """Queues and per-step decisions for continuous batching (rules in the module docstring).
+    """Queues, per-step decisions and per-sequence accounting (rules in the module docstring).
 
     Args:
-      cache: the engine's :class:`CacheOps`.
+      block_manager: the one block manager; the scheduler is its only caller.
       max_num_seqs: most sequences in one step (and running at once).
       max_num_batched_tokens: token budget of one step, shared by decodes and prefill chunks.
       preemption_mode: ``"swap"`` or ``"recompute"``.
       policy: ``"fifo"`` or ``"prefill_first"``.
-      on_finish: called with a sequence the scheduler itself had to finish (error).
+      max_model_len: longest sequence; one that reaches it finishes with ``"length"``.
+      eos_token_ids: tokens that end a sequence (unless its ``ignore_eos``).
 
     Counters: ``num_preemptions`` (units preempted) = ``num_preemptions_swap`` +
     ``num_preemptions_recompute``; ``num_swaps`` (sequences swapped out, same as
-    ``num_preemptions_swap``); ``num_departures`` (running sequences that finished, were aborted
-    or failed).
+    ``num_preemptions_swap``); ``num_swapped_out_seqs`` / ``_blocks`` and
+    ``num_swapped_in_seqs`` / ``_blocks``; ``num_departures`` (running sequences that
+    finished, were aborted or failed); ``num_prompt_tokens`` (of requests added),
+    ``num_prefill_tokens_computed`` (prompt tokens run through the model),
+    ``num_generated_tokens``; ``num_refused_rows`` (planned rows the allocator refused: 0
+    unless the block arithmetic has a bug).
     """
 
     def __init__(
         self,
-        cache: CacheOps,
+        block_manager: BlockManager,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
         policy: str = "fifo",
-        on_finish: Callable[[Sequence], Any] | None = None,
+        max_model_len: int | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"policy must be 'fifo' or 'prefill_first', got {policy!r}")
@@ -238,12 +193,14 @@ class Scheduler:
             raise ValueError(
                 f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}"
             )
-        self.cache = cache
+        self.block_manager = block_manager
+        self.block_size = block_manager.cfg.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.policy = policy
-        self.on_finish = on_finish
+        self.max_model_len = max_model_len or block_manager.cfg.max_model_len
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         # Queued units, each in age order (R4 merges the two): ``waiting`` holds units of
         # sequences admitted together (a leader, then its waiting followers), never admitted or
         # preempted by recompute; ``swapped`` holds single sequences parked on the host.
@@ -254,16 +211,25 @@ class Scheduler:
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
         self.num_swaps = 0
+        self.num_swapped_out_seqs = self.num_swapped_out_blocks = 0
+        self.num_swapped_in_seqs = self.num_swapped_in_blocks = 0
         self.num_departures = 0
+        self.num_prompt_tokens = 0
+        self.num_prefill_tokens_computed = 0
+        self.num_generated_tokens = 0
+        self.num_refused_rows = 0
 
     # -- queues ---------------------------------------------------------------------------
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queues a new request's sequences (a leader first, then its followers)."""
+        for s in seqs:
+            s.group = seqs
+        self.num_prompt_tokens += seqs[0].num_prompt
         self.waiting.append(seqs)  # the newest of all: the end keeps the queue in age order
 
     def remove(self, seqs: list[Sequence]) -> None:
-        """Drops sequences from every queue (abort / finish); their slots are the engine's."""
+        """Drops sequences from every queue; their blocks stay (see :meth:`finish`)."""
         ids = {id(s) for s in seqs}
         running = [s for s in self.running if id(s) not in ids]
         self.num_departures += len(self.running) - len(running)
@@ -276,12 +242,37 @@ class Scheduler:
                 kept.append(unit)
         self.waiting = kept
 
+    def finish(self, seqs: list[Sequence], reason: str, error: str | None = None) -> None:
+        """Ends sequences now (abort, failure): out of every queue, blocks freed, finished
+        with ``reason`` (a sequence that already finished keeps its own)."""
+        self.remove(seqs)
+        for s in seqs:
+            self._release(s)
+            s.finish(reason, error)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.block_manager:
+            self.block_manager.free(seq)
+
+    def reset_cache(self, state: object) -> list[Sequence]:
+        """Starts the block manager over from an empty ``state`` (the old one is gone, e.g.
+        consumed by a failed device step) and returns the live sequences that held blocks:
+        their KV is lost, the caller fails them. Queued sequences without blocks are kept."""
+        lost = [s for s in self.running + self.swapped if s in self.block_manager]
+        self.block_manager.reset(state)
+        return lost
+
     @property
     def num_waiting(self) -> int:
         return sum(len(u) for u in self.waiting)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def oldest_waiting_arrival(self) -> float | None:
+        """``arrival_time`` of the oldest request with a queued sequence, None when none."""
+        queued = [u[0] for u in self.waiting] + self.swapped
+        return min((s.arrival_time for s in queued), default=None)
 
     def _queue_head(self) -> list[Sequence] | None:
         """The oldest queued unit, swapped or waiting (R4)."""
@@ -298,8 +289,7 @@ class Scheduler:
     # -- block arithmetic -----------------------------------------------------------------
 
     def _blocks(self, tokens: int) -> int:
-        s = self.cache.block_size
-        return -(-tokens // s)
+        return -(-tokens // self.block_size)
 
     def _blocks_needed(self, rows: list[tuple[Sequence, int]]) -> int:
         """Fresh blocks the allocator's ``append`` takes to feed ``rows``, exactly.
@@ -310,7 +300,7 @@ class Scheduler:
         The holders of a request's shared block are its running sequences with
         ``shared_last`` (siblings forked together that have not written yet).
         """
-        s = self.cache.block_size
+        s = self.block_size
         need = 0
         writers: collections.Counter[str] = collections.Counter()
         for seq, q in rows:
@@ -327,23 +317,37 @@ class Scheduler:
 
     def _can_swap(self, unit: list[Sequence]) -> bool:
         lead = unit[0]
+        bm = self.block_manager
         return (
             self.preemption_mode == "swap"
-            and self.cache.num_host_blocks > 0
+            and bm.cfg.num_host_blocks > 0
             and len(unit) == 1  # no follower waits for its prompt
             and lead.remaining == 1  # decoding (a prompt is cheaper to recompute)
-            and self.cache.blocks_held(lead) <= self.cache.num_free_host_blocks()
+            and self._blocks(lead.num_allocated) <= bm.num_free_host_blocks
         )
 
-    def _preempt(self, unit: list[Sequence]) -> None:
+    def _swap_out(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Moves ``seq``'s blocks to the host pool (all or nothing); the copies go in the plan."""
+        try:
+            pairs = self.block_manager.swap_out(seq)
+        except OutOfBlocksError:
+            return False
+        plan.swap_out += pairs
+        plan.swapped_out.append(seq)
+        self.num_swapped_out_seqs += 1
+        self.num_swapped_out_blocks += len(pairs)
+        return True
+
+    def _preempt(self, unit: list[Sequence], plan: StepPlan) -> None:
         """R2: swaps ``unit`` out or frees it for recompute; it waits for a departure (R5)."""
         for s in unit:
             self.running.remove(s)
             s.num_preemptions += 1
             s.preempted_at = self.num_departures
+        plan.preempted += unit
         self.num_preemptions += 1
         lead = unit[0]
-        if self._can_swap(unit) and self.cache.swap_out(lead):
+        if self._can_swap(unit) and self._swap_out(lead, plan):
             self.num_preemptions_swap += 1
             self.num_swaps += 1
             lead.state = SeqState.SWAPPED
@@ -354,7 +358,7 @@ class Scheduler:
         # Recompute: free the blocks, queue again (in age order) with the whole history.
         self.num_preemptions_recompute += 1
         for s in unit:
-            self.cache.release(s)
+            self._release(s)
             s.state = SeqState.WAITING
             s.num_computed = 0
             s.num_allocated = 0
@@ -362,58 +366,49 @@ class Scheduler:
         ages = [u[0].age for u in self.waiting]
         self.waiting.insert(bisect.bisect(ages, lead.age), unit)
 
-    def _fail_running(self, unit: list[Sequence], message: str) -> None:
-        for s in unit:
-            self.running.remove(s)
-            self.num_departures += 1
-            self._finish_with_error(s, message)
+    def _fail(self, seqs: list[Sequence], message: str, plan: StepPlan) -> None:
+        """Finishes sequences that can never fit with an error (they report in ``plan``)."""
+        self.finish(seqs, "error", message)
+        plan.failed += seqs
 
-    def _fail_queued(self, seqs: list[Sequence], what: str) -> None:
-        for seq in seqs:
-            self._finish_with_error(
-                seq,
-                f"sequence of {len(seq.token_ids)} tokens can never be {what}: it needs more "
-                f"KV blocks than the cache admits (free {self.cache.num_free_blocks()} minus "
-                "the watermark)",
-            )
-
-    def _finish_with_error(self, seq: Sequence, message: str) -> None:
-        seq.state = SeqState.FINISHED
-        seq.finish_reason = "error"
-        seq.error = message
-        if self.on_finish is not None:
-            self.on_finish(seq)
+    def _never_fits(self, seqs: list[Sequence], what: str) -> str:
+        return (
+            f"sequence of {len(seqs[0].token_ids)} tokens can never be {what}: it needs more "
+            f"KV blocks than the cache admits (free {self.block_manager.num_free_blocks} minus "
+            "the watermark)"
+        )
 
     # -- the step -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Chooses the sequences and token counts of the next step (may preempt/admit)."""
+        """Plans the next step: rows, samples, and the admissions, swaps, preemptions and
+        failures that make room for them (in the block manager; no KV moves here)."""
+        plan = StepPlan()
         rows = self._plan_running()
-        rows, preempted = self._fit(rows)
+        rows, preempted = self._fit(rows, plan)
         if not preempted:  # R3
             budget = self.max_num_batched_tokens - sum(q for _, q in rows)
-            self._resume(rows, budget)
+            self._resume(rows, budget, plan)
         if not rows and not self.running:
             # The queue head was not resumed although nothing runs: every block is free, so it
             # never will be (e.g. it grew past ``num_blocks - watermark`` and was preempted).
             head = self._queue_head()
             if head is not None:
-                if head[0].state == SeqState.SWAPPED:
-                    self.swapped.pop(0)
-                    self._fail_queued(head, "swapped back in")
-                else:
-                    self.waiting.popleft()
-                    self._fail_queued(head, "admitted")
+                swapped = head[0].state == SeqState.SWAPPED
+                self._fail(
+                    head, self._never_fits(head, "swapped back in" if swapped else "admitted"), plan
+                )
 
         # Samples: a row that reaches the end of its tokens samples; so do its followers.
-        samples: list[tuple[Sequence, int]] = []
         for i, (seq, q) in enumerate(rows):
             if seq.num_computed + q == len(seq.token_ids):
-                samples.append((seq, i))
+                plan.samples.append((seq, i))
                 for f in seq.followers:
                     if f.state == SeqState.RUNNING and f.leader is seq:
-                        samples.append((f, i))
-        return StepPlan(rows=rows, samples=samples)
+                        plan.samples.append((f, i))
+        plan.rows = rows
+        plan.slots = [self.block_manager.slot(seq) for seq, _ in rows]
+        return plan
 
     def _plan_running(self) -> list[tuple[Sequence, int]]:
         """R1: the running sequences' rows in policy order, the oldest always among them."""
@@ -437,31 +432,35 @@ class Scheduler:
             oldest_planned = oldest_planned or seq is oldest
         return rows
 
-    def _fit(self, rows: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], bool]:
+    def _fit(
+        self, rows: list[tuple[Sequence, int]], plan: StepPlan
+    ) -> tuple[list[tuple[Sequence, int]], bool]:
         """R2: preempts the newest units until the rows' new blocks fit in the free blocks.
 
         Returns the rows still planned and whether anything was preempted.
         """
         preempted = False
-        while rows and self._blocks_needed(rows) > self.cache.num_free_blocks():
+        bm = self.block_manager
+        while rows and self._blocks_needed(rows) > bm.num_free_blocks:
             unit = self._unit_of(max(self.running, key=lambda s: s.age))
             if len(unit) == len(self.running):
                 # The oldest unit is all that runs and still does not fit: it never will.
                 victim = unit[0]
-                self._fail_running(
-                    unit,
-                    f"the KV cache ({self.cache.num_free_blocks()} free blocks) cannot hold "
-                    f"this sequence of {len(victim.token_ids)} tokens",
+                message = (
+                    f"the KV cache ({bm.num_free_blocks} free blocks) cannot hold "
+                    f"this sequence of {len(victim.token_ids)} tokens"
                 )
+                self._fail(unit, message, plan)
             else:
-                self._preempt(unit)
+                self._preempt(unit, plan)
                 preempted = True
             alive = {id(s) for s in self.running}
             rows = [(s, q) for s, q in rows if id(s) in alive]
         return rows, preempted
 
-    def _resume(self, rows: list[tuple[Sequence, int]], budget: int) -> None:
+    def _resume(self, rows: list[tuple[Sequence, int]], budget: int, plan: StepPlan) -> None:
         """R4-R6: resumes or admits queued units, oldest first, each with a row this step."""
+        bm = self.block_manager
         while budget > 0:
             unit = self._queue_head()
             if unit is None:
@@ -474,18 +473,193 @@ class Scheduler:
             reserve = self._blocks_needed(rows)  # R6
             if lead.state == SeqState.SWAPPED:
                 own = self._blocks_needed([(lead, 1)])  # its decode may start a new block
-                if not self.cache.swap_in(lead, reserve + own):
+                try:
+                    pairs = bm.swap_in(lead, reserve=reserve + own)
+                except OutOfBlocksError:
                     return
                 self.swapped.pop(0)
+                plan.swap_in += pairs
+                plan.swapped_in.append(lead)
+                self.num_swapped_in_seqs += 1
+                self.num_swapped_in_blocks += len(pairs)
             else:
                 # The prompt (or history) is allocated whole at admission: its first chunk
                 # takes no further block.
-                if self.cache.free_slots() < len(unit) or not self.cache.admit(unit, reserve):
+                if bm.num_free_slots < len(unit) or not self._admit(unit, reserve):
                     return
                 self.waiting.popleft()
+                plan.admitted += unit
             for s in unit:
                 s.state = SeqState.RUNNING
                 self.running.append(s)
             q = min(lead.remaining, budget)
             rows.append((lead, q))
             budget -= q
+
+    def _admit(self, unit: list[Sequence], reserve: int) -> bool:
+        """Allocates a unit's history (blocks visible to lookups once computed) and forks its
+        followers from it; refused (nothing changes) unless ``reserve`` blocks plus the
+        watermark stay free."""
+        bm = self.block_manager
+        lead = unit[0]
+        try:
+            cached = bm.allocate(
+                lead, lead.token_ids, cache_salt=lead.cache_salt, commit=False, reserve=reserve
+            )
+        except OutOfBlocksError:
+            return False
+        if lead.num_cached_tokens is None:
+            lead.num_cached_tokens = cached
+        n = len(lead.token_ids)
+        lead.num_computed, lead.num_allocated = cached, n
+        lead.shared_last = len(unit) > 1
+        for f in unit[1:]:
+            bm.fork(lead, f)  # cannot fail: the slots were counted
+            f.num_computed, f.num_allocated = cached, n
+            f.shared_last = True
+        return True
+
+    # -- after the step -------------------------------------------------------------------
+
+    def postprocess(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """All per-sequence accounting of a step that ran: adopts the block state, advances
+        the rows, appends the sampled tokens (and logprobs), detokenizes, applies the stop
+        conditions and frees what finished. A request whose host work raises fails alone.
+
+        Returns:
+          The sequences whose request has something new to report (a token, a finish or a
+          failure), in plan order.
+        """
+        self.block_manager.adopt(result.state, result.num_free_blocks)
+        failed = dict.fromkeys(result.failed_requests)
+        row_ok = result.row_ok
+        refused = len(plan.rows) - int(row_ok[: len(plan.rows)].sum())
+        if refused:
+            # Rows are planned only when their blocks are free, so this is a bug in the block
+            # arithmetic; those rows simply run again next step (check_invariants reports it).
+            self.num_refused_rows += refused
+            logger.warning("the allocator refused %d of %d planned rows", refused, len(plan.rows))
+        for i, (seq, q) in enumerate(plan.rows):
+            if not row_ok[i] or seq.request_id in failed:
+                continue
+            prompt_left = max(0, seq.num_prompt - seq.num_computed)
+            self.num_prefill_tokens_computed += min(prompt_left, q)
+            seq.num_computed += q
+            if seq.num_computed > seq.num_allocated:
+                seq.num_allocated = seq.num_computed
+                seq.shared_last = False
+        touched: list[Sequence] = []
+        finished: list[Sequence] = []
+        for j, (seq, row) in enumerate(plan.samples):
+            if not row_ok[row] or seq.request_id in failed:
+                continue
+            lead = plan.rows[row][0]
+            if seq is not lead:  # a follower samples from its leader's last row
+                seq.token_ids = lead.token_ids[: lead.num_computed]
+                seq.num_computed = lead.num_computed
+                seq.num_allocated = lead.num_allocated
+                seq.leader = None
+                seq.shared_last = True
+            tok = int(result.tokens[j])
+            seq.token_ids.append(tok)
+            seq.new_ids.append(tok)
+            self.num_generated_tokens += 1
+            try:
+                if seq.logprobs is not None:
+                    k = seq.params.logprobs
+                    top_ids, top_lps = result.top_ids[j], result.top_logprobs[j]
+                    seq.logprobs.append(
+                        {
+                            "token_id": tok,
+                            "logprob": float(result.logprob[j]),
+                            "top": [(int(top_ids[i]), float(top_lps[i])) for i in range(k)],
+                        }
+                    )
+                check_stop(seq, tok, self.eos_token_ids, self.max_model_len)  # detokenizes
+            except Exception:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception(
+                    "request %s failed while detokenizing or checking stop conditions; "
+                    "failing it alone",
+                    seq.request_id,
+                )
+                failed[seq.request_id] = None
+                continue
+            touched.append(seq)
+            if seq.is_finished:
+                finished.append(seq)
+        for seq in finished:
+            if seq.request_id not in failed:
+                self.remove([seq])
+                self._release(seq)
+        for seq in {id(s.group[0]): s for s, _ in plan.rows + plan.samples}.values():
+            if seq.request_id in failed:
+                self.finish(seq.group, "error", INTERNAL_ERROR)
+                touched += seq.group
+        return touched
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> dict[str, bool]:
+        """Named checks of the queues and of the accounting against the block manager (all
+        True when consistent; reads the block state back from the device).
+
+        Every live sequence in exactly one queue with the matching state; queues in age order
+        and every running sequence older than every queued one; at most ``max_num_seqs``
+        running; followers with a running leader; slots (held by exactly the running and
+        swapped sequences, the free list and the allocator's active / swapped flags agree);
+        each sequence's allocation matches its slot's length, and ``num_computed <=
+        num_allocated <= len(token_ids)``; every planned row got its blocks.
+        """
+        bm = self.block_manager
+        cfg = bm.cfg
+        st = (
+            np.asarray(bm.state.seq_lens),
+            np.asarray(bm.state.active),
+            np.asarray(bm.state.swapped),
+        )
+        seq_lens, active, swapped_flags = st
+        waiting = [s for unit in self.waiting for s in unit]
+        queued = waiting + self.swapped
+        live = self.running + queued
+        ids = [id(s) for s in live]
+        checks: dict[str, bool] = {}
+        checks["queues_disjoint"] = len(set(ids)) == len(ids)
+        checks["queue_states"] = (
+            all(s.state == SeqState.RUNNING for s in self.running)
+            and all(s.state == SeqState.SWAPPED for s in self.swapped)
+            and all(s.state == SeqState.WAITING for s in waiting)
+        )
+        ages = [u[0].age for u in self.waiting]
+        swapped_ages = [s.age for s in self.swapped]
+        checks["queues_in_age_order"] = ages == sorted(ages) and swapped_ages == sorted(
+            swapped_ages
+        )
+        checks["running_older_than_queued"] = not (self.running and queued) or max(
+            s.age for s in self.running
+        ) < min(s.age for s in queued)
+        checks["running_within_max_num_seqs"] = len(self.running) <= self.max_num_seqs
+        checks["followers_with_running_leader"] = all(
+            s.leader.state == SeqState.RUNNING for s in self.running if s.leader is not None
+        )
+        holders = self.running + self.swapped
+        held = all(s in bm for s in holders) and not any(s in bm for s in waiting)
+        slots = [bm.slot(s) for s in holders] if held else []
+        free_slots = bm.free_slots
+        checks["slots_accounted"] = (
+            held
+            and len(bm) == len(holders)
+            and sorted(slots + free_slots) == list(range(cfg.max_seqs))
+        )
+        swapped_ids = {id(s) for s in self.swapped}
+        checks["slot_flags_match"] = checks["slots_accounted"] and (
+            all(bool(active[bm.slot(s)]) for s in holders)
+            and not any(bool(active[x]) for x in free_slots)
+            and all(bool(swapped_flags[bm.slot(s)]) == (id(s) in swapped_ids) for s in holders)
+        )
+        checks["lengths_match"] = checks["slots_accounted"] and (
+            all(int(seq_lens[bm.slot(s)]) == s.num_allocated for s in holders)
+            and all(s.num_computed <= s.num_allocated <= len(s.token_ids) for s in holders)
+            and all(s.num_computed == s.num_allocated == 0 for s in waiting)
+        )
+        checks["planned_rows_ran"] = self.num_refused_rows == 0
+        return checks

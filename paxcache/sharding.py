@@ -345,7 +345,7 @@ def broadcast_from_leader(obj: Any) -> Any:
 
     The value travels as JSON (:func:`encode_message`), never pickle, so receiving a message
     cannot run code; the receiver still validates what it got against its own schema (the
-    server's rounds: ``paxcache.server.EngineRound``).
+    server's rounds: ``paxcache.multihost.EngineRound``).
 
     Args:
       obj: a JSON-serializable value (only process 0's is used); tuples arrive as lists.

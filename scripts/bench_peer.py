@@ -198,11 +198,10 @@ def decode_step_comparison(engine: Any, iters: int, seed: int) -> dict[str, Any]
         t0 = time.perf_counter()
         engine.step()
         step_s.append(time.perf_counter() - t0)
-    seqs = sorted(engine.scheduler.running, key=lambda q: q.slot)
-    kv_lens = np.array([s.num_computed for s in seqs], np.int32)
+    kv_lens = np.array([s.num_computed for s in engine.scheduler.running], np.int32)
 
     # Device-only time of the engine's compiled step at this batch: block until ready on
-    # the outputs of each call (inputs built as Engine._run builds them).
+    # the outputs of each call (inputs built as the engine builds them).
     device_s = _time_engine_device_step(engine, iters)
     for i in range(r):
         engine.abort(f"step{i}")
@@ -289,40 +288,31 @@ def _dense_decode(model, k_cache, v_cache, tokens, lengths):
 def _time_engine_device_step(engine: Any, iters: int) -> list[float]:
     """Times the engine's compiled step on its running (all-decode) batch, device only.
 
-    The inputs are those ``Engine._run`` builds for a decode of every running sequence (one
-    new token each, appended by the fused allocator); the same inputs run ``iters`` times
-    (the allocator appends a slot each time; the sequences are aborted afterwards).
+    The inputs are those the engine builds (``paxcache.step.prepare_inputs``) for a decode of
+    every running sequence (one new token each, appended by the fused allocator, each
+    sampling); the same inputs run ``iters`` times (the allocator appends a slot each time;
+    the sequences are aborted afterwards).
     """
-    from paxcache.sampling import request_keys
+    from paxcache import step as step_lib
+    from paxcache.scheduler import StepPlan
 
-    r, b = engine.max_num_seqs, engine.cache_config.max_seqs
-    seqs = list(engine.scheduler.running)[:r]
-    t = next(x for x in engine.buckets if x >= len(seqs))
-    tokens = np.zeros(t, np.int32)
-    slot_ids, q_lens, kv_lens = (np.zeros(r, np.int32) for _ in range(3))
-    counts = np.zeros(b, np.int32)
-    app = np.zeros((b, 1), np.int32)
-    for i, sq in enumerate(seqs):
-        tokens[i] = sq.token_ids[sq.num_computed]
-        slot_ids[i], q_lens[i], kv_lens[i] = sq.slot, 1, sq.num_computed + 1
-        counts[sq.slot] = 1
-        app[sq.slot, 0] = sq.token_ids[sq.num_computed]
-    zf = np.zeros(r, np.float32)
-    keys = request_keys(np.zeros(r, np.uint64), np.zeros(r), np.zeros(r))
-    args = (
-        tokens, slot_ids, q_lens, kv_lens, np.int32(len(seqs)), counts, app,
-        engine._computed.copy(), np.arange(r, dtype=np.int32), zf, np.zeros(r, np.int32),
-        np.ones(r, np.float32), zf, keys,
-    )  # fmt: skip
+    bm = engine.block_manager
+    seqs = list(engine.scheduler.running)[: engine.max_num_seqs]
+    plan = StepPlan(
+        rows=[(sq, 1) for sq in seqs],
+        slots=[bm.slot(sq) for sq in seqs],
+        samples=[(sq, i) for i, sq in enumerate(seqs)],
+    )
+    inputs, _ = step_lib.prepare_inputs(plan, engine._shapes)
+    state, kv = bm.state, engine._device_kv()
     ts = []
     for _ in range(iters + 2):
         t0 = time.perf_counter()
-        engine._state, engine._kv, out, *_ = engine._jit_step(
-            engine._state, engine._kv, engine._params, *args
-        )
-        out.tokens.block_until_ready()
+        state, kv, out = engine._jit_step(state, kv, engine._params, inputs)
+        out.sampled.tokens.block_until_ready()
         ts.append(time.perf_counter() - t0)
-    engine._num_free_cache = None
+    bm.adopt(state)
+    engine._kv = engine._with_host_pool(kv)
     return ts[2:]
 
 

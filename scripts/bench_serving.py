@@ -35,7 +35,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -54,7 +56,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from paxcache import Engine, SamplingParams  # noqa: E402
-from paxcache.attention import build_metadata, paged_attention_op  # noqa: E402
+from paxcache import step as step_lib  # noqa: E402
+from paxcache.attention import build_metadata  # noqa: E402
+from paxcache.scheduler import StepPlan  # noqa: E402
 
 
 def make_workload(args):
@@ -78,7 +82,7 @@ _slot_view = jax.jit(lambda st: (st.block_tables, st.seq_lens, st.active, st.swa
 
 def kv_utilization(engine) -> float | None:
     """Token slots holding a token / slots of the blocks in use (referenced blocks only)."""
-    st = engine._state
+    st = engine.block_manager.state
     s = engine.block_size
     tables, lens, active, swapped = jax.device_get(_slot_view(st))
     live = active & ~swapped
@@ -171,10 +175,7 @@ def run_paged(model, tok, reqs, args):
 
 def allocation_share(eng, args):
     """Times a full decode batch through the fused step vs the same step without allocator."""
-    import functools
-
     r = eng.max_num_seqs
-    b = eng.cache_config.max_seqs
     rng = np.random.default_rng(1)
     # Admit r sequences with random lengths, through the real allocator.
     s = eng.block_size
@@ -187,49 +188,28 @@ def allocation_share(eng, args):
         )
     while any(sq.remaining > 1 for sq in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
-    seqs = sorted(eng.scheduler.running, key=lambda q: q.slot)[:r]
-    t = next(x for x in eng.buckets if x >= len(seqs))
-    tokens = np.zeros(t, np.int32)
-    slot_ids = np.zeros(r, np.int32)
-    q_lens = np.zeros(r, np.int32)
-    kv_lens = np.zeros(r, np.int32)
-    counts = np.zeros(b, np.int32)
-    for i, sq in enumerate(seqs):
-        slot_ids[i], q_lens[i], kv_lens[i] = sq.slot, 1, sq.num_computed + 1
-        counts[sq.slot] = 1
-    zr = np.zeros(r, np.float32)
-    common = (
-        tokens,
-        slot_ids,
-        q_lens,
-        kv_lens,
-        np.int32(len(seqs)),
-        counts,
-        np.zeros((b, 1), np.int32),
-        eng._computed.copy(),
-        np.zeros(r, np.int32),
-        zr,
-        np.zeros(r, np.int32),
-        np.ones(r, np.float32),
-        zr,
-        np.zeros((r, 2), np.uint32),
-    )
+    bm = eng.block_manager
+    seqs = sorted(eng.scheduler.running, key=bm.slot)[:r]
+    # One decode row per sequence (no samples), as the scheduler would plan it.
+    plan = StepPlan(rows=[(sq, 1) for sq in seqs], slots=[bm.slot(sq) for sq in seqs])
+    inputs, _ = step_lib.prepare_inputs(plan, eng._shapes)
     fused = eng._jit_step
-    plain = jax.jit(functools.partial(eng._step_impl, fuse_allocator=False), donate_argnums=(0, 1))
+    config = dataclasses.replace(eng._step_config, fuse_allocator=False)
+    plain = jax.jit(functools.partial(step_lib.step, config=config), donate_argnums=(0, 1))
 
     def timeit(fn, state, kv):
         for _ in range(3):
-            state, kv, out, *_ = fn(state, kv, eng._params, *common)
-        jax.block_until_ready(out.tokens)
+            state, kv, out = fn(state, kv, eng._params, inputs)
+        jax.block_until_ready(out.sampled.tokens)
         ts = []
         for _ in range(args.alloc_iters):
             t0 = time.perf_counter()
-            state, kv, out, *_ = fn(state, kv, eng._params, *common)
-            jax.block_until_ready(out.tokens)
+            state, kv, out = fn(state, kv, eng._params, inputs)
+            jax.block_until_ready(out.sampled.tokens)
             ts.append(time.perf_counter() - t0)
         return state, kv, ts
 
-    state, kv = eng._state, eng._kv
+    state, kv = bm.state, eng._device_kv()
     # Interleave the two so bursts of load on a shared machine hit both; compare the fastest
     # (least disturbed) runs, the most repeatable statistic on a noisy host.
     f_ts, p_ts = [], []
@@ -238,7 +218,8 @@ def allocation_share(eng, args):
         state, kv, tp = timeit(plain, state, kv)
         f_ts += tf
         p_ts += tp
-    eng._state, eng._kv = state, kv
+    bm.adopt(state)
+    eng._kv = eng._with_host_pool(kv)
     tf, tp = float(np.min(f_ts)), float(np.min(p_ts))
     for i in range(len(lens)):
         eng.abort(f"alloc{i}")
@@ -266,15 +247,8 @@ def run_static(model, reqs, args):
     def step(params, k, v, tokens, q_lens, kv_lens):
         md = build_metadata(tables, kv_lens, q_lens, batch, tokens.shape[0], s)
         mdl = nnx.merge(graphdef, params)
-
-        def attn_fn(layer, q, kk, vv, kp, vp):
-            out, (kp, vp) = paged_attention_op(q, kk, vv, kp, vp, md, layer=layer)
-            return out, kp, vp
-
         last = md.cu_q_lens[1:] - 1
-        logits, (k, v) = mdl.forward_paged(
-            tokens, md.positions, (k, v), attn_fn, logits_indices=jnp.maximum(last, 0)
-        )
+        logits, (k, v) = mdl.forward_paged(tokens, (k, v), md, logits_indices=jnp.maximum(last, 0))
         return k, v, jnp.argmax(logits, -1).astype(jnp.int32)
 
     k = jnp.zeros(kv_shape, model.dtype)

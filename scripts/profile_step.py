@@ -40,8 +40,7 @@ sys.path.insert(0, str(ROOT))
 import kernels_pallas as kp  # noqa: E402
 from paxcache import Engine, SamplingParams, allocator  # noqa: E402
 from paxcache.attention import metadata_from_state  # noqa: E402
-from paxcache.engine import MAX_LOGPROBS  # noqa: E402
-from paxcache.sampling import sample  # noqa: E402
+from paxcache.sampling import MAX_LOGPROBS, sample  # noqa: E402
 
 
 def bench(fn, *args, iters: int) -> float:
@@ -72,15 +71,16 @@ def profile(eng: Engine, t: int, iters: int) -> dict[str, float]:
     """Times the step's parts with T = t rows (decode rows first, then one prefill row run)."""
     cfg = eng.model.config
     r, b = eng.max_num_seqs, eng.cache_config.max_seqs
-    seqs = sorted(eng.scheduler.running, key=lambda q: q.slot)[:r]
-    state, kv, params = eng._state, eng._kv, eng._params
+    bm = eng.block_manager
+    seqs = sorted(eng.scheduler.running, key=bm.slot)[:r]
+    state, kv, params = bm.state, eng._kv, eng._params
     slot_ids = np.zeros(r, np.int32)
     q_lens = np.zeros(r, np.int32)
     kv_lens = np.zeros(r, np.int32)
     counts = np.zeros(b, np.int32)
     app = np.zeros((b, 1), np.int32)
     for i, sq in enumerate(seqs):
-        slot_ids[i], q_lens[i], kv_lens[i] = sq.slot, 1, sq.num_computed + 1
+        slot_ids[i], q_lens[i], kv_lens[i] = bm.slot(sq), 1, sq.num_computed + 1
     # The last sequence feeds the remaining rows (a prefill-like chunk over its context).
     q_lens[len(seqs) - 1] = t - (len(seqs) - 1)
     kv_lens[len(seqs) - 1] = max(int(kv_lens[len(seqs) - 1]), int(q_lens[len(seqs) - 1]))
@@ -91,7 +91,9 @@ def profile(eng: Engine, t: int, iters: int) -> dict[str, float]:
     append = jax.jit(lambda st, c, a: allocator.append(st, c, a, commit=False)[0])
     out["allocator_append_ms"] = bench(append, state, counts, app, iters=iters)
     commit = jax.jit(allocator.commit)
-    out["allocator_commit_ms"] = bench(commit, state, eng._computed.copy(), iters=iters)
+    computed = np.zeros(b, np.int32)
+    computed[slot_ids[: len(seqs)]] = kv_lens[: len(seqs)]
+    out["allocator_commit_ms"] = bench(commit, state, computed, iters=iters)
     meta = jax.jit(lambda st, s, q, k: metadata_from_state(st, s, q, n, t, k))
     md = meta(state, slot_ids, q_lens, kv_lens)
     out["metadata_ms"] = bench(meta, state, slot_ids, q_lens, kv_lens, iters=iters)
@@ -123,23 +125,24 @@ def profile(eng: Engine, t: int, iters: int) -> dict[str, float]:
     eng._kv = kv.replace(k=pages[0], v=pages[1])
     out["write_kv_per_layer_ms"] = statistics.median(ts[2:])
 
-    graphdef = eng._graphdef
+    graphdef = eng._step_config.graphdef
+
+    class NoAttention:  # stands in for the model's PagedAttention layer
+        def __call__(self, q, k, v, pages, md, layer=None):
+            return q, pages
 
     @jax.jit
-    def no_attn(params, tokens, pos, rows):
+    def no_attn(params, tokens, md, rows):
         from flax import nnx
 
         model = nnx.merge(graphdef, params)
-
-        def attn_fn(layer, q, k, v, kp_, vp_):
-            return q, kp_, vp_
-
+        object.__setattr__(model, "attention", NoAttention())
         small = (jnp.zeros((1,), q.dtype), jnp.zeros((1,), q.dtype))
-        return model.forward_paged(tokens, pos, small, attn_fn, logits_indices=rows)[0]
+        return model.forward_paged(tokens, small, md, logits_indices=rows)[0]
 
     rows = np.arange(r, dtype=np.int32) % t
-    logits = no_attn(params, tokens, md.positions, rows)
-    out["model_no_attn_ms"] = bench(no_attn, params, tokens, md.positions, rows, iters=iters)
+    logits = no_attn(params, tokens, md, rows)
+    out["model_no_attn_ms"] = bench(no_attn, params, tokens, md, rows, iters=iters)
 
     zf = jnp.zeros(r, jnp.float32)
     zi = jnp.zeros(r, jnp.int32)

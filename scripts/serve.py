@@ -26,7 +26,7 @@ SIGINT/SIGTERM stop accepting connections, let in-flight requests finish (up to
 Multi-host (one process per host, e.g. a TPU pod slice): start the same command with
 ``--multihost`` on every host (plus ``--coordinator-address/--num-processes/--process-id``
 where JAX cannot detect them). Process 0 serves HTTP; the others follow its engine steps
-(``paxcache.server.run_follower``) and exit 0 when process 0 shuts down.
+(``paxcache.multihost.run_follower``) and exit 0 when process 0 shuts down.
 """
 
 from __future__ import annotations
@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from paxcache.engine import Engine
-    from paxcache.server import ServerLimits, create_app, run_follower
+    from paxcache.multihost import run_follower
+    from paxcache.server import ServerLimits, create_app
 
     platform = jax.devices()[0].platform
     dtype_name = args.dtype

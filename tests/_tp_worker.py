@@ -123,7 +123,7 @@ def engine_report(model, tp: int, ps, **kw) -> tuple[Engine, dict]:
         "host_memory_kind": getattr(getattr(kv.host_k, "sharding", None), "memory_kind", None),
         "state_replicated": all(
             x.sharding.is_fully_replicated and len(x.sharding.device_set) == tp
-            for x in jax.tree.leaves(eng._state)
+            for x in jax.tree.leaves(eng.block_manager.state)
         ),
         "params": specs_of(eng._params),
         "stats": {k: eng.stats()[k] for k in ("num_free_blocks", "num_total_blocks")},

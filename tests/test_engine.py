@@ -214,3 +214,16 @@ def test_preempted_sequence_that_outgrew_admission_fails_instead_of_hanging(mode
     st = eng.stats()
     assert st["num_preemptions"] >= 1
     assert st["num_free_blocks"] == st["num_total_blocks"]
+
+
+def test_engine_impl_reaches_every_kernel_of_the_step(model):
+    """``impl`` is the engine's decision for every op of its step: the model's own attention
+    layer (through the metadata), its KV writes, and the copy-on-write block copies. With
+    ``impl="pallas"`` (interpret mode on CPU) none of them may run its own default."""
+    from kernels_pallas import _dispatch
+
+    eng = _engine(model, block_size=16, impl="pallas", interpret=True, warmup=False)
+    with _dispatch.recording() as seen:
+        eng._jit_step.lower(*eng._empty_step_args(eng.buckets[0]))
+    ops = ("ragged_paged_attention", "write_kv", "copy_blocks")
+    assert {op: seen["cpu"].get(op) for op in ops} == dict.fromkeys(ops, "pallas_tpu")

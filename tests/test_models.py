@@ -10,13 +10,12 @@ import pytest
 from flax import nnx
 from hf_reference import base_config, forward_np, inv_freq_np
 
+from paxcache.attention import build_metadata
 from paxcache.models import (
-    NO_WINDOW,
     ConfigError,
     LlamaConfig,
     LlamaForCausalLM,
     apply_rope,
-    dense_attention,
     greedy_generate,
     rope_cos_sin,
 )
@@ -276,41 +275,11 @@ def test_layers_run_under_a_single_scan() -> None:
 # -- paged split -----------------------------------------------------------------------------
 
 
-def make_attn_fn(
-    cfg: LlamaConfig, block_tables: jax.Array, seq_of_token: jax.Array, slot_mapping: jax.Array
-):
-    """A dense-equivalent ``attn_fn``: scatter new K/V into pages, gather each token's sequence
-    by its block table, attend causally (windowed) by position. Negative ids never read."""
-    s = None
-
-    def attn_fn(layer, q, k, v, k_pages, v_pages, positions):
-        nonlocal s
-        _, kh, n, s, d = k_pages.shape
-        valid = slot_mapping >= 0
-        slot = jnp.where(valid, slot_mapping, n * s)  # out of range -> dropped
-        kp = k_pages[layer].reshape(kh, n * s, d)
-        vp = v_pages[layer].reshape(kh, n * s, d)
-        kp = kp.at[:, slot].set(jnp.swapaxes(k, 0, 1), mode="drop")
-        vp = vp.at[:, slot].set(jnp.swapaxes(v, 0, 1), mode="drop")
-        k_pages = k_pages.at[layer].set(kp.reshape(kh, n, s, d))
-        v_pages = v_pages.at[layer].set(vp.reshape(kh, n, s, d))
-        tables = block_tables[seq_of_token]  # [T, M]
-        m = tables.shape[1]
-        slots = (jnp.maximum(tables, 0)[:, :, None] * s + jnp.arange(s)).reshape(-1, m * s)
-        k_pos = jnp.broadcast_to(jnp.arange(m * s), slots.shape)
-        ok = jnp.repeat(tables >= 0, s, axis=1) & (k_pos <= positions[:, None])
-        keys = jnp.where(ok[..., None, None], jnp.moveaxis(kp[:, slots], 0, 2), 0)
-        vals = jnp.where(ok[..., None, None], jnp.moveaxis(vp[:, slots], 0, 2), 0)
-        window = jnp.asarray([NO_WINDOW if w is None else w for w in cfg.layer_windows()])[layer]
-        out = dense_attention(q[:, None], keys, vals, positions[:, None], k_pos, window, ok)
-        return out[:, 0], k_pages, v_pages
-
-    return attn_fn
-
-
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
-def test_paged_forward_with_injected_attn_fn_equals_dense(model_type: str) -> None:
-    """Two sequences: prefill in two chunks, then decode steps, pages prefilled with NaN."""
+def test_paged_forward_with_its_own_attention_layer_equals_dense(model_type: str) -> None:
+    """Two sequences: prefill in two chunks, then decode steps, pages prefilled with NaN. The
+    model's own ``PagedAttention`` layer runs the XLA reference kernels (the metadata says so)
+    and reads only what was written (the window comes from the model's config)."""
     hf = {"sliding_window": 5} if model_type == "mistral" else {}
     model = randomize(make(model_type, **hf), seed=12)
     cfg = model.config
@@ -331,27 +300,22 @@ def test_paged_forward_with_injected_attn_fn_equals_dense(model_type: str) -> No
     ]
 
     @jax.jit
-    def run(state, toks, pos, seq_of, slot_map, kp, vp):
-        mdl = nnx.merge(graphdef, state)
-        fn = make_attn_fn(cfg, tables, seq_of, slot_map)
-        return mdl.forward_paged(toks, pos, (kp, vp), lambda *a: fn(*a, pos))
+    def run(state, toks, rows, q_lens, kv_lens, num_seqs, kp, vp):
+        md = build_metadata(tables[rows], kv_lens, q_lens, num_seqs, 16, s, impl="reference")
+        return nnx.merge(graphdef, state).forward_paged(toks, (kp, vp), md)
 
     graphdef, state = nnx.split(model)
     for step in steps:
-        toks, pos, seq_of, slot_map, want = [], [], [], [], []
-        for sid, a, b in step:
-            for p in range(a, b):
-                toks.append(seqs[sid][p])
-                pos.append(p)
-                seq_of.append(sid)
-                slot_map.append(int(tables[sid, p // s]) * s + p % s)
-                want.append(dense[sid][p])
-        pad = 16 - len(toks)  # pad to a fixed bucket; padded rows write nowhere
-        toks, pos = toks + [0] * pad, pos + [0] * pad
-        seq_of, slot_map = seq_of + [0] * pad, slot_map + [-1] * pad
+        toks, want = [], []
+        rows, q_lens, kv_lens = [0, 0], [0, 0], [0, 0]  # padded to 2 sequences
+        for i, (sid, a, b) in enumerate(step):
+            toks += [int(t) for t in seqs[sid][a:b]]
+            want += [dense[sid][p] for p in range(a, b)]
+            rows[i], q_lens[i], kv_lens[i] = sid, b - a, b
+        toks += [0] * (16 - len(toks))  # pad to a fixed bucket; padded rows write nowhere
         logits, (k_pages, v_pages) = run(
             state,
-            *(jnp.asarray(a, jnp.int32) for a in (toks, pos, seq_of, slot_map)),
+            *(jnp.asarray(a, jnp.int32) for a in (toks, rows, q_lens, kv_lens, len(step))),
             k_pages,
             v_pages,
         )
@@ -363,14 +327,28 @@ def test_forward_paged_logits_indices_selects_rows() -> None:
     model = randomize(make(), seed=15)
     cfg = model.config
     toks = ids(1, 6, seed=16)[0]
-    pos = jnp.arange(6, dtype=jnp.int32)
-    tables = jnp.asarray([[1, 0]], jnp.int32)
-    fn = make_attn_fn(cfg, tables, jnp.zeros(6, jnp.int32), jnp.asarray([4, 5, 6, 7, 0, 1]))
+    six = jnp.asarray([6], jnp.int32)
+    md = build_metadata(jnp.asarray([[1, 0]], jnp.int32), six, six, 1, 6, 4, impl="reference")
     pages = model.init_kv_pages(2, 4)
-    logits, (kp, _) = model.forward_paged(
-        toks, pos, pages, lambda *a: fn(*a, pos), logits_indices=jnp.asarray([5, 2])
-    )
+    logits, (kp, _) = model.forward_paged(toks, pages, md, logits_indices=jnp.asarray([5, 2]))
     chex.assert_shape(logits, (2, cfg.vocab_size))
     chex.assert_shape(kp, (2, 2, 2, 4, 8))  # [L, K, N, S, D]
     dense = model(toks[None])[0]
     chex.assert_trees_all_close(logits, dense[jnp.asarray([5, 2])], atol=1e-4)
+
+
+def test_paged_forward_refuses_layers_with_different_windows() -> None:
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_windows=(4, None),
+    )
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    one = jnp.ones(1, jnp.int32)
+    md = build_metadata(jnp.zeros((1, 2), jnp.int32), one, one, 1, 1, 4)
+    with pytest.raises(ValueError, match="one sliding window"):
+        model.forward_paged(jnp.zeros(1, jnp.int32), model.init_kv_pages(2, 4), md)

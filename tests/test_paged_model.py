@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from paxcache import allocator
-from paxcache.attention import build_metadata, metadata_from_state, paged_attention_op
+from paxcache.attention import build_metadata, metadata_from_state
 from paxcache.config import CacheConfig
 from paxcache.models import LlamaConfig, LlamaForCausalLM
 from paxcache.nn import PagedAttention
@@ -46,35 +46,21 @@ _JITTED: dict = {}
 
 
 def _forward(model, pages, md, tokens, window=None, impl="auto", interpret=False):
-    """Paged forward, jitted once per (model, window, impl) so repeated steps do not retrace."""
-    key = (id(model), window, impl, interpret)
+    """Paged forward through the model's own attention layer, jitted once per (model, impl) so
+    repeated steps do not retrace. ``window`` is the model's (its config gives it to the
+    layer); the kernel choice travels in the metadata."""
+    assert window == model.config.sliding_window
+    key = (id(model), impl, interpret)
     if key not in _JITTED:
         graphdef, params = nnx.split(model)
 
         @jax.jit
         def fwd(params, pages, md, tokens):
-            m = nnx.merge(graphdef, params)
-
-            def attn_fn(layer, q, k, v, kp, vp):
-                out, (kp, vp) = paged_attention_op(
-                    q,
-                    k,
-                    v,
-                    kp,
-                    vp,
-                    md,
-                    layer=layer,
-                    sliding_window=window,
-                    impl=impl,
-                    interpret=interpret,
-                )
-                return out, kp, vp
-
-            return m.forward_paged(tokens, md.positions, pages, attn_fn)
+            return nnx.merge(graphdef, params).forward_paged(tokens, pages, md)
 
         _JITTED[key] = (fwd, params, model)
     fwd, params, _ = _JITTED[key]
-    return fwd(params, pages, md, tokens)
+    return fwd(params, pages, md.replace(impl=impl, interpret=interpret), tokens)
 
 
 @pytest.fixture(scope="module")

@@ -546,25 +546,26 @@ def test_delta_outputs_concatenate_to_the_cumulative_output(engine) -> None:
 
 
 def test_the_cache_salt_map_stays_bounded_and_never_reuses_an_id(engine, monkeypatch) -> None:
-    import paxcache.engine
+    import paxcache.manager
     from paxcache import SamplingParams
 
-    monkeypatch.setattr(paxcache.engine, "_SALT_GC_THRESHOLD", 8)
-    monkeypatch.setattr(engine, "_salt_gc_at", 8)
+    bm = engine.block_manager  # the salt map moved from the engine to its block manager
+    monkeypatch.setattr(paxcache.manager, "_SALT_GC_THRESHOLD", 8)
+    monkeypatch.setattr(bm, "_salt_gc_at", 8)
     seen: dict = {}
     for i in range(40):
         salt = f"tenant-{i}"
-        sid = engine._salt_id(salt)
+        sid = bm._salt_id(salt)
         assert sid not in seen.values()
         seen[salt] = sid
-    assert len(engine._salts) <= 16
+    assert len(bm._salts) <= 16
     # A salt whose blocks are still cached keeps its id (and its hits) across a collection.
     prompt = "def cached_for_keeper(): pass\n" * 2
     engine.generate([prompt], SamplingParams(max_tokens=1))  # warms nothing for the salt
     engine.add_request("k1", prompt, SamplingParams(max_tokens=1), cache_salt="keeper")
     _drain(engine, ["k1"])
     for i in range(40):
-        engine._salt_id(f"filler-{i}")
+        bm._salt_id(f"filler-{i}")
     engine.add_request("k2", prompt, SamplingParams(max_tokens=1), cache_salt="keeper")
     assert _drain(engine, ["k2"])["k2"].num_cached_tokens > 0
 

@@ -555,25 +555,28 @@ def test_check_invariants_notices_broken_accounting(tiny):
         return sorted(k for k, ok in eng.check_invariants().items() if not ok)
 
     seq = eng.scheduler.running[0]
+    bm = eng.block_manager
     seq.num_allocated += 1
     assert "lengths_match" in failing()
     seq.num_allocated -= 1
-    eng._free_slots.append(seq.slot)
+    free_slots = list(bm._free_slots)
+    bm._free_slots.append(bm.slot(seq))
     assert "slots_accounted" in failing()
-    eng._free_slots.pop()
+    bm._free_slots[:] = free_slots
     eng.scheduler.running.remove(seq)
     assert "requests_accounted" in failing()
     eng.scheduler.running.append(seq)
-    eng._num_refused_rows += 1
+    eng.scheduler.num_refused_rows += 1
     assert failing() == ["planned_rows_ran"]
-    eng._num_refused_rows -= 1
+    eng.scheduler.num_refused_rows -= 1
     assert all(eng.check_invariants().values())
     eng.abort("a")
     # A block held by no request once the engine is idle is a leak.
-    state = eng._state
-    eng._state, res = allocator.allocate(state, 0, np.arange(16, dtype=np.int32), 16)
+    state = bm.state
+    leaked, res = allocator.allocate(state, 0, np.arange(16, dtype=np.int32), 16)
+    bm.adopt(leaked)
     assert bool(res.ok) and "idle_frees_everything" in failing()
-    eng._state = state
+    bm.adopt(state)
     assert all(eng.check_invariants().values())
 
 

@@ -12,10 +12,12 @@ rotation coordinates), so HF checkpoints load without permuting rows.
 Two forward paths share the per-layer code:
 
 * ``model(token_ids)``: the dense causal forward with no cache (the reference).
-* ``model.forward_paged(token_ids, positions, kv_pages, attn_fn)``: a flat batch of tokens
-  whose attention (and KV writes) is done by a caller-supplied ``attn_fn``, e.g. the paged
-  ragged attention op. The KV pages travel through the scan carry so XLA can update them in
-  place.
+* ``model.forward_paged(token_ids, kv_pages, metadata)``: a flat (ragged) batch of tokens whose
+  attention and KV writes go through the model's own :class:`paxcache.nn.PagedAttention`
+  layer, the same layer a user's model calls (README, "Paged attention in your own Flax
+  model"). The step's :class:`~paxcache.attention.AttentionMetadata` gives the positions, the
+  block tables and how the op runs (kernel, mesh); the KV pages travel through the scan carry
+  so XLA can update them in place.
 
 Numerics: parameters are stored in ``param_dtype``; matmuls run in ``dtype`` with float32
 accumulation; RMSNorm statistics, RoPE, softmax and logits are float32.
@@ -33,24 +35,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paxcache.attention import AttentionMetadata
 from paxcache.errors import PaxcacheError
+from paxcache.nn import PagedAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Window value meaning "no sliding window" in per-layer window arrays (fits in int32).
 NO_WINDOW = 2**30
-
-AttnFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
-"""``attn_fn(layer_idx, q, k, v, k_pages, v_pages) -> (out, k_pages, v_pages)``.
-
-Args (all traced, called once per layer inside ``lax.scan``):
-    layer_idx: i32[] layer index.
-    q: [T, H, D] queries, RoPE applied, *not* pre-scaled (use ``sm_scale = D ** -0.5``).
-    k: [T, K, D] new keys (RoPE applied) and v: [T, K, D] new values, to be written to the cache.
-    k_pages, v_pages: [L, K, N, S, D] the whole-model pages.
-Returns:
-    out: [T, H, D] attention output, and the updated ``k_pages``, ``v_pages``.
-"""
 
 
 class ConfigError(PaxcacheError):
@@ -559,6 +551,8 @@ class LlamaForCausalLM(nnx.Module):
         layers: LlamaLayers (stacked [L, ...] weights).
         norm: [E] final RMSNorm weight.
         lm_head: [E, V], or None when embeddings are tied.
+        attention: the paged attention layer of every layer (no weights; built with the
+            model's heads, head dim and sliding window).
     """
 
     def __init__(
@@ -581,6 +575,14 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = nnx.Param(init(rngs.params(), (e, v), jnp.float32).astype(param_dtype))
+        windows = set(config.layer_windows())
+        self.attention = PagedAttention(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            # Layers with different windows cannot share one layer: forward_paged refuses.
+            sliding_window=next(iter(windows)) if len(windows) == 1 else None,
+        )
 
     # -- shared per-layer pieces -----------------------------------------------------------
 
@@ -688,32 +690,42 @@ class LlamaForCausalLM(nnx.Module):
     def hidden_states_paged(
         self,
         token_ids: jax.Array,
-        positions: jax.Array,
         kv_pages: tuple[jax.Array, jax.Array],
-        attn_fn: AttnFn,
+        metadata: AttentionMetadata,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Flat-batch forward whose attention and KV writes are done by ``attn_fn``.
+        """Flat-batch forward on the paged KV cache, up to the final norm.
 
         Args:
-            token_ids: i32[T] tokens of all sequences in the step, flattened.
-            positions: i32[T] each token's position in its sequence (drives RoPE).
+            token_ids: i32[T] tokens of all sequences in the step, flattened (row order of
+                ``metadata``).
             kv_pages: (k_pages, v_pages), each [L, K, N, S, D].
-            attn_fn: see ``AttnFn``. Called inside ``lax.scan`` with a traced layer index;
-                the pages are in the scan carry.
+            metadata: the step's attention metadata; ``metadata.positions`` drives RoPE.
 
         Returns:
-            (hidden [T, E] final-normed, (k_pages, v_pages) updated).
+            (hidden [T, E] final-normed, (k_pages, v_pages) with this step's K/V written).
+
+        Raises:
+            ValueError: layers with different sliding windows (one layer serves them all).
         """
+        windows = set(self.config.layer_windows())
+        if len(windows) > 1:
+            raise ValueError(
+                "the paged forward needs one sliding window for every layer, got "
+                f"{sorted(windows, key=str)}"
+            )
+        positions = metadata.positions
         cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed(token_ids)
         n_layers = self.config.num_hidden_layers
 
         def body(carry, xs):
-            x, kp, vp = carry
-            lp, idx = xs
+            x, k_pages, v_pages = carry
+            lp, layer = xs
             q, k, v = self._qkv(lp, x, cos, sin)
-            attn, kp, vp = attn_fn(idx, q, k, v, kp, vp)
-            return (self._finish_layer(lp, x, attn), kp, vp), None
+            attn, (k_pages, v_pages) = self.attention(
+                q, k, v, (k_pages, v_pages), metadata, layer=layer
+            )
+            return (self._finish_layer(lp, x, attn), k_pages, v_pages), None
 
         k_pages, v_pages = kv_pages
         (x, k_pages, v_pages), _ = jax.lax.scan(
@@ -726,21 +738,21 @@ class LlamaForCausalLM(nnx.Module):
     def forward_paged(
         self,
         token_ids: jax.Array,
-        positions: jax.Array,
         kv_pages: tuple[jax.Array, jax.Array],
-        attn_fn: AttnFn,
+        metadata: AttentionMetadata,
         logits_indices: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Paged forward: like ``hidden_states_paged`` plus the LM head.
+        """Paged forward: :meth:`hidden_states_paged` plus the LM head.
 
         Args:
+            token_ids, kv_pages, metadata: as in :meth:`hidden_states_paged`.
             logits_indices: optional i32[R] rows of the flat batch to compute logits for
                 (e.g. each sequence's last token); all T rows when None.
 
         Returns:
             (logits f32[T or R, V], (k_pages, v_pages)).
         """
-        hidden, kv_pages = self.hidden_states_paged(token_ids, positions, kv_pages, attn_fn)
+        hidden, kv_pages = self.hidden_states_paged(token_ids, kv_pages, metadata)
         if logits_indices is not None:
             hidden = jnp.take(hidden, logits_indices, axis=0)
         return self.compute_logits(hidden), kv_pages

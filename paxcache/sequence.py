@@ -1,0 +1,206 @@
+"""One completion of a request, as the scheduler accounts for it; and its stop conditions.
+
+A :class:`Sequence` is plain host data. The scheduler (:mod:`paxcache.scheduler`) owns every
+field but the output state at the end (``text``, ``decoder``, ``logprobs`` are filled by the
+scheduler's ``postprocess`` and read by the engine when it builds a ``RequestOutput``).
+
+Unified token accounting (prefill, chunked prefill, decode and recompute are one thing):
+``token_ids`` holds the prompt followed by the generated tokens; ``num_computed`` of them have
+their K/V in the cache; ``num_allocated`` of them are covered by the sequence's blocks (the
+allocator's ``seq_lens`` of its slot). A step feeds ``token_ids[num_computed : num_computed +
+q]``; when that reaches the end of ``token_ids`` the step also samples the next token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Collection, Hashable
+from typing import Any
+
+from paxcache.sampling import SamplingParams
+
+__all__ = ["SeqState", "Sequence", "check_stop", "new_request"]
+
+
+class SeqState:
+    """Where a sequence is."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_arrival = itertools.count()
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class Sequence:
+    """One completion of a request (``n`` of them for ``SamplingParams.n > 1``).
+
+    Sequences compare and hash by identity: the block manager keys its slots by them.
+
+    Attributes:
+      request_id: the owning request.
+      index: completion index ``j`` in ``0..n-1``.
+      token_ids: prompt followed by generated tokens.
+      num_prompt: prompt length (original prompt, not counting generated tokens).
+      params: the request's sampling parameters.
+      seed: the request's seed (fixed at arrival).
+      cache_salt: the request's tenant key for the prefix cache (any hashable, None = none).
+      arrival: arrival order (ties broken by index): the age order of every scheduling rule.
+      arrival_time: ``time.monotonic()`` when the request arrived.
+      group: every sequence of the request (shared list, ``index`` order).
+      state: a :class:`SeqState` value.
+      num_computed: tokens whose K/V is in the cache.
+      num_allocated: tokens covered by the sequence's blocks.
+      followers: sequences forked from this one at admission (``n > 1``). While one still
+        waits for this sequence's prompt (its ``leader`` is this sequence) it has no rows of
+        its own and is preempted and resumed with it; after the first sample it is independent.
+      leader: the sequence this one follows, while it waits.
+      shared_last: its last, partially filled block may be shared with a sibling (just
+        forked): its next write may copy on write.
+      num_preemptions: times this sequence was preempted (swap or recompute).
+      preempted_at: the scheduler's departure count when it was last preempted (rule R5).
+      num_cached_tokens: prompt tokens found in the prefix cache at its first admission
+        (None until admitted).
+      finish_reason: None while live, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
+      error: why it failed, when ``finish_reason == "error"``.
+      text: detokenized output so far (ends before a matched stop string).
+      emitted: characters of ``text`` already reported.
+      logprobs: per generated token ``{"token_id", "logprob", "top"}``, or None.
+      decoder: the incremental detokenizer (``push(id) -> str``, ``flush() -> str``).
+      new_ids: tokens generated in the current step (cleared once reported).
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    seed: int
+    cache_salt: Hashable | None = None
+    arrival: int = dataclasses.field(default_factory=lambda: next(_arrival))
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    group: list[Sequence] = dataclasses.field(default_factory=list)
+    state: str = SeqState.WAITING
+    num_computed: int = 0
+    num_allocated: int = 0
+    followers: list[Sequence] = dataclasses.field(default_factory=list)
+    leader: Sequence | None = None
+    shared_last: bool = False
+    num_preemptions: int = 0
+    preempted_at: int = -1
+    num_cached_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    # Output state.
+    text: str = ""
+    emitted: int = 0
+    logprobs: list[dict] | None = None
+    decoder: Any = None
+    new_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}#{self.index}, {self.state}, "
+            f"tokens={len(self.token_ids)}, computed={self.num_computed})"
+        )
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next sample."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state == SeqState.FINISHED
+
+    @property
+    def age(self) -> tuple[int, int]:
+        """Sort key of the age order: smaller is older."""
+        return (self.arrival, self.index)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """Marks the sequence finished (a finished one keeps its first reason)."""
+        if self.is_finished:
+            return
+        self.state = SeqState.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+
+def new_request(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    seed: int,
+    cache_salt: Hashable | None = None,
+    make_decoder: Callable[[], Any] = lambda: None,
+) -> list[Sequence]:
+    """The ``params.n`` sequences of a new request, in index order.
+
+    The first is the leader; the others follow it (they wait for its prompt, are admitted
+    with it by forking its blocks, and sample their first token from its last prompt row),
+    and share its arrival, so the request is one unit in the age order.
+    """
+    seqs = [
+        Sequence(
+            request_id=request_id,
+            index=j,
+            token_ids=list(prompt_ids),
+            num_prompt=len(prompt_ids),
+            params=params,
+            seed=seed,
+            cache_salt=cache_salt,
+            logprobs=[] if params.logprobs is not None else None,
+            decoder=make_decoder(),
+        )
+        for j in range(params.n)
+    ]
+    lead = seqs[0]
+    lead.followers = seqs[1:]
+    for f in seqs[1:]:
+        f.leader = lead
+        f.arrival, f.arrival_time = lead.arrival, lead.arrival_time
+    return seqs
+
+
+def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len: int) -> None:
+    """Detokenizes ``tok`` (just appended to ``seq``) and finishes ``seq`` if it should stop.
+
+    Stops: a stop string in the text (the text is cut before it), EOS (unless ``ignore_eos``)
+    or a stop token id (neither is detokenized), ``max_tokens`` generated, or
+    ``max_model_len`` reached (both ``"length"``).
+    """
+    p = seq.params
+    is_eos = tok in eos_ids and not p.ignore_eos
+    is_stop_tok = tok in (p.stop_token_ids or ())
+    if not (is_eos or is_stop_tok):
+        seq.text += seq.decoder.push(tok)
+    reason = None
+    stops = p.stop or ()
+    if stops:
+        window_start = max(0, seq.emitted - max(len(s) for s in stops))
+        hits = [(seq.text.find(s, window_start), s) for s in stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i, _ = min(hits)
+            seq.text = seq.text[:i]
+            reason = "stop"
+    if reason is None:
+        if is_eos or is_stop_tok:
+            reason = "stop"
+        elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= max_model_len:
+            reason = "length"
+    if reason is not None:
+        seq.finish(reason)
+        if reason == "length" and not stops:
+            seq.text += seq.decoder.flush()

@@ -1,0 +1,399 @@
+"""The fused device step: its inputs (:class:`StepInputs`), how they are built from a plan
+(:func:`prepare_inputs`), and the jit-compiled program (:func:`step`).
+
+One call of ``step(state, kv, params, inputs)`` runs, on the device and without returning to
+Python in between: the allocator's batched ``append`` (one new token per growing row) →
+copy-on-write block copies → attention metadata → the model's paged forward (its own
+:class:`~paxcache.nn.PagedAttention` writes K/V and attends, every layer under ``lax.scan``) →
+sampling → prefix-cache ``commit``. The block state and the KV cache are donated by the
+caller and come back updated; the host reads back only :class:`StepOutputs`.
+
+Everything static (the model's structure, kernel choice, mesh) is in :class:`StepConfig`, bound
+with ``functools.partial`` before ``jax.jit``; the arrays are one pytree,
+:class:`StepInputs`, built by :func:`prepare_inputs` in stages named by purpose
+(:func:`prepare_tokens`, :func:`prepare_sampling`). Token counts are padded to the engine's
+buckets and rows to ``R = max_num_seqs``, so each bucket compiles once.
+
+Extending the inputs (e.g. a per-row allowed-token bitmask, prompt-logprob rows): add a field
+``x: jax.Array | None = None`` to :class:`StepInputs` (or a sub-struct), fill it in a new stage
+of :func:`prepare_inputs` only when a plan needs it, and read it in :func:`step` under ``if
+inputs.x is not None``. ``None`` is an empty pytree node, so a step without the field traces
+and runs exactly as before, and one with it is its own compiled program (a bucket of its own);
+no call site changes. Warm-up and ahead-of-time compilation build their inputs with the same
+:func:`prepare_inputs` (:func:`empty_inputs`).
+
+Shape letters: T tokens (the bucket), R rows (``max_num_seqs``), B allocator slots, V
+vocabulary, K top log-probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paxcache import allocator, kv_cache
+from paxcache.attention import metadata_from_state
+from paxcache.sampling import MAX_LOGPROBS, SampleOutput, request_keys, sample
+from paxcache.scheduler import StepPlan
+
+__all__ = [
+    "SamplingInputs",
+    "StepConfig",
+    "StepInputs",
+    "StepOutputs",
+    "StepShapes",
+    "default_batch_limits",
+    "empty_inputs",
+    "prepare_inputs",
+    "prepare_sampling",
+    "prepare_tokens",
+    "step",
+    "token_buckets",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """The token-count buckets of a step budget: powers of two from ``smallest``, then the
+    budget itself (e.g. 256 -> 16, 32, 64, 128, 256)."""
+    buckets = []
+    b = min(smallest, max_tokens)
+    while b < max_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_tokens)
+    return tuple(buckets)
+
+
+# Default (max_num_seqs, max_num_batched_tokens) by backend, chosen like vLLM's (which picks
+# them by hardware and usage): enough rows and tokens per step to keep the device busy, few
+# enough that the largest step stays short (decode latency for everyone waits on it) and the
+# warm-up compiles few buckets.
+# * TPU / GPU: vLLM's OpenAI-server defaults on most GPUs (256 sequences, 2048 tokens).
+# * CPU: a matmul over few rows is bound by reading the weights, so a decode step of 64 rows
+#   costs little more than one of 32 and halves the steps of a busy batch (1.6x the
+#   throughput on the workload of scripts/bench_peer.py); a 256-token step already runs the
+#   matmuls at full speed, while 1024 tokens made the XLA attention path (which gathers
+#   each token row's context) the bottleneck: 3x slower (bench/results/step_profile_*.md).
+DEFAULT_BATCH_LIMITS = {"cpu": (64, 256)}
+DEFAULT_BATCH_LIMITS_ACCELERATOR = (256, 2048)
+
+
+def default_batch_limits(backend: str) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` the engine uses on ``backend`` by default."""
+    return DEFAULT_BATCH_LIMITS.get(backend, DEFAULT_BATCH_LIMITS_ACCELERATOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static configuration of the step (hashable: part of the compiled program's identity).
+
+    Attributes:
+      graphdef: the model's NNX graph definition (``nnx.split(model)[0]``); its parameters
+        are the step's ``params`` argument.
+      impl: kernel implementation for every op of the step (``"auto"``, ``"reference"``,
+        ``"pallas"``, ...; see :mod:`kernels_pallas`).
+      interpret: run Pallas kernels in interpret mode.
+      mesh: the tensor-parallel mesh (``tp`` axis) or None.
+      num_logprobs: top log-probabilities computed per sample (static K).
+      fuse_allocator: run ``append`` / copy-on-write / ``commit`` inside the step. False
+        (benchmarks only: ``scripts/bench_serving.py``) reads the block tables as they are,
+        the same step fed a precomputed block table.
+    """
+
+    graphdef: Any
+    impl: str = "auto"
+    interpret: bool = False
+    mesh: jax.sharding.Mesh | None = None
+    num_logprobs: int = MAX_LOGPROBS
+    fuse_allocator: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The padded shapes of the inputs.
+
+    Attributes:
+      buckets: token-count buckets, ascending (a step runs the smallest that fits).
+      max_rows: R, rows (and samples) per step.
+      vocab_size: V (``top_k`` is clamped to it).
+    """
+
+    buckets: tuple[int, ...]
+    max_rows: int
+    vocab_size: int
+
+    def bucket(self, num_tokens: int) -> int:
+        """The smallest bucket holding ``num_tokens``."""
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+
+@flax.struct.dataclass
+class SamplingInputs:
+    """Per-sample inputs: sample ``j`` draws its token from the logits of one token row.
+
+    Attributes:
+      logits_rows: ``i32[R]`` the token row (index into ``StepInputs.token_ids``) whose
+        logits sample ``j`` uses: the last token of its sequence's row (a follower of an
+        ``n > 1`` request shares its leader's). Padding samples: 0.
+      temperature: ``f32[R]``; 0 = greedy.
+      top_k: ``i32[R]``; 0 = off, at most V.
+      top_p: ``f32[R]``; 1 = off.
+      min_p: ``f32[R]``; 0 = off.
+      keys: ``u32[R, 2]`` raw threefry keys, a pure function of (seed, tokens generated,
+        completion index): a request's draws do not depend on its batch.
+    """
+
+    logits_rows: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    keys: jax.Array
+
+
+@flax.struct.dataclass
+class StepInputs:
+    """Everything a step reads besides the state, the cache and the weights.
+
+    Row ``i < num_rows`` feeds ``q_lens[i]`` tokens of the sequence in allocator slot
+    ``slot_ids[i]``: ``token_ids[cu_i : cu_i + q_lens[i]]`` with ``cu_i = sum(q_lens[:i])``,
+    the last tokens of its ``kv_lens[i]``. Rows ``>= num_rows`` and tokens past the real ones
+    are padding (never written, never read).
+
+    Attributes:
+      token_ids: ``i32[T]`` the fed tokens, rows packed in order.
+      slot_ids: ``i32[R]`` allocator slot of each row.
+      q_lens: ``i32[R]`` tokens each row feeds.
+      kv_lens: ``i32[R]`` each row's sequence length after the step.
+      num_rows: ``i32[]`` real rows.
+      grows: ``bool[R]`` the row's last token lies past its sequence's allocation: the
+        allocator appends it (one block when it starts one, plus a copy-on-write when the
+        last block is shared).
+      sampling: the per-sample inputs (:class:`SamplingInputs`).
+    """
+
+    token_ids: jax.Array
+    slot_ids: jax.Array
+    q_lens: jax.Array
+    kv_lens: jax.Array
+    num_rows: jax.Array
+    grows: jax.Array
+    sampling: SamplingInputs
+
+
+@flax.struct.dataclass
+class StepOutputs:
+    """What the host reads back after a step.
+
+    Attributes:
+      sampled: ``SampleOutput(tokens i32[R], logprob f32[R], top_ids i32[R, K],
+        top_logprobs f32[R, K])`` for sample ``j`` of the plan.
+      row_ok: ``bool[R]`` row ``i`` got its blocks and ran.
+      num_free_blocks: ``i32[]`` free device blocks after the step.
+    """
+
+    sampled: SampleOutput
+    row_ok: jax.Array
+    num_free_blocks: jax.Array
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the inputs from a plan (host, numpy)
+
+
+def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The token and row arrays of ``plan``.
+
+    Returns:
+      ``({token_ids, slot_ids, q_lens, kv_lens, num_rows, grows}, row_ends)``; ``row_ends[i]``
+      is the index in ``token_ids`` of row ``i``'s last token.
+    """
+    r = shapes.max_rows
+    tokens = np.zeros(shapes.bucket(plan.num_tokens), np.int32)
+    slot_ids = np.zeros(r, np.int32)
+    q_lens = np.zeros(r, np.int32)
+    kv_lens = np.zeros(r, np.int32)
+    grows = np.zeros(r, bool)
+    row_ends = []
+    off = 0
+    for i, ((seq, q), slot) in enumerate(zip(plan.rows, plan.slots, strict=True)):
+        c = seq.num_computed
+        tokens[off : off + q] = seq.token_ids[c : c + q]
+        off += q
+        row_ends.append(off - 1)
+        slot_ids[i], q_lens[i], kv_lens[i] = slot, q, c + q
+        extra = c + q - seq.num_allocated
+        if extra > 0:
+            assert extra == 1, "at most one new token per step beyond the allocation"
+            grows[i] = True
+    arrays = dict(
+        token_ids=tokens,
+        slot_ids=slot_ids,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_rows=np.int32(len(plan.rows)),
+        grows=grows,
+    )
+    return arrays, row_ends
+
+
+def prepare_sampling(
+    plan: StepPlan, row_ends: Seq[int], shapes: StepShapes
+) -> tuple[SamplingInputs, set[str]]:
+    """The sampling inputs of ``plan``'s samples.
+
+    A request whose values cannot be represented (it raises here) samples greedily in this
+    step and is reported in the returned set: it fails, the batch runs.
+
+    Returns:
+      ``(sampling inputs, ids of requests that failed here)``.
+    """
+    r = shapes.max_rows
+    logits_rows = np.zeros(r, np.int32)
+    seeds = np.zeros(r, np.uint64)
+    steps = np.zeros(r, np.int64)
+    index = np.zeros(r, np.int64)
+    temperature = np.zeros(r, np.float32)
+    top_k = np.zeros(r, np.int32)
+    top_p = np.ones(r, np.float32)
+    min_p = np.zeros(r, np.float32)
+    failed: set[str] = set()
+    for j, (seq, row) in enumerate(plan.samples):
+        logits_rows[j] = row_ends[row]
+        try:
+            p = seq.params
+            seeds[j], steps[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
+            temperature[j], top_k[j] = p.temperature, min(p.top_k, shapes.vocab_size)
+            top_p[j], min_p[j] = p.top_p, p.min_p
+        except Exception:  # noqa: BLE001 - this request fails, the batch runs
+            temperature[j], top_k[j], top_p[j], min_p[j] = 0.0, 0, 1.0, 0.0
+            if seq.request_id not in failed:
+                logger.exception(
+                    "request %s failed while preparing its sampling inputs; failing it alone",
+                    seq.request_id,
+                )
+                failed.add(seq.request_id)
+    sampling = SamplingInputs(
+        logits_rows=logits_rows,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        keys=request_keys(seeds, steps, index),
+    )
+    return sampling, failed
+
+
+def prepare_inputs(plan: StepPlan, shapes: StepShapes) -> tuple[StepInputs, set[str]]:
+    """The step's inputs for ``plan`` (host arrays), and the requests that failed building
+    them (see :func:`prepare_sampling`)."""
+    tokens, row_ends = prepare_tokens(plan, shapes)
+    sampling, failed = prepare_sampling(plan, row_ends, shapes)
+    return StepInputs(**tokens, sampling=sampling), failed
+
+
+def empty_inputs(shapes: StepShapes, num_tokens: int) -> StepInputs:
+    """Inputs of a step of ``num_tokens`` (a bucket) that runs nothing: warm-up, ahead-of-time
+    compilation, HLO inspection."""
+    inputs, _ = prepare_inputs(StepPlan(), dataclasses.replace(shapes, buckets=(num_tokens,)))
+    return inputs
+
+
+# ----------------------------------------------------------------------------------------------
+# The step (device)
+
+
+def _append_requests(inputs: StepInputs, num_slots: int) -> tuple[jax.Array, jax.Array]:
+    """Per-slot ``append`` arguments: ``(counts i32[B], token_ids i32[B, 1])``; a growing row
+    appends its last token."""
+    r = inputs.slot_ids.shape[0]
+    live = jnp.arange(r) < inputs.num_rows
+    row_ends = jnp.cumsum(inputs.q_lens) - 1
+    last_token = inputs.token_ids[jnp.maximum(row_ends, 0)]
+    target = jnp.where(live & inputs.grows, inputs.slot_ids, num_slots)  # B: dropped
+    counts = jnp.zeros((num_slots,), jnp.int32).at[target].set(1, mode="drop")
+    tokens = jnp.zeros((num_slots, 1), jnp.int32).at[target, 0].set(last_token, mode="drop")
+    return counts, tokens
+
+
+def step(
+    state: allocator.BlockState,
+    kv: kv_cache.KVCache,
+    params: Any,
+    inputs: StepInputs,
+    *,
+    config: StepConfig,
+) -> tuple[allocator.BlockState, kv_cache.KVCache, StepOutputs]:
+    """One fused step (see the module docstring); jit it with ``state`` and ``kv`` donated.
+
+    Args:
+      state: the allocator's block state (the rows' sequences already hold their slots).
+      kv: the KV cache, device pages only (``[L, K, N, S, D]``).
+      params: the model's parameters (``nnx.split(model)[1]``, maybe sharded).
+      inputs: the step's :class:`StepInputs`.
+      config: static :class:`StepConfig`.
+
+    Returns:
+      ``(state, kv, outputs)``.
+    """
+    num_slots = state.cfg.max_seqs
+    r = inputs.slot_ids.shape[0]
+    live = jnp.arange(r) < inputs.num_rows
+    if config.fuse_allocator:
+        counts, new_tokens = _append_requests(inputs, num_slots)
+        state, app = allocator.append(state, counts, new_tokens, commit=False)
+        kv = kv_cache.apply_copies(
+            kv,
+            app.copy_src,
+            app.copy_dst,
+            impl=config.impl,
+            interpret=config.interpret,
+            mesh=config.mesh,
+        )
+        row_ok = app.ok[inputs.slot_ids] & live
+    else:
+        row_ok = live
+    md = metadata_from_state(
+        state,
+        inputs.slot_ids,
+        inputs.q_lens,
+        inputs.num_rows,
+        inputs.token_ids.shape[0],
+        inputs.kv_lens,
+        impl=config.impl,
+        interpret=config.interpret,
+        mesh=config.mesh,
+    )
+    # A refused row writes nothing (its blocks are not there).
+    md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
+    model = nnx.merge(config.graphdef, params)
+    s = inputs.sampling
+    logits, (k_pages, v_pages) = model.forward_paged(
+        inputs.token_ids, (kv.k, kv.v), md, logits_indices=s.logits_rows
+    )
+    kv = kv.replace(k=k_pages, v=v_pages)
+    sampled = sample(
+        logits, s.temperature, s.top_k, s.top_p, s.min_p, s.keys, num_logprobs=config.num_logprobs
+    )
+    if config.fuse_allocator:
+        # Blocks the rows filled become visible to prefix lookups (other slots: no change).
+        target = jnp.where(row_ok, inputs.slot_ids, num_slots)
+        computed = jnp.zeros((num_slots,), jnp.int32).at[target].set(inputs.kv_lens, mode="drop")
+        state = allocator.commit(state, computed)
+    outputs = StepOutputs(
+        sampled=sampled, row_ok=row_ok, num_free_blocks=allocator.num_free_blocks(state)
+    )
+    return state, kv, outputs

@@ -1,0 +1,196 @@
+"""The scheduler on its own: a plan flows down, results come back once.
+
+No engine and no model here: the scheduler drives a real ``BlockManager``, and a stand-in for
+the device step (the allocator's ``append`` and ``commit``, as the fused step runs them, plus
+made-up sampled tokens) produces the ``StepResult`` that ``postprocess`` takes. This proves the
+scheduler needs nothing from the engine, that its plans carry every KV movement the engine has
+to make (swap pairs), and that ``postprocess`` does the per-sequence accounting.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from paxcache import BlockManager, CacheConfig, SamplingParams, allocator
+from paxcache.outputs import INTERNAL_ERROR
+from paxcache.scheduler import Scheduler, SeqState, StepPlan, StepResult
+from paxcache.sequence import new_request
+
+S = 4  # block size
+_append = jax.jit(allocator.append, static_argnames="commit")
+_commit = jax.jit(allocator.commit)
+_num_free = jax.jit(allocator.num_free_blocks)
+
+
+def _scheduler(num_blocks=16, host_blocks=0, budget=32, max_seqs=4, mode="recompute"):
+    cfg = CacheConfig(
+        num_blocks=num_blocks,
+        block_size=S,
+        max_seqs=2 * max_seqs,
+        max_blocks_per_seq=16,
+        num_host_blocks=host_blocks,
+        watermark=0.0,
+    )
+    return Scheduler(
+        BlockManager(cfg),
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        preemption_mode=mode,
+        max_model_len=cfg.max_model_len,
+        eos_token_ids=(0,),
+    )
+
+
+class _Decoder:
+    def push(self, tok):
+        return chr(ord("a") + tok % 26)
+
+    def flush(self):
+        return ""
+
+
+def _add(sched, rid, n_prompt, max_tokens=4, n=1, start=1):
+    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
+    seqs = new_request(
+        rid, list(range(start, start + n_prompt)), params, seed=0, make_decoder=_Decoder
+    )
+    sched.add(seqs)
+    return seqs
+
+
+def _fake_step(sched: Scheduler, plan: StepPlan, token: int = 7) -> StepResult:
+    """What the fused step does to the block state (append one token per growing row, then
+    commit what the rows computed), with every sample drawing ``token``."""
+    bm = sched.block_manager
+    b = bm.cfg.max_seqs
+    counts, toks, computed = np.zeros(b, np.int32), np.zeros((b, 1), np.int32), np.zeros(b)
+    for (seq, q), slot in zip(plan.rows, plan.slots, strict=True):
+        end = seq.num_computed + q
+        if end > seq.num_allocated:
+            counts[slot], toks[slot, 0] = 1, seq.token_ids[end - 1]
+        computed[slot] = end
+    state, res = _append(bm.state, counts, toks, commit=False)
+    state = _commit(state, computed.astype(np.int32))
+    row_ok = np.zeros(8, bool)
+    row_ok[: len(plan.rows)] = np.asarray(res.ok)[plan.slots]
+    return StepResult(
+        state=state,
+        num_free_blocks=int(_num_free(state)),
+        row_ok=row_ok,
+        tokens=np.full(8, token, np.int32),
+    )
+
+
+def _run(sched, steps=100):
+    for _ in range(steps):
+        if not sched.has_work():
+            return
+        plan = sched.schedule()
+        if plan.rows:
+            sched.postprocess(plan, _fake_step(sched, plan))
+    raise AssertionError("work left")
+
+
+def test_plan_rows_then_postprocess_advances_and_samples():
+    sched = _scheduler()
+    (a,) = _add(sched, "a", 10)
+    (b,) = _add(sched, "b", 3, start=50)
+    plan = sched.schedule()
+    assert [(s.request_id, q) for s, q in plan.rows] == [("a", 10), ("b", 3)]
+    assert plan.admitted == [a, b] and plan.slots == [0, 1]
+    assert [(s.request_id, row) for s, row in plan.samples] == [("a", 0), ("b", 1)]
+    assert not (plan.swap_out or plan.swap_in or plan.preempted or plan.failed)
+    touched = sched.postprocess(plan, _fake_step(sched, plan))
+    assert touched == [a, b]
+    assert a.num_computed == a.num_allocated == 10 and a.token_ids[-1] == 7
+    assert a.new_ids == [7] and a.text == "h" and sched.num_generated_tokens == 2
+    assert sched.num_prefill_tokens_computed == 13
+    # Next: two decodes, each a row of one token that grows its allocation.
+    plan = sched.schedule()
+    assert [(s.request_id, q) for s, q in plan.rows] == [("a", 1), ("b", 1)]
+    assert all(sched.check_invariants().values())
+
+
+def test_finished_sequences_are_freed_by_postprocess():
+    sched = _scheduler()
+    _add(sched, "a", 5, max_tokens=3)
+    _run(sched)
+    bm = sched.block_manager
+    assert len(bm) == 0 and bm.num_free_blocks == bm.cfg.num_blocks
+    assert sched.num_departures == 1 and all(sched.check_invariants().values())
+
+
+def test_followers_sample_from_the_leaders_row_then_run_alone():
+    sched = _scheduler()
+    lead, f1, f2 = _add(sched, "n3", 6, n=3)
+    plan = sched.schedule()
+    assert [s for s, _ in plan.rows] == [lead]  # followers wait: no rows of their own
+    assert plan.admitted == [lead, f1, f2] and plan.samples == [(lead, 0), (f1, 0), (f2, 0)]
+    sched.postprocess(plan, _fake_step(sched, plan))
+    assert f1.leader is None and f1.token_ids == lead.token_ids and f1.shared_last
+    plan = sched.schedule()
+    assert {s.index for s, _ in plan.rows} == {0, 1, 2}
+
+
+def test_swap_preemption_puts_the_block_pairs_in_the_plan_and_resumes_later():
+    # 6 blocks of 4: two sequences of 9 + 3 tokens each need 3 blocks, then a 4th when they
+    # grow past 12: the newest is swapped out, its pairs in the plan, and nothing resumes in
+    # that step (rule R3).
+    sched = _scheduler(num_blocks=6, host_blocks=8, mode="swap")
+    (a,) = _add(sched, "a", 9, max_tokens=8)
+    (b,) = _add(sched, "b", 9, max_tokens=8, start=30)
+    bm = sched.block_manager
+    for _ in range(20):
+        plan = sched.schedule()
+        if plan.swap_out:
+            break
+        table_b = bm.block_table(b) if b in bm else None
+        sched.postprocess(plan, _fake_step(sched, plan))
+    else:
+        raise AssertionError("no swap")
+    assert plan.swapped_out == [b] and plan.preempted == [b] and b.state == SeqState.SWAPPED
+    devices = [d for d, _ in plan.swap_out]
+    assert devices == [x for x in table_b if x >= 0]  # its blocks before this step
+    assert [h for _, h in plan.swap_out] == bm.block_table(b)[: len(devices)]
+    assert not plan.swap_in and not plan.admitted  # R3
+    assert [s for s, _ in plan.rows] == [a]
+    sched.postprocess(plan, _fake_step(sched, plan))
+    _run(sched)
+    assert sched.num_swapped_in_seqs == 1 and sched.num_swapped_in_blocks == len(devices)
+    assert len(bm) == 0 and bm.num_free_host_blocks == 8
+
+
+def test_a_request_whose_detokenizer_raises_fails_alone():
+    class Exploding(_Decoder):
+        def push(self, tok):
+            raise RuntimeError("tokenizer bug")
+
+    sched = _scheduler()
+    (a,) = _add(sched, "a", 5)
+    (b,) = _add(sched, "b", 5, start=40)
+    a.decoder = Exploding()
+    plan = sched.schedule()
+    touched = sched.postprocess(plan, _fake_step(sched, plan))
+    assert a.finish_reason == "error" and a.error == INTERNAL_ERROR and a in touched
+    assert b.state == SeqState.RUNNING and b.num_generated == 1
+    assert a not in sched.block_manager and all(sched.check_invariants().values())
+
+
+def test_failed_requests_from_input_preparation_are_not_advanced():
+    sched = _scheduler()
+    (a,) = _add(sched, "a", 5)
+    plan = sched.schedule()
+    result = _fake_step(sched, plan)
+    result.failed_requests = {"a"}
+    assert sched.postprocess(plan, result) == [a]
+    assert a.finish_reason == "error" and a.num_generated == 0
+
+
+def test_scheduler_refuses_unknown_policies():
+    bm = BlockManager(CacheConfig(num_blocks=4, block_size=S, max_seqs=2, max_blocks_per_seq=4))
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8, policy="lifo")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8, preemption_mode="drop")

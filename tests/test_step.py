@@ -1,0 +1,93 @@
+"""The step's inputs: one pytree built from a plan by ``prepare_inputs`` (shapes, dtypes,
+padding, and the rows and samples it encodes)."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from paxcache import SamplingParams
+from paxcache.sampling import request_keys
+from paxcache.scheduler import StepPlan
+from paxcache.sequence import new_request
+from paxcache.step import StepInputs, StepShapes, empty_inputs, prepare_inputs, token_buckets
+
+SHAPES = StepShapes(buckets=(16, 32), max_rows=4, vocab_size=50)
+
+
+def _seq(rid, n_prompt, computed, allocated, **params):
+    seqs = new_request(rid, list(range(1, n_prompt + 1)), SamplingParams(**params), seed=3)
+    for s in seqs:
+        s.num_computed, s.num_allocated = computed, allocated
+    return seqs
+
+
+def test_token_buckets_are_powers_of_two_then_the_budget():
+    assert token_buckets(256) == (16, 32, 64, 128, 256)
+    assert token_buckets(100) == (16, 32, 64, 100)
+    assert token_buckets(8) == (8,)
+
+
+def test_a_plan_becomes_one_padded_pytree():
+    # "p": a 20-token prompt chunk (none computed), "d": a decode at position 9 (grows), and
+    # "n": a request with n=2 whose follower samples from its leader's last row.
+    (p,) = _seq("p", 20, 0, 20, temperature=0.7, top_k=999, top_p=0.9)
+    (d,) = _seq("d", 9, 9, 9)
+    d.token_ids.append(33)
+    lead, follower = _seq("n", 3, 0, 3, n=2, min_p=0.1)
+    plan = StepPlan(
+        rows=[(p, 20), (d, 1), (lead, 3)],
+        slots=[5, 0, 2],
+        samples=[(p, 0), (d, 1), (lead, 2), (follower, 2)],
+    )
+    inputs, failed = prepare_inputs(plan, SHAPES)
+    assert isinstance(inputs, StepInputs) and not failed
+    t = 32  # the smallest bucket holding 24 tokens
+    chex.assert_shape(inputs.token_ids, (t,))
+    for x in (inputs.slot_ids, inputs.q_lens, inputs.kv_lens, inputs.grows):
+        chex.assert_shape(x, (4,))
+    chex.assert_shape(inputs.sampling.keys, (4, 2))
+    assert inputs.token_ids.dtype == np.int32 and inputs.grows.dtype == bool
+    assert inputs.sampling.keys.dtype == np.uint32
+    np.testing.assert_array_equal(inputs.token_ids[:24], list(range(1, 21)) + [33, 1, 2, 3])
+    assert not inputs.token_ids[24:].any()
+    np.testing.assert_array_equal(inputs.slot_ids, [5, 0, 2, 0])
+    np.testing.assert_array_equal(inputs.q_lens, [20, 1, 3, 0])
+    np.testing.assert_array_equal(inputs.kv_lens, [20, 10, 3, 0])
+    np.testing.assert_array_equal(inputs.grows, [False, True, False, False])
+    assert int(inputs.num_rows) == 3
+    s = inputs.sampling
+    np.testing.assert_array_equal(s.logits_rows, [19, 20, 23, 23])  # follower: leader's row
+    np.testing.assert_allclose(s.temperature, [0.7, 0, 0, 0])
+    np.testing.assert_array_equal(s.top_k, [50, 0, 0, 0])  # clamped to the vocabulary
+    np.testing.assert_allclose(s.top_p, [0.9, 1, 1, 1])
+    np.testing.assert_allclose(s.min_p, [0, 0, 0.1, 0.1], rtol=1e-6)
+    # Keys: a pure function of (seed, tokens generated, completion index).
+    want = request_keys([3, 3, 3, 3], [0, 1, 0, 0], [0, 0, 0, 1])
+    np.testing.assert_array_equal(s.keys, want)
+    assert len(jax.tree.leaves(inputs)) == 12  # every leaf costs host dispatch time
+
+
+def test_empty_inputs_have_the_buckets_shape_and_run_nothing():
+    inputs = empty_inputs(SHAPES, 16)
+    chex.assert_shape(inputs.token_ids, (16,))
+    assert int(inputs.num_rows) == 0 and not inputs.grows.any()
+    assert jax.tree.structure(inputs) == jax.tree.structure(prepare_inputs(StepPlan(), SHAPES)[0])
+
+
+def test_a_sample_whose_values_cannot_be_represented_fails_its_request_only():
+    (bad,) = _seq("bad", 4, 0, 4, temperature=1.0)
+    (good,) = _seq("good", 4, 0, 4, temperature=0.5)
+    object.__setattr__(bad.params, "temperature", 10**400)  # bypasses validation
+    plan = StepPlan(rows=[(bad, 4), (good, 4)], slots=[0, 1], samples=[(bad, 0), (good, 1)])
+    inputs, failed = prepare_inputs(plan, SHAPES)
+    assert failed == {"bad"}
+    np.testing.assert_allclose(inputs.sampling.temperature[:2], [0.0, 0.5])
+
+
+def test_a_plan_over_the_largest_bucket_is_refused():
+    (p,) = _seq("p", 40, 0, 40)
+    with pytest.raises(ValueError, match="largest bucket"):
+        prepare_inputs(StepPlan(rows=[(p, 40)], slots=[0]), SHAPES)
