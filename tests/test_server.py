@@ -1,4 +1,4 @@
-"""Tests for the OpenAI-compatible server (paxcache/server.py, scripts/serve.py).
+"""Tests for the OpenAI-compatible server (paxcache/server/, scripts/serve.py).
 
 Two layers:
 - In-process: the app around a small fake engine, served by uvicorn in a thread on a free
@@ -1014,7 +1014,7 @@ def test_completions_that_finish_at_different_steps_are_all_reported():
 
 
 def test_chat_prompt_drops_a_duplicate_bos_written_by_the_template():
-    from paxcache.server import _chat_token_ids
+    from paxcache.server.convert import chat_token_ids
 
     class TemplateWithBos(ByteTokenizer):
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -1022,5 +1022,5 @@ def test_chat_prompt_drops_a_duplicate_bos_written_by_the_template():
             return [self.bos_token_id, *ids] if text.startswith("<s>") else ids
 
     tok = TemplateWithBos()
-    assert _chat_token_ids(tok, "<s>hi") == [256, 104, 105]
-    assert _chat_token_ids(ByteTokenizer(), "hi") == [256, 104, 105]
+    assert chat_token_ids(tok, "<s>hi") == [256, 104, 105]
+    assert chat_token_ids(ByteTokenizer(), "hi") == [256, 104, 105]
