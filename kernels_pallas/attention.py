@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import logging
 from typing import Any
 
@@ -170,11 +169,8 @@ def _ragged_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
 
 def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
     fn = getattr(_gpu_module(), fn_name)
-    if k_pages.ndim == 5:
-        if "layer" in inspect.signature(fn).parameters:
-            kwargs = dict(kwargs, layer=layer)
-        else:
-            k_pages, v_pages = k_pages[layer], v_pages[layer]
+    if k_pages.ndim == 5:  # the GPU kernels read pages.at[layer] themselves (no copy)
+        kwargs = dict(kwargs, layer=layer)
     q, *rest = args
     return fn(q, k_pages, v_pages, *rest, **kwargs)
 

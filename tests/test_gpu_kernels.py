@@ -182,6 +182,27 @@ def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window, via_dispa
     np.testing.assert_array_equal(np.asarray(out[int(cu[nseq]) :], np.float32), 0.0)
 
 
+def test_f32_pages_outside_interpret_take_the_xla_path_reading_the_stacked_layer():
+    """The compiled kernel's wgmma takes bf16/f16 only: f32 pages outside interpret mode run
+    the exact XLA path (on any backend), which must read layer 1 of stacked pages, not 0."""
+    q, k, v, lengths, tables = _decode_case(3, g=2, lengths=[5, 19, 0], layers=3)
+    k = k.at[0].multiply(3.0)  # layers 0 and 2 differ from layer 1: a wrong layer shows
+    v = v.at[2].multiply(-1.0)
+    out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, layer=jnp.int32(1))
+    want = reference.paged_attention_reference(q, k[1], v[1], lengths, tables, sm_scale=0.125)
+    _check(out, want, jnp.float32)
+
+    q, k1, v1, kv_lens, tables, cu, nseq = _ragged_case(5, g=2, rows=MIXED_ROWS, pad_rows=2)
+    k = jnp.stack([3.0 * k1, k1, k1])
+    v = jnp.stack([v1, v1, -v1])
+    args = (q, k, v, kv_lens, tables, cu, nseq)
+    out = ga.ragged_paged_attention_gpu(*args, sm_scale=0.125, layer=1)
+    want = reference.ragged_paged_attention_reference(
+        q, k1, v1, kv_lens, tables, cu, nseq, sm_scale=0.125
+    )
+    _check(out, want, jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Host-side logic (pure XLA: work lists, split combine, support checks)
 # ---------------------------------------------------------------------------------------------

@@ -703,10 +703,6 @@ def _use_fallback(k_pages: jax.Array, interpret: bool, name: str) -> bool:
     return True
 
 
-def _select_layer(pages: jax.Array, layer) -> jax.Array:
-    return pages if pages.ndim == 4 else pages[layer]
-
-
 # ---------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------
@@ -757,9 +753,8 @@ def paged_attention_gpu(
         # Decode is ragged attention with one row per sequence (memory-light XLA scan).
         b = q.shape[0]
         return reference.ragged_paged_attention_xla(
-            q, _select_layer(k_pages, layer), _select_layer(v_pages, layer), lengths,
-            block_tables, jnp.arange(b + 1, dtype=jnp.int32), b, sm_scale=sm_scale,
-            soft_cap=soft_cap, sliding_window=sliding_window,
+            q, k_pages, v_pages, lengths, block_tables, jnp.arange(b + 1, dtype=jnp.int32), b,
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
         )  # fmt: skip
     b, h, d = q.shape
     kv_heads = k_pages.shape[-4]
@@ -818,9 +813,8 @@ def ragged_paged_attention_gpu(
     layer = 0 if layer is None else layer
     if _use_fallback(k_pages, interpret, "ragged_paged_attention_gpu"):
         return reference.ragged_paged_attention_xla(
-            q, _select_layer(k_pages, layer), _select_layer(v_pages, layer), kv_lens,
-            block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
-            sliding_window=sliding_window,
+            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
         )  # fmt: skip
     t, h, d = q.shape
     kv_heads = k_pages.shape[-4]
