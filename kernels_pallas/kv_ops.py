@@ -169,6 +169,14 @@ def _check_impl(name: str, impl: str) -> None:
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _swap_family(impl: str) -> str:
+    """``"xla"`` or ``"pallas_tpu"``: ``auto`` and ``reference`` always run the memory-kinds
+    program (module doc); a forced ``impl`` follows :func:`kernels_pallas._dispatch.
+    forced_family` (no GPU swap kernel: ``"pallas_gpu"``, and ``"pallas"`` on a GPU target,
+    run XLA)."""
+    return "xla" if impl in ("auto", "reference") else _dispatch.forced_family(impl, False)
+
+
 def _kernels(family: str):
     return importlib.import_module(f"kernels_pallas.{family}.kv_ops")
 
@@ -578,7 +586,7 @@ def swap_program(
     src_host = _memory_kind(srcs[0]) in _HOST_KINDS
     dst_host = _memory_kind(dsts[0]) in _HOST_KINDS
     shardings = tuple(x.sharding for x in dsts)
-    if impl in ("pallas", "pallas_tpu") and _dispatch.target_platform() not in ("cuda", "rocm"):
+    if _swap_family(impl) == "pallas_tpu":
         if src_host or dst_host:
             # libtpu 0.0.42: HBM <-> host DMAs in a Mosaic kernel either abort the process in
             # XLA's HostOffloader (swap out) or fail an LLO check (swap in).
@@ -627,8 +635,10 @@ def swap_blocks(
       impl: ``"auto"`` and ``"reference"``: the memory-kinds program (gather, one transfer,
         scatter) on every platform, TPU included: a Mosaic kernel cannot DMA between HBM and
         host memory with this libtpu (the compiler aborts the process on it).
-        ``"pallas"``/``"pallas_tpu"``: the TPU DMA kernel, between two *device* arrays only
-        (``interpret=True`` on CPU). ``"pallas_gpu"``: no GPU swap kernel: as ``"auto"``.
+        ``"pallas_tpu"`` (and ``"pallas"`` off a GPU target): the TPU DMA kernel, between
+        two *device* arrays only, on a TPU target or with ``interpret=True``.
+        ``"pallas_gpu"`` (and ``"pallas"`` on a GPU target): no GPU swap kernel: as
+        ``"auto"``.
       interpret: run the TPU kernel in interpret mode.
       donate: donate ``dst_pages`` (in-place update).
       xla_moves: ``"auto" | "direct" | "loop" | "scatter"``: the memory-kinds program's form
@@ -681,7 +691,7 @@ def swap_blocks(
     if traced:
         s_ids = jnp.asarray(src_ids, jnp.int32)
         d_ids = jnp.asarray(dst_ids, jnp.int32)
-        if impl in ("pallas", "pallas_tpu"):
+        if _swap_family(impl) == "pallas_tpu":
             from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
 
             _dispatch.run_forced_check(name, "pallas_tpu", interpret)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from jax.sharding import SingleDeviceSharding
 
 import kernels_pallas as kp
-from kernels_pallas import kv_ops
+from kernels_pallas import _dispatch, kv_ops
 
 # (impl, interpret): the XLA path, auto, and the Pallas TPU kernels in interpret mode
 # ("pallas_gpu" is the XLA path: there are no Mosaic GPU KV kernels, see kernels_pallas.kv_ops).
@@ -521,3 +521,20 @@ def test_xla_moves_is_checked_before_anything_runs():
         kp.copy_blocks(pages, pages, [0], [1], xla_moves="direct")  # one array: no "direct"
     with pytest.raises(ValueError, match="swap_blocks: xla_moves must be one of"):
         kp.swap_blocks(pages, pages, [0], [1], xla_moves="fast")
+
+
+def test_forced_swap_impls_follow_the_shared_dispatch_rule(monkeypatch):
+    """One rule for every op (kernels_pallas._dispatch.forced_family): on a GPU target
+    "pallas" means the GPU kernel, and swaps have none, so they run XLA; "pallas_tpu" off a
+    TPU target needs interpret=True, as for attention and write_kv."""
+    monkeypatch.setattr(_dispatch, "target_platform", lambda: "cuda")
+    rng = np.random.default_rng(6)
+    src_pages = _pages(rng, (1, 2, 6, 4, 8), jnp.float32)
+    dst_pages = jnp.zeros((1, 2, 6, 4, 8), jnp.float32)
+    src, dst = np.array([4, 1], np.int32), np.array([0, 5], np.int32)
+    expect = _np_copy_between(np.asarray(src_pages), np.zeros(dst_pages.shape), src, dst)
+    out = kp.swap_blocks(src_pages, dst_pages, src, dst, impl="pallas", donate=False)
+    np.testing.assert_array_equal(np.asarray(out), expect)
+    assert kp.kernel_info("cuda")["swap_blocks"] == "xla"
+    with pytest.raises(ValueError, match="needs a TPU target"):
+        kp.swap_blocks(src_pages, dst_pages, src, dst, impl="pallas_tpu", donate=False)
