@@ -62,8 +62,13 @@ def _check_common(
     sliding_window: int | None,
     impl: str,
     layer: Any,
-) -> None:
-    """Checks shared by both ops (q is ``[B|T, H, D]``)."""
+) -> dict[str, Any]:
+    """Checks shared by both ops (q is ``[B|T, H, D]``).
+
+    Returns:
+      The static options as the implementations take them: ``sm_scale`` (default
+      ``D ** -0.5``), ``soft_cap`` and ``sliding_window`` as Python numbers or None.
+    """
     if impl not in IMPLS:
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
     if q.ndim != 3:
@@ -98,6 +103,11 @@ def _check_common(
         raise ValueError(
             f"{name}: sliding_window must be a positive int or None, got {sliding_window!r}"
         )
+    return dict(
+        sm_scale=float(d**-0.5 if sm_scale is None else sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+    )
 
 
 def _check_vector(name: str, what: str, x: Any, n: int, n_desc: str) -> None:
@@ -212,7 +222,7 @@ def paged_attention(
       NotImplementedError: ``impl="pallas_gpu"`` when the GPU kernels are not installed.
     """
     name = "paged_attention"
-    _check_common(
+    kw = _check_common(
         name,
         q,
         k_pages,
@@ -231,10 +241,6 @@ def paged_attention(
             f"{name}: block_tables batch {block_tables.shape[0]} != q batch {b} "
             f"(block_tables {block_tables.shape}, q {q.shape})"
         )
-    scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
-    cap = None if soft_cap is None else float(soft_cap)
-    window = None if sliding_window is None else int(sliding_window)
-    kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
     args = (
         q,
         k_pages,
@@ -310,7 +316,7 @@ def ragged_paged_attention(
       ``[T, H, D]`` in ``q.dtype``.
     """
     name = "ragged_paged_attention"
-    _check_common(
+    kw = _check_common(
         name,
         q,
         k_pages,
@@ -331,10 +337,6 @@ def ragged_paged_attention(
         )
     if isinstance(num_seqs, (int, np.integer)) and not 0 <= int(num_seqs) <= b:
         raise ValueError(f"{name}: num_seqs={int(num_seqs)} out of range [0, {b}]")
-    scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
-    cap = None if soft_cap is None else float(soft_cap)
-    window = None if sliding_window is None else int(sliding_window)
-    kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
     args = (
         q,
         k_pages,
