@@ -53,6 +53,14 @@ logger = logging.getLogger(__name__)
 # Inbound
 
 
+def _check_in_vocab(ids: Sequence[int], vocab_size: int, what: str, param: str) -> None:
+    """400 naming the first id outside ``[0, vocab_size)`` (``what`` formats it)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        where = f"outside the vocabulary [0, {vocab_size})"
+        raise APIError(400, f"{what.format(bad)} {where}", param=param)
+
+
 def _too_many(param: str, what: str, limit: int, name: str) -> APIError:
     return APIError(400, f"{what}; at most {limit} are allowed (limit {name})", param=param)
 
@@ -118,13 +126,7 @@ def check_limits(
         what = f"{len(ids)} stop_token_ids"
         raise _too_many("stop_token_ids", what, limits.max_stop_token_ids, "max_stop_token_ids")
     if vocab_size is not None:
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})",
-                param="stop_token_ids",
-            )
+        _check_in_vocab(ids, vocab_size, "stop_token_ids holds {},", "stop_token_ids")
         if body.top_k is not None and body.top_k > vocab_size:
             raise APIError(
                 400,
@@ -181,13 +183,7 @@ def check_token_ids(ids: Sequence[int], vocab_size: int | None) -> None:
     if not ids:
         raise APIError(400, "prompt must not be empty", param="prompt")
     if vocab_size is not None:
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                param="prompt",
-            )
+        _check_in_vocab(ids, vocab_size, "prompt token id {} is", "prompt")
 
 
 def tokenize(tokenizer: Any, prompt: str) -> list[int]:
