@@ -17,6 +17,7 @@ from hypothesis import given, settings
 import kernels_pallas as kp
 from kernels_pallas import compat, reference
 from kernels_pallas.gpu import attention as ga
+from kernels_pallas.gpu import work
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -144,7 +145,7 @@ def test_few_live_sequences_get_split_by_need_and_dead_items_are_ignored():
     items, and the empty sequence, are dead: no Q load, no output write, ignored by the
     combine), and the result is the oracle's."""
     q, k, v, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 0])
-    items, item_tile = ga._items(ga.decode_work(lengths, None), 1, None, True)
+    items, item_tile = work.plan_items(ga.decode_work(lengths, None), 1, None, True)
     np.testing.assert_array_equal(np.asarray(item_tile), [0, 0, 0, 0, 0, 2, 2, 2])
     out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, interpret=INTERPRET)
     want = reference.paged_attention_reference(q, k, v, lengths, tables, sm_scale=0.125)
@@ -270,10 +271,10 @@ def test_combine_of_split_partials_equals_one_softmax_and_dead_items_are_ignored
     o = jnp.asarray(np.stack(os_))[:, None]  # [I=4, K=1, R=3, D]
     lse = jnp.pad(jnp.asarray(np.stack(lses))[:, None], ((0, 0), (0, 0), (0, 61)))
     item_tile = jnp.asarray([0, 0, 0, 1], jnp.int32)  # W = 1: tile 1 means dead
-    got = ga._combine(o, lse, item_tile, 1)[0, 0]
+    got = work.combine(o, lse, item_tile, 1)[0, 0]
     want = jax.nn.softmax(jnp.asarray(logits), axis=-1) @ vals
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
-    all_empty = ga._combine(jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf), item_tile, 1)
+    all_empty = work.combine(jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf), item_tile, 1)
     np.testing.assert_array_equal(np.asarray(all_empty), 0.0)
 
 
@@ -281,7 +282,9 @@ def _tiles(nq, lo, hi) -> jax.Array:
     """Tile metadata with the given query counts and key ranges (other columns zero)."""
     w = len(nq)
     cols = [np.zeros(w, np.int32)] * 8
-    cols[ga._M_NQ], cols[ga._M_LO], cols[ga._M_HI] = (np.asarray(x, np.int32) for x in (nq, lo, hi))
+    cols[work.M_NQ], cols[work.M_LO], cols[work.M_HI] = (
+        np.asarray(x, np.int32) for x in (nq, lo, hi)
+    )
     return jnp.asarray(np.stack(cols, axis=1))
 
 
@@ -291,7 +294,7 @@ def _check_items(tiles, items, item_tile, num_items):
     w = tiles.shape[0]
     assert items.shape == (num_items, 10) and (np.diff(item_tile) >= 0).all()
     for t in range(w):
-        nq, lo, hi = tiles[t, ga._M_NQ], tiles[t, ga._M_LO], tiles[t, ga._M_HI]
+        nq, lo, hi = tiles[t, work.M_NQ], tiles[t, work.M_LO], tiles[t, work.M_HI]
         mine = items[item_tile == t]
         steps = list(range(lo // 64, -(-hi // 64))) if nq > 0 else []
         got = [st_ for f, n in mine[:, 8:10] for st_ in range(f, f + n)]
