@@ -52,6 +52,7 @@ from jax.sharding import SingleDeviceSharding
 __all__ = [
     "FAMILIES",
     "compile_probes",
+    "forced_family",
     "gpu_attention_unsupported_reason",
     "kernel_info",
     "record",
@@ -291,17 +292,20 @@ def record(op: str, impl: str) -> None:
     _record(op, dict.fromkeys(_PLATFORMS, impl))
 
 
-def _forced_family(op: str, impl: str, interpret: bool, has_gpu: bool) -> str:
+def forced_family(impl: str, has_gpu: bool) -> str:
+    """The family a forced ``impl`` (not ``"auto"`` / ``"reference"``) selects for the target.
+
+    ``"pallas"`` is the target's kernel (GPU on CUDA/ROCm, else TPU). An op without a Mosaic
+    GPU kernel (``has_gpu=False``: the KV ops, where XLA's in-place scatter is what a GPU
+    wants, see :mod:`kernels_pallas.kv_ops`) runs ``"xla"`` instead, so a model forced onto
+    the GPU kernels still runs. A ``"pallas_tpu"`` result still needs
+    :func:`run_forced_check`.
+    """
     if impl == "pallas":
         family = "pallas_gpu" if target_platform() in ("cuda", "rocm") else "pallas_tpu"
     else:
         family = impl
-    run_forced_check(op, family, interpret)
-    if family == "pallas_gpu" and not has_gpu:
-        # No Mosaic GPU kernel for this op (the KV ops: XLA's in-place scatter is what a GPU
-        # wants, see kernels_pallas.kv_ops): a model forced onto the GPU kernels still runs.
-        return "xla"
-    return family
+    return "xla" if family == "pallas_gpu" and not has_gpu else family
 
 
 def run(
@@ -341,7 +345,8 @@ def run(
         record(op, "xla")
         return xla(*args)
     if impl != "auto":
-        family = _forced_family(op, impl, interpret, gpu is not None)
+        family = forced_family(impl, gpu is not None)
+        run_forced_check(op, family, interpret)
         if family == "xla":
             record(op, "xla")
             return xla(*args)

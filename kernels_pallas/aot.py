@@ -37,7 +37,6 @@ __all__ = [
     "KERNEL_OPS",
     "KernelCase",
     "compile_case",
-    "compile_timed",
     "hbm_bytes",
     "kernel_grid",
     "spec",
@@ -139,14 +138,6 @@ def hbm_bytes(device: jax.Device) -> int | None:
         if found:
             return found
     return HBM_BYTES.get(device.device_kind)
-
-
-def compile_timed(fn: Callable[..., Any], *args: Any, **jit_kwargs: Any) -> tuple[Any, float]:
-    """``(jax.jit(fn, **jit_kwargs).trace(*args).lower().compile(), seconds)``."""
-    t0 = time.perf_counter()
-    jitted = fn if hasattr(fn, "trace") and not jit_kwargs else jax.jit(fn, **jit_kwargs)
-    compiled = jitted.trace(*args).lower().compile()
-    return compiled, time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import logging
 from typing import Any
 
@@ -63,8 +62,13 @@ def _check_common(
     sliding_window: int | None,
     impl: str,
     layer: Any,
-) -> None:
-    """Checks shared by both ops (q is ``[B|T, H, D]``)."""
+) -> dict[str, Any]:
+    """Checks shared by both ops (q is ``[B|T, H, D]``).
+
+    Returns:
+      The static options as the implementations take them: ``sm_scale`` (default
+      ``D ** -0.5``), ``soft_cap`` and ``sliding_window`` as Python numbers or None.
+    """
     if impl not in IMPLS:
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
     if q.ndim != 3:
@@ -99,6 +103,11 @@ def _check_common(
         raise ValueError(
             f"{name}: sliding_window must be a positive int or None, got {sliding_window!r}"
         )
+    return dict(
+        sm_scale=float(d**-0.5 if sm_scale is None else sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+    )
 
 
 def _check_vector(name: str, what: str, x: Any, n: int, n_desc: str) -> None:
@@ -170,11 +179,8 @@ def _ragged_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num
 
 def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
     fn = getattr(_gpu_module(), fn_name)
-    if k_pages.ndim == 5:
-        if "layer" in inspect.signature(fn).parameters:
-            kwargs = dict(kwargs, layer=layer)
-        else:
-            k_pages, v_pages = k_pages[layer], v_pages[layer]
+    if k_pages.ndim == 5:  # the GPU kernels read pages.at[layer] themselves (no copy)
+        kwargs = dict(kwargs, layer=layer)
     q, *rest = args
     return fn(q, k_pages, v_pages, *rest, **kwargs)
 
@@ -216,7 +222,7 @@ def paged_attention(
       NotImplementedError: ``impl="pallas_gpu"`` when the GPU kernels are not installed.
     """
     name = "paged_attention"
-    _check_common(
+    kw = _check_common(
         name,
         q,
         k_pages,
@@ -235,10 +241,6 @@ def paged_attention(
             f"{name}: block_tables batch {block_tables.shape[0]} != q batch {b} "
             f"(block_tables {block_tables.shape}, q {q.shape})"
         )
-    scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
-    cap = None if soft_cap is None else float(soft_cap)
-    window = None if sliding_window is None else int(sliding_window)
-    kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
     args = (
         q,
         k_pages,
@@ -314,7 +316,7 @@ def ragged_paged_attention(
       ``[T, H, D]`` in ``q.dtype``.
     """
     name = "ragged_paged_attention"
-    _check_common(
+    kw = _check_common(
         name,
         q,
         k_pages,
@@ -335,10 +337,6 @@ def ragged_paged_attention(
         )
     if isinstance(num_seqs, (int, np.integer)) and not 0 <= int(num_seqs) <= b:
         raise ValueError(f"{name}: num_seqs={int(num_seqs)} out of range [0, {b}]")
-    scale = float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
-    cap = None if soft_cap is None else float(soft_cap)
-    window = None if sliding_window is None else int(sliding_window)
-    kw = dict(sm_scale=scale, soft_cap=cap, sliding_window=window)
     args = (
         q,
         k_pages,

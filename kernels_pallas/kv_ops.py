@@ -45,7 +45,8 @@ kernel DMA-ing between HBM and ``pinned_host`` aborts the process in XLA's HostO
 (swap out) or fails an LLO check (swap in), so that program is refused, never compiled. On
 the CPU backend, where "device" and ``pinned_host`` are the same RAM and XLA elides
 memory-kind moves, the program instead copies block to block in place (one pass over the
-moved bytes instead of three). The number of pairs is padded with -1 up to a power of two,
+moved bytes instead of three); ``xla_moves=`` picks one of these forms explicitly
+(:data:`XLA_MOVES`). The number of pairs is padded with -1 up to a power of two,
 so swapping 3, 4, 5 ... blocks compiles once per bucket, not once per count;
 :func:`swap_program` gives the program of a bucket (warm-up, AOT compilation).
 
@@ -68,12 +69,41 @@ import numpy as np
 
 from kernels_pallas import _dispatch, compat, reference
 from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
+from kernels_pallas.buckets import next_power_of_two
 
-__all__ = ["IMPLS", "bucket_size", "copy_blocks", "swap_blocks", "swap_program", "write_kv"]
+__all__ = [
+    "IMPLS",
+    "XLA_MOVES",
+    "bucket_size",
+    "copy_blocks",
+    "swap_blocks",
+    "swap_program",
+    "write_kv",
+]
 
 logger = logging.getLogger(__name__)
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
+
+XLA_MOVES = ("auto", "direct", "loop", "scatter")
+"""How the XLA path moves blocks (``xla_moves=`` of :func:`copy_blocks` and
+:func:`swap_blocks`; the Pallas kernels ignore it):
+
+* ``"loop"``: in-place update-slice loops over the live pairs only. XLA:CPU runs a block
+  scatter about 10x slower than the equivalent dynamic-update-slices, and a loop whose trip
+  count is the number of live pairs costs nothing for padding.
+* ``"scatter"``: one gather and one scatter (on GPU/TPU one scatter beats P small kernels).
+* ``"direct"`` (swaps only): block-to-block copies from the source pages into the
+  destination, for the CPU backend where device and ``pinned_host`` memory are the same RAM
+  (XLA elides the memory-kind move, so this is one pass over the moved bytes instead of
+  three). Swaps otherwise gather on the source side, make one transfer and write the
+  destination with ``"loop"`` or ``"scatter"``.
+* ``"auto"``: by the platform the program is lowered for: CPU ``"loop"`` (swaps
+  ``"direct"``), elsewhere ``"scatter"``.
+
+(XLA:CPU has no native bf16 either: it upcasts bf16 updates to f32 over the whole array, so
+on CPU only f32 caches are updated in place; use float32 pages there.)
+"""
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,6 +169,14 @@ def _check_impl(name: str, impl: str) -> None:
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _swap_family(impl: str) -> str:
+    """``"xla"`` or ``"pallas_tpu"``: ``auto`` and ``reference`` always run the memory-kinds
+    program (module doc); a forced ``impl`` follows :func:`kernels_pallas._dispatch.
+    forced_family` (no GPU swap kernel: ``"pallas_gpu"``, and ``"pallas"`` on a GPU target,
+    run XLA)."""
+    return "xla" if impl in ("auto", "reference") else _dispatch.forced_family(impl, False)
+
+
 def _kernels(family: str):
     return importlib.import_module(f"kernels_pallas.{family}.kv_ops")
 
@@ -148,20 +186,20 @@ def _kernels(family: str):
 # --------------------------------------------------------------------------------------------
 
 
-def _use_loops() -> bool:
-    """Block moves as update-slice loops (CPU) instead of one gather/scatter (accelerators).
+def _resolve_moves(name: str, xla_moves: str, *, swap: bool) -> str:
+    """``xla_moves`` checked, with ``"auto"`` decided for the target platform (:data:`XLA_MOVES`).
 
-    XLA:CPU runs a block scatter about 10x slower than the equivalent in-place
-    dynamic-update-slices, and a loop whose trip count is the number of live pairs costs
-    nothing for padding. On GPU/TPU one scatter beats P small kernels. (XLA:CPU has no native
-    bf16 either: it upcasts bf16 updates to f32 over the whole array, so on CPU only f32
-    caches are updated in place; use float32 pages there.)
+    Raises:
+      ValueError: an unknown value, or ``"direct"`` for a copy within one page array.
     """
-    return _dispatch.target_platform() == "cpu" if _CPU_LOOPS is None else _CPU_LOOPS
-
-
-#: Override for :func:`_use_loops` (None = by backend); tests flip it to cover both forms.
-_CPU_LOOPS: bool | None = None
+    allowed = XLA_MOVES if swap else tuple(m for m in XLA_MOVES if m != "direct")
+    if xla_moves not in allowed:
+        raise ValueError(f"{name}: xla_moves must be one of {allowed}, got {xla_moves!r}")
+    if xla_moves != "auto":
+        return xla_moves
+    if _dispatch.target_platform() != "cpu":
+        return "scatter"
+    return "direct" if swap else "loop"
 
 
 def _compact_pairs(
@@ -224,10 +262,10 @@ def _copy_loop(
     return jax.lax.fori_loop(0, count, body, dst)
 
 
-def _copy_xla(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+def _copy_xla(pages: jax.Array, src: jax.Array, dst: jax.Array, loops: bool) -> jax.Array:
     n = pages.shape[-3]
     s, d, count = _compact_pairs(src, dst, n, n)
-    if not _use_loops():
+    if not loops:
         return _set_blocks(pages, _take_blocks(pages, s), d, count, loops=False)
     # Reading the live pages is exact: destinations are never sources (documented contract).
     return _copy_loop(pages, None, s, d, count)
@@ -352,6 +390,7 @@ def copy_blocks(
     *,
     impl: str = "auto",
     interpret: bool = False,
+    xla_moves: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Copy whole blocks ``src[i] -> dst[i]`` in K and V pages (every layer when stacked).
 
@@ -361,13 +400,15 @@ def copy_blocks(
         be distinct and must not also be sources (copy-on-write targets fresh blocks); all
         reads see the pages as they were before the call.
       impl, interpret: as in :func:`write_kv`.
+      xla_moves: ``"auto" | "loop" | "scatter"``: how the XLA path copies (:data:`XLA_MOVES`).
 
     Returns:
       The updated ``(k_pages, v_pages)``.
 
     Raises:
       ValueError: bad ranks/shapes/dtypes, mismatched id lengths, (host values) ids out of
-        range, duplicate destinations or a destination that is also a source.
+        range, duplicate destinations, a destination that is also a source, or a bad
+        ``impl`` / ``xla_moves``.
     """
     name = "copy_blocks"
     check_pages_pair(name, k_pages, v_pages)
@@ -378,12 +419,13 @@ def copy_blocks(
     _check_range(name, "dst", dst, n, "num_blocks N")
     _check_distinct_dst(name, src, dst, dst_not_src=True)
     _check_impl(name, impl)
+    loops = _resolve_moves(name, xla_moves, swap=False) == "loop"
     if p == 0:
         return k_pages, v_pages
     args = (k_pages, v_pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
 
     def xla(kp_, vp_, s_, d_):
-        return _copy_xla(kp_, s_, d_), _copy_xla(vp_, s_, d_)
+        return _copy_xla(kp_, s_, d_, loops), _copy_xla(vp_, s_, d_, loops)
 
     def tpu(kp_, vp_, s_, d_):
         return _kernels("tpu").copy_blocks_tpu(kp_, vp_, s_, d_, interpret=interpret)
@@ -407,7 +449,7 @@ def copy_blocks(
 
 def bucket_size(p: int) -> int:
     """Padded pair count for ``p`` pairs: the next power of two (at least 1)."""
-    return 1 if p <= 1 else 1 << (int(p) - 1).bit_length()
+    return next_power_of_two(p)
 
 
 def _memory_kind(x: Any) -> str | None:
@@ -505,12 +547,6 @@ def _tpu_interpret_swap(donate: bool):
     )
 
 
-#: CPU swaps copy block to block (device and pinned_host are the same RAM there). None = auto
-#: (direct when the target platform is the CPU); tests set False to run the
-#: gather/transfer/scatter program.
-_CPU_DIRECT_SWAP: bool | None = None
-
-
 def swap_program(
     src_pages: Any | Sequence[Any],
     dst_pages: Any | Sequence[Any],
@@ -519,6 +555,7 @@ def swap_program(
     impl: str = "auto",
     interpret: bool = False,
     donate: bool = True,
+    xla_moves: str = "auto",
 ) -> tuple[Any, int]:
     """The jitted program :func:`swap_blocks` runs for these pages and pair count.
 
@@ -530,7 +567,7 @@ def swap_program(
       src_pages, dst_pages: arrays or ``ShapeDtypeStruct``s (or tuples of them), as for
         :func:`swap_blocks`.
       num_pairs: pairs to move (padded to :func:`bucket_size`).
-      impl, interpret, donate: as in :func:`swap_blocks`.
+      impl, interpret, donate, xla_moves: as in :func:`swap_blocks`.
 
     Returns:
       ``(fn, padded_pairs)``; call ``fn(srcs, dsts, src_ids, dst_ids)`` with tuples of pages
@@ -542,13 +579,14 @@ def swap_program(
     """
     name = "swap_blocks"
     _check_impl(name, impl)
+    moves = _resolve_moves(name, xla_moves, swap=True)
     srcs = tuple(src_pages) if isinstance(src_pages, (tuple, list)) else (src_pages,)
     dsts = tuple(dst_pages) if isinstance(dst_pages, (tuple, list)) else (dst_pages,)
     size = bucket_size(num_pairs)
     src_host = _memory_kind(srcs[0]) in _HOST_KINDS
     dst_host = _memory_kind(dsts[0]) in _HOST_KINDS
     shardings = tuple(x.sharding for x in dsts)
-    if impl in ("pallas", "pallas_tpu") and _dispatch.target_platform() not in ("cuda", "rocm"):
+    if _swap_family(impl) == "pallas_tpu":
         if src_host or dst_host:
             # libtpu 0.0.42: HBM <-> host DMAs in a Mosaic kernel either abort the process in
             # XLA's HostOffloader (swap out) or fail an LLO check (swap in).
@@ -562,8 +600,8 @@ def swap_program(
             return _tpu_interpret_swap(donate), size
         return _swap_program(False, False, shardings, True, donate), size
     _dispatch.record(name, "xla")
-    direct = _dispatch.target_platform() == "cpu" if _CPU_DIRECT_SWAP is None else _CPU_DIRECT_SWAP
-    return _swap_program(src_host, dst_host, shardings, False, donate, direct, _use_loops()), size
+    direct, loops = moves == "direct", moves != "scatter"  # direct copies are loops too
+    return _swap_program(src_host, dst_host, shardings, False, donate, direct, loops), size
 
 
 def swap_blocks(
@@ -575,6 +613,7 @@ def swap_blocks(
     impl: str = "auto",
     interpret: bool = False,
     donate: bool = True,
+    xla_moves: str = "auto",
 ) -> jax.Array | tuple[jax.Array, ...]:
     """Copy blocks ``src_pages[..., src_ids[i], :, :] -> dst_pages[..., dst_ids[i], :, :]``.
 
@@ -596,10 +635,14 @@ def swap_blocks(
       impl: ``"auto"`` and ``"reference"``: the memory-kinds program (gather, one transfer,
         scatter) on every platform, TPU included: a Mosaic kernel cannot DMA between HBM and
         host memory with this libtpu (the compiler aborts the process on it).
-        ``"pallas"``/``"pallas_tpu"``: the TPU DMA kernel, between two *device* arrays only
-        (``interpret=True`` on CPU). ``"pallas_gpu"``: no GPU swap kernel: as ``"auto"``.
+        ``"pallas_tpu"`` (and ``"pallas"`` off a GPU target): the TPU DMA kernel, between
+        two *device* arrays only, on a TPU target or with ``interpret=True``.
+        ``"pallas_gpu"`` (and ``"pallas"`` on a GPU target): no GPU swap kernel: as
+        ``"auto"``.
       interpret: run the TPU kernel in interpret mode.
       donate: donate ``dst_pages`` (in-place update).
+      xla_moves: ``"auto" | "direct" | "loop" | "scatter"``: the memory-kinds program's form
+        (:data:`XLA_MOVES`).
 
     Returns:
       The updated destination pages (an array, or a tuple when tuples were given).
@@ -637,6 +680,7 @@ def swap_blocks(
     _check_range(name, "dst_ids", dst_ids, dsts[0].shape[-3], "destination blocks")
     _check_distinct_dst(name, src_ids, dst_ids, dst_not_src=False)
     _check_impl(name, impl)
+    _resolve_moves(name, xla_moves, swap=True)
 
     def ret(out: tuple) -> Any:
         return out[0] if single else tuple(out)
@@ -647,7 +691,7 @@ def swap_blocks(
     if traced:
         s_ids = jnp.asarray(src_ids, jnp.int32)
         d_ids = jnp.asarray(dst_ids, jnp.int32)
-        if impl in ("pallas", "pallas_tpu"):
+        if _swap_family(impl) == "pallas_tpu":
             from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
 
             _dispatch.run_forced_check(name, "pallas_tpu", interpret)
@@ -658,6 +702,8 @@ def swap_blocks(
                 for a, b in zip(srcs, dsts, strict=True)
             )
         )
-    fn, size = swap_program(srcs, dsts, p, impl=impl, interpret=interpret, donate=donate)
+    fn, size = swap_program(
+        srcs, dsts, p, impl=impl, interpret=interpret, donate=donate, xla_moves=xla_moves
+    )
     s_ids, d_ids = _pad_ids(src_ids, size), _pad_ids(dst_ids, size)
     return ret(fn(srcs, dsts, s_ids, d_ids))

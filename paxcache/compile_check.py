@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import kernels_pallas
-from kernels_pallas import _dispatch, aot
+from kernels_pallas import aot
 from paxcache import allocator, kv_cache, sharding
 from paxcache.engine import Engine
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
@@ -213,7 +213,7 @@ def _compile_program(name: str, kind: str, jitted: Any, args: tuple, hbm: int) -
     t0 = time.perf_counter()
     kernels: dict[str, str] = {}
     try:
-        with kernels_pallas.compile_probes(), _dispatch.recording() as seen:
+        with kernels_pallas.compile_probes(), kernels_pallas.recording() as seen:
             traced = jitted.trace(*args)
         kernels = seen.get("tpu", {})
         if kind != "step":  # the swap program was chosen when it was built, not traced

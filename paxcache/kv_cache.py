@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from kernels_pallas import kv_ops as kp
+from kernels_pallas.buckets import power_of_two_buckets
 
 __all__ = [
     "KVCache",
@@ -227,6 +228,7 @@ def apply_copies(
     impl: str = "auto",
     interpret: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    xla_moves: str = "auto",
 ) -> KVCache:
     """Apply copy-on-write / fork pairs ``src[i] -> dst[i]`` to every layer's K and V.
 
@@ -238,10 +240,11 @@ def apply_copies(
       mesh: a mesh with a ``"tp"`` axis over which the pages are split by kv heads
         (``paxcache.sharding.kv_sharding``): each device copies its own heads under
         ``jax.shard_map`` (a Mosaic kernel cannot be partitioned automatically).
+      xla_moves: see :data:`kernels_pallas.kv_ops.XLA_MOVES`.
     """
 
     def copy(k: jax.Array, v: jax.Array, s: jax.Array, d: jax.Array) -> tuple:
-        return kp.copy_blocks(k, v, s, d, impl=impl, interpret=interpret)
+        return kp.copy_blocks(k, v, s, d, impl=impl, interpret=interpret, xla_moves=xla_moves)
 
     if mesh is None:
         new_k, new_v = copy(cache.k, cache.v, src, dst)
@@ -283,6 +286,7 @@ def swap_out(
     num: Any = None,
     *,
     impl: str = "auto",
+    xla_moves: str = "auto",
 ) -> KVCache:
     """Copy device blocks ``plan_src[i]`` to host blocks ``plan_dst[i]`` (K and V, all layers).
 
@@ -295,12 +299,12 @@ def swap_out(
       plan_dst: ``i32[P]`` host block ids, -1 padded (``SwapPlan.dst``).
       num: optional number of valid leading pairs (``SwapPlan.num``); when given, only those
         are moved (pulls the plan to the host), otherwise the whole padded plan runs.
-      impl: see :func:`kernels_pallas.swap_blocks`.
+      impl, xla_moves: see :func:`kernels_pallas.swap_blocks`.
     """
     _need_host(cache, "swap_out")
     src, dst = _plan_ids(plan_src, plan_dst, num)
     host_k, host_v = kp.swap_blocks(
-        (cache.k, cache.v), (cache.host_k, cache.host_v), src, dst, impl=impl
+        (cache.k, cache.v), (cache.host_k, cache.host_v), src, dst, impl=impl, xla_moves=xla_moves
     )
     return cache.replace(host_k=host_k, host_v=host_v)
 
@@ -312,6 +316,7 @@ def swap_in(
     num: Any = None,
     *,
     impl: str = "auto",
+    xla_moves: str = "auto",
 ) -> KVCache:
     """Copy host blocks ``plan_src[i]`` to device blocks ``plan_dst[i]`` (K and V, all layers).
 
@@ -323,20 +328,19 @@ def swap_in(
       plan_src: ``i32[P]`` host block ids, -1 padded (allocator ``SwapPlan.src``).
       plan_dst: ``i32[P]`` device block ids, -1 padded (``SwapPlan.dst``).
       num: optional number of valid leading pairs, as in :func:`swap_out`.
-      impl: see :func:`kernels_pallas.swap_blocks`.
+      impl, xla_moves: see :func:`kernels_pallas.swap_blocks`.
     """
     _need_host(cache, "swap_in")
     src, dst = _plan_ids(plan_src, plan_dst, num)
     new_k, new_v = kp.swap_blocks(
-        (cache.host_k, cache.host_v), (cache.k, cache.v), src, dst, impl=impl
+        (cache.host_k, cache.host_v), (cache.k, cache.v), src, dst, impl=impl, xla_moves=xla_moves
     )
     return cache.replace(k=new_k, v=new_v)
 
 
 def swap_buckets(max_pairs: int) -> tuple[int, ...]:
     """The padded pair counts a swap of up to ``max_pairs`` blocks can use (powers of two)."""
-    top = kp.bucket_size(max(1, int(max_pairs)))
-    return tuple(1 << i for i in range(top.bit_length()))
+    return power_of_two_buckets(kp.bucket_size(max(1, int(max_pairs))))
 
 
 def warmup_swaps(cache: KVCache, max_pairs: int, *, impl: str = "auto") -> KVCache:

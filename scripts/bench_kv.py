@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import logging
 import pathlib
@@ -103,15 +104,15 @@ def main() -> None:
         dst = rng.permutation(nh)[:p].astype(np.int32)  # host blocks
         nbytes = p * per_block
 
-        def swap_out(src=src, dst=dst):
+        def swap_out(src=src, dst=dst, moves="auto"):
             state["hk"], state["hv"] = kv_ops.swap_blocks(
-                (state["k"], state["v"]), (state["hk"], state["hv"]), src, dst
+                (state["k"], state["v"]), (state["hk"], state["hv"]), src, dst, xla_moves=moves
             )
             jax.block_until_ready((state["hk"], state["hv"]))
 
-        def swap_in(src=src, dst=dst):
+        def swap_in(src=src, dst=dst, moves="auto"):
             state["k"], state["v"] = kv_ops.swap_blocks(
-                (state["hk"], state["hv"]), (state["k"], state["v"]), dst, src
+                (state["hk"], state["hv"]), (state["k"], state["v"]), dst, src, xla_moves=moves
             )
             jax.block_until_ready((state["k"], state["v"]))
 
@@ -142,10 +143,8 @@ def main() -> None:
         }
         if jax.default_backend() == "cpu":
             # Also time the generic gather / one transfer / scatter program (the GPU path).
-            kv_ops._CPU_DIRECT_SWAP = False
-            t["swap_out_generic"] = _time(swap_out, args.reps)
-            t["swap_in_generic"] = _time(swap_in, args.reps)
-            kv_ops._CPU_DIRECT_SWAP = None
+            t["swap_out_generic"] = _time(functools.partial(swap_out, moves="loop"), args.reps)
+            t["swap_in_generic"] = _time(functools.partial(swap_in, moves="loop"), args.reps)
         del on_dev, on_host
         row = {"blocks": p, "bytes": nbytes}
         for key, sec in t.items():

@@ -579,6 +579,39 @@ def test_check_invariants_catches_a_corrupted_state():
     assert not checks["free_pool_no_duplicates"]
 
 
+def test_packed_fields_are_properties_and_replace_writes_their_columns():
+    """BlockState's packed fields are explicit properties reading their column (with the
+    documented dtype), and replace() writes a packed field into its column, touching nothing
+    else; the state is a pytree of its 12 arrays with the config static."""
+    from paxcache.allocator import state as state_mod
+
+    state = allocator.init(C1)
+    for name in state_mod.COUNTERS + state_mod.SLOT_INFO + state_mod.CACHE_KEYS:
+        assert isinstance(vars(allocator.BlockState)[name], property), name
+    new = state.replace(num_free=3, clock=7, ref_counts=state.ref_counts + 1)
+    assert int(new.num_free) == 3 and int(new.clock) == 7 and int(new.ref_counts[0]) == 1
+    np.testing.assert_array_equal(new.counters[1:3], state.counters[1:3])
+    active = jnp.array([True, False, True, False])
+    new = state.replace(active=active, slot_salt=jnp.arange(4) + 5)
+    chex.assert_type(new.active, bool)
+    np.testing.assert_array_equal(new.active, active)
+    np.testing.assert_array_equal(new.slot_salt, [5, 6, 7, 8])
+    np.testing.assert_array_equal(new.swapped, state.swapped)
+    high = jnp.full((C1.num_blocks,), 0xFFFFFFF0, jnp.uint32)  # bit-cast through the i32 array
+    new = state.replace(key_hash=high)
+    chex.assert_type(new.key_hash, jnp.uint32)
+    np.testing.assert_array_equal(new.key_hash, high)
+    np.testing.assert_array_equal(new.parent_block, state.parent_block)
+    with pytest.raises(TypeError):
+        state.replace(no_such_field=1)
+    with pytest.raises(AttributeError):
+        _ = state.no_such_field
+    leaves, treedef = jax.tree.flatten(state)
+    assert len(leaves) == 12 and jax.tree.unflatten(treedef, leaves).cfg is C1
+    bumped = jax.jit(lambda st: st.replace(clock=st.clock + 1))(state)
+    assert int(bumped.clock) == int(state.clock) + 1
+
+
 class AllocatorVariantsTest(chex.TestCase):
     """The pure functions give the same results with and without jit."""
 

@@ -175,7 +175,7 @@ def test_warm_engine_swaps_without_compiling(swap_engine):
 
 
 def test_stats_and_metrics_show_each_ops_implementation(swap_engine):
-    from paxcache.server import _EngineStatsCollector
+    from paxcache.server.metrics import EngineStatsCollector
 
     impls = swap_engine.stats()["kernel_impls"]
     assert {impls[op] for op in ("ragged_paged_attention", "write_kv", "copy_blocks")} == {"xla"}
@@ -187,7 +187,7 @@ def test_stats_and_metrics_show_each_ops_implementation(swap_engine):
         num_inflight = 0
         num_engine_errors = 0
 
-    families = {m.name: m for m in _EngineStatsCollector(Runner()).collect()}
+    families = {m.name: m for m in EngineStatsCollector(Runner()).collect()}
     samples = {
         (s.labels["op"], s.labels["impl"], s.labels["fallback"]): s.value
         for s in families["paxcache_kernel_info"].samples

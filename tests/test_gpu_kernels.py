@@ -17,6 +17,7 @@ from hypothesis import given, settings
 import kernels_pallas as kp
 from kernels_pallas import compat, reference
 from kernels_pallas.gpu import attention as ga
+from kernels_pallas.gpu import work
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -144,7 +145,7 @@ def test_few_live_sequences_get_split_by_need_and_dead_items_are_ignored():
     items, and the empty sequence, are dead: no Q load, no output write, ignored by the
     combine), and the result is the oracle's."""
     q, k, v, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 0])
-    items, item_tile = ga._items(ga.decode_work(lengths, None), 1, None, True)
+    items, item_tile = work.plan_items(ga.decode_work(lengths, None), 1, None, True)
     np.testing.assert_array_equal(np.asarray(item_tile), [0, 0, 0, 0, 0, 2, 2, 2])
     out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, interpret=INTERPRET)
     want = reference.paged_attention_reference(q, k, v, lengths, tables, sm_scale=0.125)
@@ -180,6 +181,27 @@ def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window, via_dispa
     want = reference.ragged_paged_attention_reference(*args, **kw)
     _check(out, want, dtype)
     np.testing.assert_array_equal(np.asarray(out[int(cu[nseq]) :], np.float32), 0.0)
+
+
+def test_f32_pages_outside_interpret_take_the_xla_path_reading_the_stacked_layer():
+    """The compiled kernel's wgmma takes bf16/f16 only: f32 pages outside interpret mode run
+    the exact XLA path (on any backend), which must read layer 1 of stacked pages, not 0."""
+    q, k, v, lengths, tables = _decode_case(3, g=2, lengths=[5, 19, 0], layers=3)
+    k = k.at[0].multiply(3.0)  # layers 0 and 2 differ from layer 1: a wrong layer shows
+    v = v.at[2].multiply(-1.0)
+    out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, layer=jnp.int32(1))
+    want = reference.paged_attention_reference(q, k[1], v[1], lengths, tables, sm_scale=0.125)
+    _check(out, want, jnp.float32)
+
+    q, k1, v1, kv_lens, tables, cu, nseq = _ragged_case(5, g=2, rows=MIXED_ROWS, pad_rows=2)
+    k = jnp.stack([3.0 * k1, k1, k1])
+    v = jnp.stack([v1, v1, -v1])
+    args = (q, k, v, kv_lens, tables, cu, nseq)
+    out = ga.ragged_paged_attention_gpu(*args, sm_scale=0.125, layer=1)
+    want = reference.ragged_paged_attention_reference(
+        q, k1, v1, kv_lens, tables, cu, nseq, sm_scale=0.125
+    )
+    _check(out, want, jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,10 +271,10 @@ def test_combine_of_split_partials_equals_one_softmax_and_dead_items_are_ignored
     o = jnp.asarray(np.stack(os_))[:, None]  # [I=4, K=1, R=3, D]
     lse = jnp.pad(jnp.asarray(np.stack(lses))[:, None], ((0, 0), (0, 0), (0, 61)))
     item_tile = jnp.asarray([0, 0, 0, 1], jnp.int32)  # W = 1: tile 1 means dead
-    got = ga._combine(o, lse, item_tile, 1)[0, 0]
+    got = work.combine(o, lse, item_tile, 1)[0, 0]
     want = jax.nn.softmax(jnp.asarray(logits), axis=-1) @ vals
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
-    all_empty = ga._combine(jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf), item_tile, 1)
+    all_empty = work.combine(jnp.zeros_like(o), jnp.full_like(lse, -jnp.inf), item_tile, 1)
     np.testing.assert_array_equal(np.asarray(all_empty), 0.0)
 
 
@@ -260,7 +282,9 @@ def _tiles(nq, lo, hi) -> jax.Array:
     """Tile metadata with the given query counts and key ranges (other columns zero)."""
     w = len(nq)
     cols = [np.zeros(w, np.int32)] * 8
-    cols[ga._M_NQ], cols[ga._M_LO], cols[ga._M_HI] = (np.asarray(x, np.int32) for x in (nq, lo, hi))
+    cols[work.M_NQ], cols[work.M_LO], cols[work.M_HI] = (
+        np.asarray(x, np.int32) for x in (nq, lo, hi)
+    )
     return jnp.asarray(np.stack(cols, axis=1))
 
 
@@ -270,7 +294,7 @@ def _check_items(tiles, items, item_tile, num_items):
     w = tiles.shape[0]
     assert items.shape == (num_items, 10) and (np.diff(item_tile) >= 0).all()
     for t in range(w):
-        nq, lo, hi = tiles[t, ga._M_NQ], tiles[t, ga._M_LO], tiles[t, ga._M_HI]
+        nq, lo, hi = tiles[t, work.M_NQ], tiles[t, work.M_LO], tiles[t, work.M_HI]
         mine = items[item_tile == t]
         steps = list(range(lo // 64, -(-hi // 64))) if nq > 0 else []
         got = [st_ for f, n in mine[:, 8:10] for st_ in range(f, f + n)]

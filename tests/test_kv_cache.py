@@ -286,24 +286,22 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from kernels_pallas import kv_ops
 from paxcache import kv_cache
 mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
 sh = NamedSharding(mesh, P(None, "tp"))
-variants = [(True, True), (False, True), (False, False)][: int(sys.argv[1])]
-for direct, loops in variants:
-    kv_ops._CPU_DIRECT_SWAP, kv_ops._CPU_LOOPS = direct, loops
+variants = [("direct", "loop"), ("loop", "loop"), ("scatter", "scatter")][: int(sys.argv[1])]
+for swap_moves, copy_moves in variants:
     c = kv_cache.KVCache.create(2, 4, 16, 8, 4, jnp.float32, num_host_blocks=6, sharding=sh)
     assert c.host_k.sharding.spec == P(None, "tp"), c.host_k.sharding
     k = jnp.arange(3 * 4 * 16, dtype=jnp.float32).reshape(3, 4, 16)
     c = jax.jit(kv_cache.write_layer, donate_argnums=0)(c, 1, k, k, jnp.array([0, 5, 9]))
-    c = kv_cache.apply_copies(c, np.array([1]), np.array([6]))
-    c = kv_cache.swap_out(c, np.array([0, 2, 6]), np.array([5, 4, 0]))
+    c = kv_cache.apply_copies(c, np.array([1]), np.array([6]), xla_moves=copy_moves)
+    c = kv_cache.swap_out(c, np.array([0, 2, 6]), np.array([5, 4, 0]), xla_moves=swap_moves)
     assert c.host_k.sharding.memory_kind == "pinned_host"
     assert c.host_k.sharding.spec == P(None, "tp")
     assert np.asarray(c.host_k)[1, 2, 5, 0, 3] == k[0, 2, 3]
     c = c.replace(k=jnp.zeros_like(c.k))
-    c = kv_cache.swap_in(c, np.array([5, 0]), np.array([7, 3]))
+    c = kv_cache.swap_in(c, np.array([5, 0]), np.array([7, 3]), xla_moves=swap_moves)
     assert c.k.sharding.spec == P(None, "tp")
     assert np.asarray(c.k)[1, 3, 3, 1, 3] == k[1, 3, 3]
 print("OK")

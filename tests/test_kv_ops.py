@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from jax.sharding import SingleDeviceSharding
 
 import kernels_pallas as kp
-from kernels_pallas import kv_ops
+from kernels_pallas import _dispatch, kv_ops, reference
 
 # (impl, interpret): the XLA path, auto, and the Pallas TPU kernels in interpret mode
 # ("pallas_gpu" is the XLA path: there are no Mosaic GPU KV kernels, see kernels_pallas.kv_ops).
@@ -187,13 +187,12 @@ def test_copy_blocks_64_sources_to_two_destinations_each_all_layers(impl, interp
     np.testing.assert_array_equal(_host(out_v), _np_copy(_host(v_pages), src, dst))
 
 
-@pytest.mark.parametrize("loops", [True, False], ids=["update-slice-loop", "scatter"])
-def test_copy_blocks_xla_loop_and_scatter_forms_match_numpy(loops, monkeypatch):
-    monkeypatch.setattr(kv_ops, "_CPU_LOOPS", loops)
+@pytest.mark.parametrize("moves", ["loop", "scatter"], ids=["update-slice-loop", "scatter"])
+def test_copy_blocks_xla_loop_and_scatter_forms_match_numpy(moves):
     rng = np.random.default_rng(5)
     pages = _pages(rng, (2, 2, 200, 4, 8), jnp.float32)
     src, dst = _cow_pairs(rng, 200)
-    fn = jax.jit(lambda a, b, x, y: kp.copy_blocks(a, b, x, y, impl="reference"))
+    fn = jax.jit(lambda a, b, x, y: kp.copy_blocks(a, b, x, y, impl="reference", xla_moves=moves))
     out_k, _ = fn(pages, pages, jnp.asarray(src), jnp.asarray(dst))
     np.testing.assert_array_equal(np.asarray(out_k), _np_copy(np.asarray(pages), src, dst))
 
@@ -218,15 +217,12 @@ def test_copy_blocks_single_layer_pages_match_numpy(impl, interpret, geom):
 
 
 @pytest.fixture(
-    params=[(True, True), (False, True), (False, False)],
+    params=["direct", "loop", "scatter"],
     ids=["cpu-direct", "gather-transfer-loop", "gather-transfer-scatter"],
 )
-def swap_program_kind(request, monkeypatch):
+def swap_program_kind(request):
     """Run swaps through every program: the CPU block-to-block one, and the generic gather /
     one transfer / scatter one with the CPU update-slice loop or the accelerator scatter."""
-    direct, loops = request.param
-    monkeypatch.setattr(kv_ops, "_CPU_DIRECT_SWAP", direct)
-    monkeypatch.setattr(kv_ops, "_CPU_LOOPS", loops)
     return request.param
 
 
@@ -240,7 +236,8 @@ def test_swap_to_pinned_host_and_back_is_bit_exact(dtype, swap_program_kind):
     host_v = _pinned(jnp.zeros((layers, kh, nh, s, d), dtype))
     src = np.array([3, 9, 14, -1, 0], np.int32)
     dst = np.array([7, 0, 2, 5, 4], np.int32)
-    host_k, host_v = kp.swap_blocks((dev_k, dev_v), (host_k, host_v), src, dst)
+    moves = swap_program_kind
+    host_k, host_v = kp.swap_blocks((dev_k, dev_v), (host_k, host_v), src, dst, xla_moves=moves)
     assert host_k.sharding.memory_kind == "pinned_host"
     assert host_v.sharding.memory_kind == "pinned_host"
     zeros = np.zeros(host_k.shape, np.float32)
@@ -248,7 +245,9 @@ def test_swap_to_pinned_host_and_back_is_bit_exact(dtype, swap_program_kind):
     np.testing.assert_array_equal(_host(host_v), _np_copy_between(_host(dev_v), zeros, src, dst))
     # Back into different device blocks of a fresh NaN-filled device array.
     back = jnp.full(dev_k.shape, jnp.nan, dtype)
-    back = kp.swap_blocks(host_k, back, np.array([7, 0, 2, 4]), np.array([1, 2, 3, 4]))
+    back = kp.swap_blocks(
+        host_k, back, np.array([7, 0, 2, 4]), np.array([1, 2, 3, 4]), xla_moves=moves
+    )
     assert back.sharding.memory_kind == "device"
     for new, old in zip([1, 2, 3, 4], [3, 9, 14, 0], strict=True):
         np.testing.assert_array_equal(
@@ -514,3 +513,46 @@ def test_wide_grid_write_and_copy_match_numpy(impl, interpret, dtype, geom):
     dst = np.concatenate([perm[10:20], [7, -1]]).astype(np.int32)
     out_k, _ = kp.copy_blocks(pages, pages, src, dst, impl=impl, interpret=interpret)
     np.testing.assert_array_equal(_host(out_k), _np_copy(_host(pages), src, dst))
+
+
+def test_xla_moves_is_checked_before_anything_runs():
+    pages = jnp.zeros((1, 4, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="copy_blocks: xla_moves must be one of"):
+        kp.copy_blocks(pages, pages, [0], [1], xla_moves="direct")  # one array: no "direct"
+    with pytest.raises(ValueError, match="swap_blocks: xla_moves must be one of"):
+        kp.swap_blocks(pages, pages, [0], [1], xla_moves="fast")
+
+
+def test_forced_swap_impls_follow_the_shared_dispatch_rule(monkeypatch):
+    """One rule for every op (kernels_pallas._dispatch.forced_family): on a GPU target
+    "pallas" means the GPU kernel, and swaps have none, so they run XLA; "pallas_tpu" off a
+    TPU target needs interpret=True, as for attention and write_kv."""
+    monkeypatch.setattr(_dispatch, "target_platform", lambda: "cuda")
+    rng = np.random.default_rng(6)
+    src_pages = _pages(rng, (1, 2, 6, 4, 8), jnp.float32)
+    dst_pages = jnp.zeros((1, 2, 6, 4, 8), jnp.float32)
+    src, dst = np.array([4, 1], np.int32), np.array([0, 5], np.int32)
+    expect = _np_copy_between(np.asarray(src_pages), np.zeros(dst_pages.shape), src, dst)
+    out = kp.swap_blocks(src_pages, dst_pages, src, dst, impl="pallas", donate=False)
+    np.testing.assert_array_equal(np.asarray(out), expect)
+    assert kp.kernel_info("cuda")["swap_blocks"] == "xla"
+    with pytest.raises(ValueError, match="needs a TPU target"):
+        kp.swap_blocks(src_pages, dst_pages, src, dst, impl="pallas_tpu", donate=False)
+
+
+@pytest.mark.parametrize("impl,interpret", IMPLS)
+def test_write_kv_and_copy_blocks_meet_their_oracles(impl, interpret):
+    """Every implementation against kernels_pallas.reference (bit-exact: they only move)."""
+    rng = np.random.default_rng(7)
+    kh, n, s, d = 2, 12, 4, 16
+    k_pages = _pages(rng, (kh, n, s, d), jnp.float32)
+    v_pages = _pages(rng, (kh, n, s, d), jnp.float32)
+    k_new = _pages(rng, (5, kh, d), jnp.float32)
+    v_new = _pages(rng, (5, kh, d), jnp.float32)
+    slots = jnp.array([3, -1, 17, 40, 0], jnp.int32)
+    got = kp.write_kv(k_pages, v_pages, k_new, v_new, slots, impl=impl, interpret=interpret)
+    want = reference.write_kv_reference(k_pages, v_pages, k_new, v_new, slots)
+    chex.assert_trees_all_equal(got, want)
+    src, dst = jnp.array([0, 4, -1, 7], jnp.int32), jnp.array([9, 10, 1, 11], jnp.int32)
+    got = kp.copy_blocks(k_pages, v_pages, src, dst, impl=impl, interpret=interpret)
+    chex.assert_trees_all_equal(got, reference.copy_blocks_reference(k_pages, v_pages, src, dst))

@@ -97,6 +97,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import compat, reference
+from kernels_pallas.gpu.work import (
+    BLOCK_KV,
+    M_FIRST,
+    M_HI,
+    M_LAYER,
+    M_LO,
+    M_NQ,
+    M_POS0,
+    M_ROW0,
+    M_SEQ,
+    M_STEPS,
+    NUM_SMS,
+    combine,
+    decode_work,
+    default_item_budget,
+    plan_items,
+    ragged_work,
+    split_work,
+)
 
 __all__ = [
     "paged_attention_gpu",
@@ -112,22 +131,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-NUM_SMS = 132  # H100 SXM / H200
-_INTERPRET_SMS = 4  # the budget rule in interpret mode, at toy size
 _ROWS = 64  # wgmma M: rows of one query tile (tokens x heads of a GQA group)
-_BLOCK_KV = 64  # tokens per KV pipeline step
 _OUT_COLS = 64  # columns per output store (keeps the float32 output stage at 16 KiB)
 _MAX_HEAD_DIM = 256  # the f32 accumulator is D / 2 registers a thread
 SMEM_LIMIT = 227 * 1024  # Hopper: max dynamic shared memory per block
 _NEG_INF = float("-inf")
 _COMPILED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-# Query tile metadata columns (i32[W, 8]).
-_M_SEQ, _M_ROW0, _M_NQ, _M_POS0, _M_LO, _M_HI, _M_LAYER = range(7)
-_META = 8
-# Work item metadata: the tile's columns, then the split's first KV step and step count.
-_M_FIRST, _M_STEPS = _META, _META + 1
-_ITEM_META = _META + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +161,11 @@ class _Cfg:
     @property
     def piece(self) -> int:
         """Tokens per TMA copy: a whole page, or a 64-token slice of a larger page."""
-        return min(self.s, _BLOCK_KV)
+        return min(self.s, BLOCK_KV)
 
     @property
     def pieces_per_step(self) -> int:
-        return _BLOCK_KV // self.piece
+        return BLOCK_KV // self.piece
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,25 +207,14 @@ def _check_geometry(head_dim: int, block_size: int, g: int = 1) -> str | None:
             f"head_dim={head_dim} is not a multiple of 64 up to {_MAX_HEAD_DIM} "
             "(128B-swizzled TMA tiles, one f32 accumulator in registers)"
         )
-    if block_size <= 0 or block_size % 8 or (_BLOCK_KV % block_size and block_size % _BLOCK_KV):
+    if block_size <= 0 or block_size % 8 or (BLOCK_KV % block_size and block_size % BLOCK_KV):
         return (
-            f"block_size={block_size} must be a multiple of 8 that divides {_BLOCK_KV} or a "
-            f"multiple of {_BLOCK_KV}"
+            f"block_size={block_size} must be a multiple of 8 that divides {BLOCK_KV} or a "
+            f"multiple of {BLOCK_KV}"
         )
     if g <= 0 or _ROWS % g:
         return f"query heads per kv head ({g}) must divide {_ROWS}"
     return None
-
-
-def default_item_budget(num_tiles: int, kv_heads: int, num_sms: int = NUM_SMS) -> int:
-    """Static number of work items: every tile once, and at least ``2 * num_sms`` blocks.
-
-    Args:
-      num_tiles: W, query tiles (a static bound: sequences for decode).
-      kv_heads: K (the grid's second axis).
-      num_sms: streaming multiprocessors to fill.
-    """
-    return max(num_tiles, -(-2 * num_sms // max(1, kv_heads)))
 
 
 def default_kv_stages(head_dim: int) -> int:
@@ -228,7 +226,7 @@ def smem_bytes(head_dim: int, dtype, kv_stages: int) -> int:
     """Shared memory of one block: Q tile, K/V stages, output and LSE staging, barriers."""
     item = jnp.dtype(dtype).itemsize
     q = _ROWS * head_dim * item
-    kv = 2 * kv_stages * _BLOCK_KV * head_dim * item
+    kv = 2 * kv_stages * BLOCK_KV * head_dim * item
     out = _ROWS * min(head_dim, _OUT_COLS) * 4 + _ROWS * 4
     return q + kv + out + 8 * (1 + 2 * kv_stages)
 
@@ -276,7 +274,7 @@ def _mma_qk(q_smem, k_stage, cfg: _Cfg) -> jax.Array:
         plgpu.wgmma(acc_ref, q_smem, compat.mosaic_gpu_transpose(k_stage, (1, 0)))
         return acc_ref[...]
 
-    return pl.run_scoped(body, plgpu.ACC((_ROWS, _BLOCK_KV), jnp.float32))
+    return pl.run_scoped(body, plgpu.ACC((_ROWS, BLOCK_KV), jnp.float32))
 
 
 def _mma_pv_into(acc: jax.Array, p: jax.Array, v_stage, cfg: _Cfg) -> jax.Array:
@@ -297,16 +295,16 @@ def _kernel(items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cf
     """One (work item, kv head): online softmax over the item's KV steps of one query tile."""
     item = lax.axis_index("i")
     kh = lax.axis_index("k")
-    seq = items_ref[item, _M_SEQ]
-    row0 = items_ref[item, _M_ROW0]
-    nq = items_ref[item, _M_NQ]
-    pos0 = items_ref[item, _M_POS0]
-    lo = items_ref[item, _M_LO]
-    hi = items_ref[item, _M_HI]
-    layer = items_ref[item, _M_LAYER]
-    first = items_ref[item, _M_FIRST]
-    n_steps = items_ref[item, _M_STEPS]
-    bkv, s, piece = _BLOCK_KV, cfg.s, cfg.piece
+    seq = items_ref[item, M_SEQ]
+    row0 = items_ref[item, M_ROW0]
+    nq = items_ref[item, M_NQ]
+    pos0 = items_ref[item, M_POS0]
+    lo = items_ref[item, M_LO]
+    hi = items_ref[item, M_HI]
+    layer = items_ref[item, M_LAYER]
+    first = items_ref[item, M_FIRST]
+    n_steps = items_ref[item, M_STEPS]
+    bkv, s, piece = BLOCK_KV, cfg.s, cfg.piece
 
     def pages_of(src_ref):
         return src_ref.at[layer, kh] if cfg.stacked else src_ref.at[kh]
@@ -478,166 +476,6 @@ def _interpret_params(given=None):
     return compat.mosaic_gpu_interpret_params() if given is None else given
 
 
-def _combine(o: jax.Array, lse: jax.Array, item_tile: jax.Array, num_tiles: int) -> jax.Array:
-    """Merge the items' partials per tile: ``o f32[I, K, R, D]``, ``lse f32[I, K, 64]``.
-
-    ``item_tile i32[I]`` is each item's tile, ascending, with ``num_tiles`` for dead items
-    (whose ``o`` and ``lse`` were never written and are ignored). Empty splits
-    (``lse = -inf``) get weight 0; a row with no keys in any item gives zeros.
-
-    Returns:
-      ``f32[W, K, R, D]``.
-    """
-    r = o.shape[2]
-    live = (item_tile < num_tiles)[:, None, None]
-    lse = jnp.where(live, lse[..., :r], _NEG_INF)  # [I, K, R]
-    seg = dict(segment_ids=item_tile, num_segments=num_tiles + 1, indices_are_sorted=True)
-    mx = jax.ops.segment_max(lse, **seg)  # [W + 1, K, R]
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    wgt = jnp.where(jnp.isfinite(lse), jnp.exp(lse - mx[item_tile]), 0.0)
-    den = jax.ops.segment_sum(wgt, **seg)
-    num = jax.ops.segment_sum(jnp.where(wgt[..., None] > 0, o * wgt[..., None], 0.0), **seg)
-    return (num / jnp.where(den > 0, den, 1.0)[..., None])[:num_tiles]
-
-
-# ---------------------------------------------------------------------------------------------
-# Host-side work lists (jit-traceable XLA)
-# ---------------------------------------------------------------------------------------------
-
-
-def _key_range(pos0: jax.Array, nq: jax.Array, window: int | None):
-    """Keys any of the tile's queries may see: ``[lo, hi)``; empty when ``nq == 0``."""
-    hi = jnp.where(nq > 0, jnp.maximum(pos0 + nq, 0), 0)
-    lo = jnp.zeros_like(hi) if window is None else jnp.maximum(pos0 - window + 1, 0)
-    lo = jnp.minimum(lo, hi)
-    return lo, hi
-
-
-def decode_work(lengths: jax.Array, window: int | None, layer=0) -> jax.Array:
-    """Tile metadata ``i32[B, 8]`` for decode: one tile per sequence, token at ``len - 1``."""
-    b = lengths.shape[0]
-    lengths = lengths.astype(jnp.int32)
-    nq = (lengths > 0).astype(jnp.int32)
-    pos0 = lengths - 1
-    lo, hi = _key_range(pos0, nq, window)
-    seq = jnp.arange(b, dtype=jnp.int32)
-    lay = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (b,))
-    zero = jnp.zeros((b,), jnp.int32)
-    return jnp.stack([seq, seq, nq, pos0, lo, hi, lay, zero], axis=1)
-
-
-def ragged_work(
-    kv_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array | int,
-    num_tokens: int,
-    tokens_per_tile: int,
-    window: int | None,
-    layer=0,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Cut every real sequence's query rows into tiles of ``tokens_per_tile`` tokens.
-
-    Returns:
-      ``(meta i32[W, 8], tile_of_row i32[T], slot_of_row i32[T])`` where
-      ``W = ceil(T / tokens_per_tile) + B`` (a static bound), ``tile_of_row`` the tile holding
-      each query row and ``slot_of_row`` its token index inside that tile.
-    """
-    b = kv_lens.shape[0]
-    tpt = tokens_per_tile
-    w = -(-num_tokens // tpt) + b
-    cu = cu_q_lens.astype(jnp.int32)
-    kv_lens = kv_lens.astype(jnp.int32)
-    nseq = jnp.asarray(num_seqs, jnp.int32)
-    real = jnp.arange(b, dtype=jnp.int32) < nseq
-    q_len = jnp.where(real, cu[1:] - cu[:-1], 0)
-    n_tiles = (q_len + tpt - 1) // tpt  # [B]
-    tile_end = jnp.cumsum(n_tiles).astype(jnp.int32)
-    tile_start = tile_end - n_tiles
-    widx = jnp.arange(w, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(tile_end, widx, side="right"), b - 1).astype(jnp.int32)
-    used = widx < tile_end[-1]
-    chunk = widx - tile_start[seq]
-    row0 = jnp.where(used, cu[seq] + chunk * tpt, 0)
-    nq = jnp.where(used, jnp.clip(q_len[seq] - chunk * tpt, 0, tpt), 0)
-    pos0 = kv_lens[seq] - q_len[seq] + chunk * tpt
-    lo, hi = _key_range(pos0, nq, window)
-    lay = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (w,))
-    meta = jnp.stack([seq, row0, nq, pos0, lo, hi, lay, jnp.zeros_like(seq)], axis=1)
-
-    rseq, _, _ = reference.ragged_row_info(cu, kv_lens, nseq, num_tokens)
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    local = rows - cu[rseq]
-    tile_of_row = jnp.clip(tile_start[rseq] + local // tpt, 0, w - 1)
-    return meta, tile_of_row, local % tpt
-
-
-def split_work(
-    tiles: jax.Array,
-    num_items: int,
-    *,
-    splits_per_tile: int | None = None,
-    target_items: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Work items (tile x KV split) for the live tiles, within a static budget of ``num_items``.
-
-    A tile is live when it has query rows (``nq > 0``); its key range ``[lo, hi)`` covers
-    ``steps`` 64-token KV steps. Each live tile gets ``splits`` contiguous items whose step
-    counts differ by at most one (every item at least one step), and items are laid out tile
-    after tile from item 0; the rest are dead (no steps).
-
-    * ``splits_per_tile=P``: ``min(P, steps)`` splits for every live tile (needs
-      ``num_items >= W * P``).
-    * Otherwise (flash-decoding by need): the live tiles share
-      ``min(num_items, max(live, target_items))`` items in proportion to their steps, at least
-      one each, so a few long sequences in a wide padded batch still fill the GPU and a full
-      batch gets one item per tile (no split overhead).
-
-    Args:
-      tiles: ``i32[W, 8]`` from :func:`decode_work` or :func:`ragged_work`.
-      num_items: I, static (the kernel grid), at least W.
-      splits_per_tile: fixed splits per live tile, or None for the proportional rule.
-      target_items: items worth having in flight (default ``2 * NUM_SMS``; pass it divided
-        by the kv heads, which form the grid's other axis).
-
-    Returns:
-      ``(items i32[I, 10], item_tile i32[I])``: the tile's 8 columns plus the item's first KV
-      step and step count; ``item_tile`` is each item's tile (ascending), W for dead items.
-    """
-    w = tiles.shape[0]
-    if num_items < w:
-        raise ValueError(f"num_items={num_items} must be at least the number of tiles W={w}")
-    nq, lo, hi = tiles[:, _M_NQ], tiles[:, _M_LO], tiles[:, _M_HI]
-    step_lo = lo // _BLOCK_KV
-    steps = jnp.where(nq > 0, jnp.maximum(-(-hi // _BLOCK_KV) - step_lo, 0), 0)
-    live = steps > 0
-    if splits_per_tile is not None:
-        if num_items < w * splits_per_tile:
-            raise ValueError(f"num_items={num_items} < W * splits_per_tile = {w * splits_per_tile}")
-        splits = jnp.where(live, jnp.minimum(splits_per_tile, steps), 0)
-    else:
-        n_live = jnp.sum(live, dtype=jnp.int32)
-        target = 2 * NUM_SMS if target_items is None else int(target_items)
-        budget = jnp.minimum(num_items, jnp.maximum(n_live, target))
-        extra = budget - n_live  # items beyond one per live tile
-        total = jnp.maximum(jnp.sum(steps), 1)
-        share = (extra * steps) // total  # exact: the shares sum to at most `extra`
-        splits = jnp.where(live, 1 + jnp.minimum(share, steps - 1), 0)
-    item_end = jnp.cumsum(splits).astype(jnp.int32)
-    item_start = item_end - splits
-    idx = jnp.arange(num_items, dtype=jnp.int32)
-    tile = jnp.minimum(jnp.searchsorted(item_end, idx, side="right"), w - 1).astype(jnp.int32)
-    alive = idx < item_end[-1]
-    k = idx - item_start[tile]
-    n = jnp.maximum(splits[tile], 1)
-    first = step_lo[tile] + (k * steps[tile]) // n
-    last = step_lo[tile] + ((k + 1) * steps[tile]) // n
-    n_steps = jnp.where(alive, last - first, 0)
-    items = jnp.concatenate(
-        [tiles[tile], jnp.stack([first, n_steps], axis=1).astype(jnp.int32)], axis=1
-    )
-    return items, jnp.where(alive, tile, w)
-
-
 def _q_rows(q: jax.Array, kv_heads: int) -> jax.Array:
     """``[T, H, D] -> [K, R_pad, D]``: each kv head's query rows, token-major.
 
@@ -676,23 +514,6 @@ def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, i
     )  # fmt: skip
 
 
-def _items(tiles: jax.Array, kv_heads: int, num_splits: int | None, interpret: bool):
-    """Work items for ``tiles`` (see :func:`split_work`): fixed splits, or by need.
-
-    Interpret mode sizes the budget for a toy GPU of ``_INTERPRET_SMS`` SMs: the same rule,
-    without hundreds of (mostly dead) interpreted programs.
-    """
-    w = tiles.shape[0]
-    if num_splits is not None:
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-        return split_work(tiles, w * num_splits, splits_per_tile=num_splits)
-    sms = _INTERPRET_SMS if interpret else NUM_SMS
-    return split_work(
-        tiles, default_item_budget(w, kv_heads, sms), target_items=-(-2 * sms // kv_heads)
-    )
-
-
 def _use_fallback(k_pages: jax.Array, interpret: bool, name: str) -> bool:
     if interpret or jnp.dtype(k_pages.dtype) in _COMPILED_DTYPES:
         return False
@@ -701,10 +522,6 @@ def _use_fallback(k_pages: jax.Array, interpret: bool, name: str) -> bool:
         name, jnp.dtype(k_pages.dtype).name,
     )  # fmt: skip
     return True
-
-
-def _select_layer(pages: jax.Array, layer) -> jax.Array:
-    return pages if pages.ndim == 4 else pages[layer]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -757,9 +574,8 @@ def paged_attention_gpu(
         # Decode is ragged attention with one row per sequence (memory-light XLA scan).
         b = q.shape[0]
         return reference.ragged_paged_attention_xla(
-            q, _select_layer(k_pages, layer), _select_layer(v_pages, layer), lengths,
-            block_tables, jnp.arange(b + 1, dtype=jnp.int32), b, sm_scale=sm_scale,
-            soft_cap=soft_cap, sliding_window=sliding_window,
+            q, k_pages, v_pages, lengths, block_tables, jnp.arange(b + 1, dtype=jnp.int32), b,
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
         )  # fmt: skip
     b, h, d = q.shape
     kv_heads = k_pages.shape[-4]
@@ -771,10 +587,10 @@ def paged_attention_gpu(
         out_rows=out_rows,
     )  # fmt: skip
     tiles = decode_work(lengths, sliding_window, layer)
-    items, item_tile = _items(tiles, kv_heads, num_splits, cfg.interpret)
+    items, item_tile = plan_items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
     o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
-    out = _combine(o, lse, item_tile, b)[:, :, :g]  # [B, K, G, D]
+    out = combine(o, lse, item_tile, b)[:, :, :g]  # [B, K, G, D]
     return out.reshape(b, h, d).astype(q.dtype)
 
 
@@ -818,9 +634,8 @@ def ragged_paged_attention_gpu(
     layer = 0 if layer is None else layer
     if _use_fallback(k_pages, interpret, "ragged_paged_attention_gpu"):
         return reference.ragged_paged_attention_xla(
-            q, _select_layer(k_pages, layer), _select_layer(v_pages, layer), kv_lens,
-            block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale, soft_cap=soft_cap,
-            sliding_window=sliding_window,
+            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
         )  # fmt: skip
     t, h, d = q.shape
     kv_heads = k_pages.shape[-4]
@@ -834,10 +649,10 @@ def ragged_paged_attention_gpu(
     tiles, tile_of_row, slot_of_row = ragged_work(
         kv_lens, cu_q_lens, num_seqs, t, tpt, sliding_window, layer
     )
-    items, item_tile = _items(tiles, kv_heads, num_splits, cfg.interpret)
+    items, item_tile = plan_items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
     o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
-    out = _combine(o, lse, item_tile, tiles.shape[0])  # [W, K, 64, D]
+    out = combine(o, lse, item_tile, tiles.shape[0])  # [W, K, 64, D]
     out = out.reshape(out.shape[0], kv_heads, tpt, g, d)
     out = out[tile_of_row, :, slot_of_row]  # [T, K, G, D]
     _, _, valid = reference.ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)

@@ -210,3 +210,26 @@ def state_scratch(kv_heads: int, rows: int, head_dim: int) -> list:
         pltpu.VMEM((kv_heads, rows, 1), jnp.float32),
         pltpu.VMEM((kv_heads, rows, head_dim), jnp.float32),
     ]
+
+
+def pipeline_scratch(
+    *, kv_heads: int, rows: int, pages: int, block_size: int, head_dim: int, max_blocks: int,
+    k_dtype: Any, v_dtype: Any,
+) -> list:  # fmt: skip
+    """Every scratch buffer of an attention kernel, in the order its body receives them.
+
+    ``i32[2, M]`` SMEM table rows (:class:`TableRows`), the ``[2, K, P, S, D]`` K and V VMEM
+    double buffers (:class:`KVStream`), the ``(m, l, acc)`` softmax state of ``rows`` query
+    rows per kv head (:func:`state_scratch`), then the DMA semaphores ``[2]`` of the table
+    rows, K and V.
+    """
+    kv_shape = (2, kv_heads, pages, block_size, head_dim)
+    return [
+        pltpu.SMEM((2, max_blocks), jnp.int32),
+        pltpu.VMEM(kv_shape, k_dtype),
+        pltpu.VMEM(kv_shape, v_dtype),
+        *state_scratch(kv_heads, rows, head_dim),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SemaphoreType.DMA((2,)),
+    ]

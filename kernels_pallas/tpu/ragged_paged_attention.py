@@ -54,8 +54,8 @@ from kernels_pallas.tpu._attention_common import (
     attend_step,
     default_pages_per_compute_block,
     finish,
+    pipeline_scratch,
     reset_state,
-    state_scratch,
 )
 
 __all__ = ["default_queries_per_block", "ragged_paged_attention_tpu"]
@@ -339,15 +339,16 @@ def ragged_paged_attention_tpu(
             grid=(t_pad // tq,),
             in_specs=[q_spec, any_spec, any_spec, any_spec],
             out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.SMEM((2, m), jnp.int32),
-                pltpu.VMEM((2, kh, p, s, d), k_pages.dtype),
-                pltpu.VMEM((2, kh, p, s, d), v_pages.dtype),
-                *state_scratch(kh, tq * g, d),
-                pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SemaphoreType.DMA((2,)),
-            ],
+            scratch_shapes=pipeline_scratch(
+                kv_heads=kh,
+                rows=tq * g,
+                pages=p,
+                block_size=s,
+                head_dim=d,
+                max_blocks=m,
+                k_dtype=k_pages.dtype,
+                v_dtype=v_pages.dtype,
+            ),
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),

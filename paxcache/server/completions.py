@@ -1,0 +1,224 @@
+"""The generation endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+Each handler reads in one direction: validate the body (:mod:`paxcache.server.convert`),
+tokenize (off the event loop), reserve the tenant's slots, submit to the engine thread
+(:meth:`paxcache.server.context.ServerContext.submit`), then stream the deltas as server-sent
+events or collect the whole result into one JSON response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from paxcache.server.context import ServerContext
+from paxcache.server.convert import (
+    chat_logprobs,
+    chat_prompt,
+    check_chat_limits,
+    check_limits,
+    check_token_ids,
+    completion_logprobs,
+    completion_prompts,
+    finish_reason,
+    request_error,
+    sampling_params,
+    tokenize,
+    usage,
+)
+from paxcache.server.middleware import request_id
+from paxcache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+async def _prompt_ids(ctx: ServerContext, prompt: str | list[int]) -> list[int]:
+    """One completions prompt as token ids (text is tokenized in a worker thread)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if ctx.tokenizer is None:
+            raise APIError(400, "this engine has no tokenizer; send token ids")
+        ids = await asyncio.to_thread(tokenize, ctx.tokenizer, prompt)
+    else:
+        check_token_ids(prompt, ctx.vocab_size)
+        ids = prompt
+    ctx.check_prompt_len(ids, "prompt")
+    return ids
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.check_model(body.model)
+    if body.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of must equal n (best_of > n is not supported)", param="best_of")
+    check_limits(body, ctx.limits, ctx.vocab_size, body.logprobs, "logprobs")
+    raw = completion_prompts(body, ctx.limits)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    ctx.check_max_tokens(max_tokens, "max_tokens")
+    params = sampling_params(
+        body, max_tokens=max_tokens, logprobs=body.logprobs, logprobs_param="logprobs"
+    )
+    prompts = [await _prompt_ids(ctx, q) for q in raw]
+    release = ctx.tenant_slots(request, len(prompts) * body.n)
+    try:
+        rid, ids, exchange = await ctx.submit(request, prompts, params, "cmpl", body.cache_salt)
+    except BaseException:
+        release()
+        raise
+    head = {"id": rid, "object": "text_completion", "created": int(time.time())}
+    head["model"] = ctx.model_name
+
+    def logprobs(entries: list[dict] | None) -> dict | None:
+        if body.logprobs is None:
+            return None
+        return completion_logprobs(ctx.tokenizer, entries or [])
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def make_chunk(idx: int, delta: str, fr: str | None, lps: list | None) -> dict:
+            choice = {"index": idx, "text": delta, "logprobs": logprobs(lps), "finish_reason": fr}
+            chunk = {**head, "choices": [choice]}
+            if include_usage:
+                chunk["usage"] = None
+            return chunk
+
+        return ctx.stream(
+            ids, exchange, body.n, make_chunk, [], _usage_chunk(head, include_usage), release
+        )
+
+    try:
+        outs = await ctx.collect(request, ids, exchange)
+    finally:
+        release()
+    for o in outs:
+        err = request_error(o)
+        if err is not None:
+            raise err
+    choices = [
+        {
+            "index": tag * body.n + index,
+            "text": "".join(texts),
+            "logprobs": logprobs(lps),
+            "finish_reason": finish_reason(reason),
+        }
+        for tag, out in enumerate(outs)
+        for index, (texts, _, lps, reason) in out.completions.items()
+    ]
+    choices.sort(key=lambda ch: ch["index"])
+    return JSONResponse(
+        {**head, "choices": choices, "usage": usage(outs), "system_fingerprint": None}
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.check_model(body.model)
+    if ctx.tokenizer is None:
+        raise APIError(400, "this engine has no tokenizer; chat is unavailable")
+    check_limits(body, ctx.limits, ctx.vocab_size, body.top_logprobs, "top_logprobs")
+    check_chat_limits(body, ctx.limits)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    ctx.check_max_tokens(max_tokens, param)
+    lp = (body.top_logprobs or 0) if body.logprobs else None
+    # Validate the sampling fields before the (checkpoint-defined) template runs.
+    params = sampling_params(
+        body, max_tokens=max_tokens or 1, logprobs=lp, logprobs_param="top_logprobs"
+    )
+    prompt_ids = await asyncio.to_thread(
+        chat_prompt, ctx.tokenizer, body.messages, request_id(request)
+    )
+    ctx.check_prompt_len(prompt_ids, "messages")
+    if max_tokens is None:
+        limit = ctx.max_model_len
+        max_tokens = limit - len(prompt_ids) if limit is not None else 256
+    params = dataclasses.replace(params, max_tokens=max_tokens)
+    release = ctx.tenant_slots(request, body.n)
+    try:
+        rid, ids, exchange = await ctx.submit(
+            request, [prompt_ids], params, "chatcmpl", body.cache_salt
+        )
+    except BaseException:
+        release()
+        raise
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time())}
+    head["model"] = ctx.model_name
+
+    def logprobs(entries: list[dict] | None) -> dict | None:
+        return chat_logprobs(ctx.tokenizer, entries or []) if lp is not None else None
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
+
+        def chunk(idx: int, delta: dict, fr: str | None, lps: dict | None) -> dict:
+            choice = {"index": idx, "delta": delta, "logprobs": lps, "finish_reason": fr}
+            ch = {**chunk_head, "choices": [choice]}
+            if include_usage:
+                ch["usage"] = None
+            return ch
+
+        def make_chunk(idx: int, delta: str, fr: str | None, lps: list | None) -> dict:
+            return chunk(idx, {"content": delta} if delta else {}, fr, logprobs(lps))
+
+        first = [chunk(j, {"role": "assistant", "content": ""}, None, None) for j in range(body.n)]
+        usage_head = {**head, "object": "chat.completion.chunk"}
+        return ctx.stream(
+            ids,
+            exchange,
+            body.n,
+            make_chunk,
+            first,
+            _usage_chunk(usage_head, include_usage),
+            release,
+        )
+
+    try:
+        outs = await ctx.collect(request, ids, exchange)
+    finally:
+        release()
+    err = request_error(outs[0])
+    if err is not None:
+        raise err
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(texts)},
+            "logprobs": logprobs(lps),
+            "finish_reason": finish_reason(reason),
+        }
+        for index, (texts, _, lps, reason) in outs[0].completions.items()
+    ]
+    choices.sort(key=lambda ch: ch["index"])
+    return JSONResponse(
+        {**head, "choices": choices, "usage": usage(outs), "system_fingerprint": None}
+    )
+
+
+def _usage_chunk(
+    head: dict[str, Any], include_usage: bool
+) -> Callable[[dict[str, Any]], dict] | None:
+    """The final ``usage`` chunk of a stream (``stream_options.include_usage``), or None."""
+    if not include_usage:
+        return None
+    return lambda u: {**head, "choices": [], "usage": u}

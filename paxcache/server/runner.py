@@ -1,0 +1,519 @@
+"""The engine thread and its exchange with the request handlers.
+
+One background thread (:class:`EngineRunner`) owns the engine. Request handlers never touch
+the engine; they hand requests to the thread through a lock-protected queue
+(:meth:`EngineRunner.submit`, :meth:`EngineRunner.abort`) and receive its events through an
+:class:`Exchange` (``loop.call_soon_threadsafe``). The thread loops: abort requests whose
+clients went away, add pending requests, ``engine.step()``, and dispatch each
+``RequestOutput`` to its request's exchange; it sleeps on a condition variable when there is
+nothing to do (no busy spin). The engine isolates failures per request (a request whose host
+work or device step fails finishes with an error, the others go on); should ``engine.step()``
+itself raise, the requests in flight fail with a 503 and the server keeps serving.
+
+Coalescing: outputs are ``output_kind="delta"`` and folded into one :class:`Progress` per
+engine request until the handler takes them, so a slow streaming reader holds one pending
+update per completion, not one per token.
+
+Multi-host: with ``jax.process_count() > 1`` each loop iteration first broadcasts its round
+to the followers (:mod:`paxcache.multihost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from paxcache.errors import PaxcacheError
+from paxcache.outputs import RequestOutput
+from paxcache.sampling import SamplingParams
+from paxcache.multihost import (
+    HEARTBEAT_S,
+    EngineRound,
+    RoundAdd,
+    broadcast_round,
+    process_count,
+    with_leader_seed,
+)
+from paxcache.server.protocol import DEFAULT_MAX_QUEUE, APIError
+
+__all__ = [
+    "ACCEPTED",
+    "EngineRunner",
+    "Exchange",
+    "Failed",
+    "Progress",
+    "Sink",
+    "Submission",
+    "fold",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Failed:
+    """An event telling a handler its engine request failed."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+
+    def error(self) -> APIError:
+        return APIError(self.status, self.message, type=self.type)
+
+
+ACCEPTED = "accepted"
+"""The event telling a handler the engine added its request."""
+
+
+class Progress:
+    """What one engine request produced since a handler last looked: text pieces, token ids
+    and logprobs per completion (from ``output_kind="delta"`` outputs, concatenated only when
+    taken), so a slow reader holds O(its output), whatever the number of steps.
+
+    Attributes:
+      completions: completion index -> ``[text pieces, token ids, logprob entries or None,
+        finish reason or None]``.
+      finished: the engine request finished.
+      error: the engine's error message, if it failed.
+      prompt_tokens: prompt length (once known).
+      cached: prompt tokens served from the prefix cache (once known).
+    """
+
+    __slots__ = ("cached", "completions", "error", "finished", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.completions: dict[int, list] = {}
+        self.finished = False
+        self.error: str | None = None
+        self.prompt_tokens: int | None = None
+        self.cached: int | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            acc = self.completions.get(c.index)
+            if acc is None:
+                acc = self.completions[c.index] = [[], [], None, None]
+            if c.text:
+                acc[0].append(c.text)
+            acc[1].extend(c.token_ids)
+            if c.logprobs is not None:
+                if acc[2] is None:
+                    acc[2] = []
+                acc[2].extend(c.logprobs)
+            if c.finish_reason is not None:
+                acc[3] = c.finish_reason
+        self.finished = self.finished or out.finished
+        self.error = self.error or out.error
+        if out.prompt_token_ids:
+            self.prompt_tokens = len(out.prompt_token_ids)
+        if out.num_cached_tokens is not None:
+            self.cached = out.num_cached_tokens
+
+
+def fold(total: Progress, new: Progress, keep_text: bool = True) -> None:
+    """Adds ``new`` (progress since the last take) into ``total`` (a request's whole result;
+    streaming keeps only counts and finish state, not the text it already sent)."""
+    for index, (texts, ids, lps, reason) in new.completions.items():
+        acc = total.completions.setdefault(index, [[], [], None, None])
+        if keep_text:
+            acc[0].extend(texts)
+            if lps is not None:
+                if acc[2] is None:
+                    acc[2] = []
+                acc[2].extend(lps)
+        acc[1].extend(ids)
+        if reason is not None:
+            acc[3] = reason
+    total.finished = total.finished or new.finished
+    total.error = total.error or new.error
+    if new.prompt_tokens is not None:
+        total.prompt_tokens = new.prompt_tokens
+    if new.cached is not None:
+        total.cached = new.cached
+
+
+class Exchange:
+    """One HTTP request's side of its engine requests (tags ``0..k-1``).
+
+    The engine thread calls :meth:`deliver` (through ``loop.call_soon_threadsafe``); the
+    handler awaits :meth:`wait_accepted`, then :meth:`take` repeatedly. Outputs are folded into
+    one :class:`Progress` per tag until taken (coalescing: bounded by the output, not by the
+    number of steps)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, num: int) -> None:
+        self.loop = loop
+        self.num = num
+        self.changed = asyncio.Event()
+        self.pending: dict[int, Progress] = {}
+        self.accepted: set[int] = set()
+        self.refusal: Failed | None = None  # a request the engine did not accept
+        self.failure: Failed | None = None  # an accepted request that failed later
+        self.disconnected = False
+        self.streaming = False  # a stream generator started (and owns the cleanup)
+
+    def disconnect(self) -> None:
+        """The client went away: wakes the handler (``take`` returns at once from now on)."""
+        self.disconnected = True
+        self.changed.set()
+
+    def deliver(self, tag: int, event: Any) -> None:  # on the event loop
+        if event is ACCEPTED:
+            self.accepted.add(tag)
+        elif isinstance(event, Failed):
+            if tag in self.accepted:
+                self.failure = self.failure or event
+            else:
+                self.refusal = self.refusal or event
+        elif isinstance(event, RequestOutput):
+            self.pending.setdefault(tag, Progress()).add(event)
+        self.changed.set()
+
+    async def wait_accepted(self) -> None:
+        """Returns once every engine request was added; raises the first refusal."""
+        while self.refusal is None and len(self.accepted) < self.num:
+            self.changed.clear()
+            await self.changed.wait()
+        if self.refusal is not None:
+            raise self.refusal.error()
+
+    async def take(self) -> tuple[dict[int, Progress], Failed | None]:
+        """Waits for news; returns the progress per tag since the last call (and a failure)."""
+        while not self.pending and self.failure is None and not self.disconnected:
+            self.changed.clear()
+            await self.changed.wait()
+        got, self.pending = self.pending, {}
+        return got, self.failure
+
+
+class Sink:
+    """Where the engine thread delivers one engine request's events."""
+
+    def __init__(self, exchange: Exchange, tag: int) -> None:
+        self.exchange = exchange
+        self.tag = tag
+        self.t_submit = time.monotonic()
+        self.got_first_token = False
+
+    def put(self, event: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the handler's loop is gone (shutdown)
+            self.exchange.loop.call_soon_threadsafe(self.exchange.deliver, self.tag, event)
+
+
+@dataclass
+class Submission:
+    """One engine request a handler queues: ``engine.add_request(request_id, prompt, params,
+    cache_salt=cache_salt)``, its events going to ``sink``."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    sink: Sink
+    cache_salt: str | None = None
+
+
+class EngineRunner:
+    """Owns the engine in one background thread; handlers talk to it only through ``submit``
+    and ``abort``.
+
+    Args:
+      engine: an object with the ``Engine`` interface (``add_request(..., cache_salt=)``,
+        ``step``, ``abort``, ``has_unfinished_requests``, ``stats``, ``warmup``).
+      max_queue: most engine requests in flight (submitted and not finished) before ``submit``
+        refuses (the server answers 429).
+      warmup: call ``engine.warmup()`` in the thread before reporting ready.
+      stats_interval_s: how often, at most, ``engine.stats()`` is sampled while busy (always when
+        the engine goes idle).
+      multihost: broadcast each round to :func:`paxcache.multihost.run_follower` on the
+        other processes; ``None``: when ``jax.process_count() > 1``.
+      on_first_token: called with the seconds from submission to a request's first token.
+      on_finish: called with a finished request's last output and its seconds since
+        submission.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        warmup: bool = True,
+        stats_interval_s: float = 0.1,
+        multihost: bool | None = None,
+        on_first_token: Callable[[float], None] | None = None,
+        on_finish: Callable[[RequestOutput, float], None] | None = None,
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self._warmup = warmup
+        self._stats_interval_s = stats_interval_s
+        self._cond = threading.Condition()
+        self._pending: deque[Submission] = deque()
+        self._aborts: list[str] = []
+        self._inflight = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._last_stats_t = 0.0
+        self.ready = threading.Event()
+        self.warmup_error: str | None = None
+        self.stats_snapshot: dict[str, Any] = {}
+        self.num_engine_errors = 0
+        self.on_first_token = on_first_token
+        self.on_finish = on_finish
+        self._multihost = process_count() > 1 if multihost is None else multihost
+
+    # -- called from handlers (any thread) ----------------------------------------------------
+
+    @property
+    def num_inflight(self) -> int:
+        """Engine requests submitted and not yet finished, failed or aborted."""
+        return self._inflight
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Starts the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="paxcache-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, subs: Sequence[Submission]) -> None:
+        """Queues requests for the engine thread, all or none.
+
+        Raises:
+          APIError: 503 when stopping, 429 when ``max_queue`` would be exceeded.
+        """
+        with self._cond:
+            if self._stopping:
+                raise APIError(503, "server is shutting down", type="service_unavailable")
+            if self._inflight + len(subs) > self.max_queue:
+                raise APIError(
+                    429,
+                    f"server busy: {self._inflight} requests in flight (limit max_queue="
+                    f"{self.max_queue}); retry later",
+                    type="rate_limit_error",
+                    code="queue_full",
+                )
+            self._inflight += len(subs)
+            self._pending.extend(subs)
+            self._cond.notify()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Asks the engine thread to abort requests (unknown or finished ids are ignored)."""
+        if not request_ids:
+            return
+        with self._cond:
+            self._aborts.extend(request_ids)
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops the thread; requests still in flight get a 503 "shutting down" error.
+
+        Args:
+          timeout: how long to wait for the thread (default 30 s, or 1 s while it is still
+            warming up: a compilation cannot be interrupted, so do not wait for it).
+        """
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if timeout is None:
+            timeout = 30.0 if self.ready.is_set() else 1.0
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("engine thread did not stop within %ss", timeout)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _done(self, k: int = 1) -> None:
+        with self._cond:
+            self._inflight -= k
+
+    def _refresh_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats_t < self._stats_interval_s:
+            return
+        self._last_stats_t = now
+        try:
+            self.stats_snapshot = dict(self.engine.stats())
+        except Exception:  # noqa: BLE001 - metrics must never take the server down
+            logger.exception("engine.stats() failed")
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self.engine.has_unfinished_requests())
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.has_unfinished_requests() failed")
+            return False
+
+    def _run(self) -> None:
+        if self._warmup:
+            try:
+                t0 = time.monotonic()
+                self.engine.warmup()
+                logger.info("engine warm-up done in %.1fs", time.monotonic() - t0)
+            except Exception:  # noqa: BLE001
+                logger.exception("engine warm-up failed")
+                self.warmup_error = "warm-up failed (see the server log)"
+        self._refresh_stats(force=True)
+        if self.warmup_error is None:
+            self.ready.set()
+        while True:
+            try:
+                if not self._iterate():
+                    return
+            except Exception:  # noqa: BLE001 - keep serving whatever went wrong
+                logger.exception("engine loop error; failing the requests in flight")
+                self.num_engine_errors += 1
+                self._fail_all(503, "engine error", "engine_error")
+                time.sleep(0.01)
+
+    def _iterate(self) -> bool:
+        """One loop iteration; False when the thread should exit."""
+        with self._cond:
+            pending = list(self._pending)
+            self._pending.clear()
+            aborts = dict.fromkeys(self._aborts)  # ordered: every host aborts in the same order
+            self._aborts.clear()
+            stopping = self._stopping
+        stats_due = False
+        if self._multihost:
+            pending, stats_due = self._broadcast_round(pending, aborts, stopping)
+        if stopping:
+            self._fail_all(503, "server is shutting down", "service_unavailable", pending)
+            self._refresh_stats(force=True)
+            return False
+        for rid in aborts:
+            self._abort_one(rid)
+        for sub in pending:
+            if sub.request_id in aborts:
+                self._done()
+            else:
+                self._add(sub)
+        if self._has_work():
+            self._step()
+            if not self._multihost:
+                self._refresh_stats(force=False)
+            elif stats_due:  # decided before the broadcast, so followers sample stats too
+                self._refresh_stats(force=True)
+            return True
+        self._refresh_stats(force=True)
+        with self._cond:
+            if not (self._pending or self._aborts or self._stopping):
+                self._cond.wait(HEARTBEAT_S if self._multihost else None)
+        return True
+
+    def _broadcast_round(
+        self, pending: list[Submission], aborts: dict[str, None], stopping: bool
+    ) -> tuple[list[Submission], bool]:
+        """Multi-host: sends this round to the followers before anything is applied.
+
+        Returns the pending submissions (unseeded ones get a seed drawn here, the same on every
+        host) and whether stats are sampled after this round's step.
+        """
+        subs = [
+            s
+            if s.params.seed is not None
+            else dataclasses.replace(s, params=with_leader_seed(s.params))
+            for s in pending
+        ]
+        stats_due = time.monotonic() - self._last_stats_t >= self._stats_interval_s
+        rnd = EngineRound(
+            stop=stopping,
+            # On shutdown the leader aborts (``_fail_all``) the requests it tracks, in order.
+            aborts=tuple(self._sinks) if stopping else tuple(aborts),
+            adds=()
+            if stopping
+            else tuple(
+                RoundAdd(s.request_id, s.prompt, s.params, s.cache_salt)
+                for s in subs
+                if s.request_id not in aborts
+            ),
+            stats=stats_due,
+        )
+        broadcast_round(rnd)
+        return subs, stats_due
+
+    def _add(self, sub: Submission) -> None:
+        try:
+            self.engine.add_request(
+                sub.request_id, sub.prompt, sub.params, cache_salt=sub.cache_salt
+            )
+        except PaxcacheError as e:  # our own messages: safe to show
+            sub.sink.put(Failed(400, str(e)))
+            self._done()
+            return
+        except ValueError:
+            logger.warning("request %s refused by the engine", sub.request_id, exc_info=True)
+            sub.sink.put(Failed(400, "the engine refused this request"))
+            self._done()
+            return
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.add_request(%s) failed", sub.request_id)
+            sub.sink.put(Failed(503, "engine error", "engine_error"))
+            self._done()
+            return
+        self._sinks[sub.request_id] = sub.sink
+        sub.sink.put(ACCEPTED)
+
+    def _abort_one(self, rid: str) -> None:
+        sink = self._sinks.pop(rid, None)
+        try:
+            self.engine.abort(rid)
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.abort(%r) failed", rid)
+        if sink is not None:
+            self._done()
+
+    def _fail_all(
+        self, status: int, message: str, type_: str, pending: Sequence[Submission] = ()
+    ) -> None:
+        for sub in pending:
+            sub.sink.put(Failed(status, message, type_))
+        self._done(len(pending))
+        for rid, sink in list(self._sinks.items()):
+            sink.put(Failed(status, message, type_))
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+        self._done(len(self._sinks))
+        self._sinks.clear()
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception:  # noqa: BLE001
+            logger.exception(
+                "engine.step() failed; failing the %d requests in flight", len(self._sinks)
+            )
+            self.num_engine_errors += 1
+            self._fail_all(503, "engine error", "engine_error")
+            return
+        now = time.monotonic()
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if not sink.got_first_token and any(o.token_ids for o in out.outputs):
+                sink.got_first_token = True
+                if self.on_first_token is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_first_token(now - sink.t_submit)
+            sink.put(out)
+            if out.finished:
+                del self._sinks[out.request_id]
+                self._done()
+                if self.on_finish is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_finish(out, now - sink.t_submit)
