@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from paxcache.errors import PaxcacheError
-from paxcache.outputs import RequestOutput
-from paxcache.sampling import SamplingParams
 from paxcache.multihost import (
     HEARTBEAT_S,
     EngineRound,
@@ -42,6 +40,8 @@ from paxcache.multihost import (
     process_count,
     with_leader_seed,
 )
+from paxcache.outputs import RequestOutput
+from paxcache.sampling import SamplingParams
 from paxcache.server.protocol import DEFAULT_MAX_QUEUE, APIError
 
 __all__ = [
