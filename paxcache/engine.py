@@ -146,9 +146,7 @@ class Engine:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = backend_defaults[1]
         if preemption_mode not in ("swap", "recompute"):
-            raise ValueError(
-                f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}"
-            )
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute': {preemption_mode!r}")
         if preemption_mode == "swap" and num_host_blocks <= 0:
             raise ValueError("preemption_mode='swap' needs num_host_blocks > 0")
         for name, val in (
@@ -209,8 +207,7 @@ class Engine:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         # A swapped sequence keeps its slot while parked on the host (its table holds the host
-        # ids), so swap mode gets a second bank of slots; running ones never exceed
-        # max_num_seqs, and admission waits for a free slot.
+        # ids): swap mode gets a second bank of slots; admission waits for a free slot.
         num_slots = max_num_seqs * (2 if num_host_blocks > 0 else 1)
         self.cache_config = CacheConfig(
             num_blocks=int(num_blocks),
