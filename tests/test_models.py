@@ -19,7 +19,7 @@ from paxcache.models import (
     greedy_generate,
     rope_cos_sin,
 )
-from paxcache.models.llama import _rope_inv_freq
+from paxcache.models.llama_config import rope_inv_freq as _rope_inv_freq
 from paxcache.models.loading import model_to_hf_tensors
 
 

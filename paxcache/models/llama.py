@@ -35,10 +35,26 @@ from flax import nnx
 from paxcache.attention import AttentionMetadata
 from paxcache.models.llama_config import (  # re-exported: the model's configuration
     NO_WINDOW,
+    SUPPORTED_MODEL_TYPES,
+    ConfigError,
     LlamaConfig,
     rope_inv_freq,
 )
 from paxcache.nn import PagedAttention
+
+__all__ = [
+    "NO_WINDOW",
+    "SUPPORTED_MODEL_TYPES",
+    "ConfigError",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaLayers",
+    "apply_rope",
+    "dense_attention",
+    "greedy_generate",
+    "rms_norm",
+    "rope_cos_sin",
+]
 
 # ------------------------------------------------------------------------------------------
 # Building blocks (pure functions over arrays)
