@@ -325,7 +325,11 @@ def check_engine(
             "weights_bytes_per_chip": engine.weights_bytes_per_device,
             "kv_cache_bytes_per_chip": kv_per_device,
             "block_state_bytes_per_chip": _bytes_per_device(engine.block_manager.state),
-            "sizing": "num_blocks = 0.9 * (HBM - weights per chip) // bytes per block per chip",
+            "step_reserve_bytes_per_chip": getattr(engine, "step_reserve_bytes", None),
+            "sizing": (
+                "num_blocks = (0.9 * (HBM - weights per chip) - step reserve) // bytes per "
+                "block per chip (paxcache.sizing)"
+            ),
         }
         weights_total = sum(
             math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
@@ -386,7 +390,7 @@ def _suggest_num_blocks(report: dict, build: Any, engine: AbstractEngine, hbm: i
     report["engine"]["step_bytes_besides_kv_per_chip"] = int(base)
     why = (
         f"the engine's sizing ({engine.cache_config.num_blocks} blocks, 0.9 of what the "
-        f"weights leave) does not leave room for the step's other buffers "
+        f"weights leave less the measured step reserve) does not leave room for every step "
         f"({base / _GIB:.2f} GiB per chip with T={t}, weights included)"
     )
     if fit < 1:

@@ -31,6 +31,7 @@ compiles again.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -43,17 +44,17 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from paxcache import allocator, kv_cache
+from paxcache import allocator, kv_cache, sizing
 from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
-from paxcache.errors import DuplicateSequenceError, SequenceTooLongError
+from paxcache.errors import DuplicateSequenceError
 from paxcache.manager import BlockManager
 from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, RequestState
 from paxcache.sampling import SamplingParams
 from paxcache.scheduler import Scheduler, StepPlan, StepResult
 from paxcache.sequence import Sequence as Seq
-from paxcache.sequence import new_request
+from paxcache.sequence import check_prompt, new_request
 from paxcache.step import default_batch_limits
 
 __all__ = ["CompletionOutput", "Engine", "RequestOutput", "default_batch_limits"]
@@ -140,21 +141,14 @@ class Engine:
     ) -> None:
         cfg = model.config
         cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
-        backend_defaults = step_lib.default_batch_limits(self._target_backend())
-        if max_num_seqs is None:
-            max_num_seqs = backend_defaults[0]
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = backend_defaults[1]
+        max_num_seqs, max_num_batched_tokens = step_lib.resolve_batch_limits(
+            self._target_backend(), max_num_seqs, max_num_batched_tokens
+        )
         if preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute': {preemption_mode!r}")
         if preemption_mode == "swap" and num_host_blocks <= 0:
             raise ValueError("preemption_mode='swap' needs num_host_blocks > 0")
-        for name, val in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("block_size", block_size),
-            ("tp", tp),
-        ):
+        for name, val in (("block_size", block_size), ("tp", tp)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         windows = set(cfg.layer_windows())
@@ -187,65 +181,13 @@ class Engine:
         max_blocks_per_seq = -(-self.max_model_len // block_size)
         kv_dtype = model.dtype
         kv_heads = max(cfg.num_key_value_heads, tp)  # tp > K: kv heads replicated (sharding.py)
-        bytes_per_block = kv_cache.bytes_per_block(
+        self.bytes_per_block = kv_cache.bytes_per_block(
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
         )
-        if num_blocks is None:
-            if kv_memory_bytes is None and self._on_accelerator():
-                num_blocks, _ = kv_cache.num_blocks_for_budget(
-                    0.9,
-                    cfg.num_hidden_layers,
-                    kv_heads // tp,  # per device
-                    cfg.head_dim,
-                    block_size,
-                    kv_dtype,
-                    memory_stats=self._memory_stats(),
-                )
-            else:
-                budget = kv_memory_bytes if kv_memory_bytes is not None else 1 << 30
-                num_blocks = min(max_num_seqs * max_blocks_per_seq, budget // bytes_per_block)
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        # A swapped sequence keeps its slot while parked on the host (its table holds the host
-        # ids): swap mode gets a second bank of slots; admission waits for a free slot.
-        num_slots = max_num_seqs * (2 if num_host_blocks > 0 else 1)
-        self.cache_config = CacheConfig(
-            num_blocks=int(num_blocks),
-            block_size=block_size,
-            max_seqs=num_slots,
-            max_blocks_per_seq=max_blocks_per_seq,
-            num_host_blocks=num_host_blocks,
-            watermark=watermark,
-            enable_prefix_caching=enable_prefix_caching,
-            sliding_window=self.sliding_window,
-        )
-        self.bytes_per_block = bytes_per_block
         self.buckets = step_lib.token_buckets(max_num_batched_tokens)
+        self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size)
         graphdef, params = nnx.split(model)
         self.mesh, self._params = self._place_params(model, params, tp)
-        self._kv_spec = dict(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=kv_heads,
-            head_dim=cfg.head_dim,
-            num_blocks=int(num_blocks),
-            block_size=block_size,
-            dtype=kv_dtype,
-            num_host_blocks=num_host_blocks,
-        )
-        eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos_ids.add(int(tokenizer.eos_token_id))
-        state, self._kv = self._new_device_state()
-        self.scheduler = Scheduler(
-            BlockManager(self.cache_config, state=state),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode,
-            policy=policy,
-            max_model_len=self.max_model_len,
-            eos_token_ids=eos_ids,
-        )
-        self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size)
         self._step_config = step_lib.StepConfig(
             graphdef=graphdef, impl=impl, interpret=interpret, mesh=self.mesh
         )
@@ -255,6 +197,35 @@ class Engine:
         self._cache_hits_at_start = compile_cache_lib.cache_hits()
         fused = functools.partial(step_lib.step, config=self._step_config)
         self._jit_step = jax.jit(self._count_traces(fused), donate_argnums=(0, 1))
+        eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos_ids.add(int(tokenizer.eos_token_id))
+        build = functools.partial(
+            self._build_cache,
+            block_size=block_size,
+            max_blocks_per_seq=max_blocks_per_seq,
+            num_host_blocks=num_host_blocks,
+            watermark=watermark,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_heads=kv_heads,
+            scheduler_args=dict(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                preemption_mode=preemption_mode,
+                policy=policy,
+                max_model_len=self.max_model_len,
+                eos_token_ids=eos_ids,
+            ),
+        )
+        if num_blocks is None and kv_memory_bytes is None and self._on_accelerator():
+            num_blocks = self._size_for_device(build, kv_heads, max_blocks_per_seq)
+        elif num_blocks is None:
+            num_blocks = sizing.host_num_blocks(
+                kv_memory_bytes, max_num_seqs, max_blocks_per_seq, self.bytes_per_block
+            )
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        build(int(num_blocks))
         self._requests: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         logger.info(
@@ -369,6 +340,53 @@ class Engine:
 
         return counted
 
+    def _build_cache(
+        self, num_blocks: int, *, kv_heads: int, scheduler_args: dict, **cache: Any
+    ) -> None:
+        """The cache configuration, block state, KV cache and scheduler for ``num_blocks``
+        (swap mode: a second bank of slots, for sequences parked on the host)."""
+        max_num_seqs = scheduler_args["max_num_seqs"]
+        self.cache_config = CacheConfig(
+            num_blocks=num_blocks,
+            max_seqs=max_num_seqs * (2 if cache["num_host_blocks"] > 0 else 1),
+            sliding_window=self.sliding_window,
+            **cache,
+        )
+        cfg = self.model.config
+        self._kv_spec = dict(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=kv_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=num_blocks,
+            block_size=cache["block_size"],
+            dtype=self.model.dtype,
+            num_host_blocks=cache["num_host_blocks"],
+        )
+        self._kv = None  # the old cache's buffers go before the new one is made
+        state, self._kv = self._new_device_state()
+        self.scheduler = Scheduler(BlockManager(self.cache_config, state=state), **scheduler_args)
+
+    def _size_for_device(self, build: Any, kv_heads: int, max_blocks_per_seq: int) -> int:
+        """Device KV blocks on an accelerator (see :mod:`paxcache.sizing`): the largest step
+        is compiled over a small cache to measure what it needs besides its arguments."""
+        device = jax.devices()[0]
+        stats = self._memory_stats() or device.memory_stats()  # before the probe cache exists
+        build(max(1, min(64, max_blocks_per_seq)))
+        probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()
+        self.step_reserve_bytes = sizing.step_reserve_bytes(probe)
+        num_blocks = sizing.device_num_blocks(
+            stats,
+            self.step_reserve_bytes,
+            num_layers=self.model.config.num_hidden_layers,
+            num_kv_heads_per_device=kv_heads // self.tp,
+            head_dim=self.model.config.head_dim,
+            block_size=self.cache_config.block_size,
+            dtype=self.model.dtype,
+        )
+        reserve_gib, t = self.step_reserve_bytes / 2**30, self.buckets[-1]
+        logger.info("KV sizing: %d blocks (T=%d step needs %.2f GiB)", num_blocks, t, reserve_gib)
+        return num_blocks
+
     # ------------------------------------------------------------------ views
 
     @property
@@ -425,24 +443,12 @@ class Engine:
         else:
             text = None
             ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise SequenceTooLongError(
-                f"prompt of {len(ids)} tokens leaves no room to generate: max_model_len is "
-                f"{self.max_model_len}"
-            )
-        cfg = self.cache_config
-        need = cfg.blocks_for(len(ids) + 1)
-        if need > cfg.num_blocks - cfg.watermark_blocks:
-            raise SequenceTooLongError(
-                f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache can admit at "
-                f"most {cfg.num_blocks - cfg.watermark_blocks}"
-            )
+        check_prompt(
+            ids,
+            vocab_size=self.model.config.vocab_size,
+            max_model_len=self.max_model_len,
+            cache_config=self.cache_config,
+        )
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
         try:
@@ -788,11 +794,4 @@ def _make_decoder(tokenizer: Any) -> Any:
     return IncrementalDecoder(tokenizer)
 
 
-def _counter() -> Iterator[int]:
-    i = 0
-    while True:
-        yield i
-        i += 1
-
-
-_gen_ids = _counter()
+_gen_ids = itertools.count()

@@ -398,6 +398,7 @@ def num_blocks_for_budget(
     device: jax.Device | None = None,
     *,
     memory_stats: Mapping[str, int] | None = None,
+    reserve_bytes: int = 0,
 ) -> tuple[int, int]:
     """How many blocks fit in a memory budget.
 
@@ -412,6 +413,9 @@ def num_blocks_for_budget(
       device: the device to size for (default: the first device).
       memory_stats: use these ``{"bytes_limit", "bytes_in_use"}`` instead of the device's
         (sizing for a chip that is not attached, e.g. ``scripts/compile_check.py``).
+      reserve_bytes: with a fraction, bytes taken off the budget for what the model step needs
+        besides its arguments (activations, logits, sampling buffers: its temporaries), so the
+        cache and the step fit together (the engine measures it by compiling its largest step).
 
     Returns:
       ``(num_blocks, bytes_per_block)``.
@@ -441,15 +445,16 @@ def num_blocks_for_budget(
                 "instead of a fraction"
             )
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        budget = int(frac * max(free, 0))
+        budget = int(frac * max(free, 0)) - int(reserve_bytes)
     else:
         raise ValueError(
             f"budget must be bytes (int) or a fraction (float), got {bytes_or_fraction!r}"
         )
     n = budget // per_block
     if n < 1:
+        after = f" (after {int(reserve_bytes)} bytes for the model step)" if reserve_bytes else ""
+        dims = f"L={num_layers}, K={num_kv_heads}, D={head_dim}, S={block_size}, {jnp.dtype(dtype)}"
         raise ValueError(
-            f"KV budget of {budget} bytes holds no block of {per_block} bytes "
-            f"(L={num_layers}, K={num_kv_heads}, D={head_dim}, S={block_size}, {jnp.dtype(dtype)})"
+            f"KV budget of {budget} bytes{after} holds no block of {per_block} bytes ({dims})"
         )
     return int(n), per_block

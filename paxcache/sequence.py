@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
+from paxcache.config import CacheConfig
+from paxcache.errors import SequenceTooLongError
 from paxcache.sampling import SamplingParams
 
-__all__ = ["SeqState", "Sequence", "check_stop", "new_request"]
+__all__ = ["SeqState", "Sequence", "check_prompt", "check_stop", "new_request"]
 
 
 class SeqState:
@@ -204,3 +206,32 @@ def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len:
         seq.finish(reason)
         if reason == "length" and not stops:
             seq.text += seq.decoder.flush()
+
+
+def check_prompt(
+    ids: Collection[int], *, vocab_size: int, max_model_len: int, cache_config: CacheConfig
+) -> None:
+    """Checks that a prompt of token ``ids`` can ever run.
+
+    Raises:
+      ValueError: empty, or ids outside ``[0, vocab_size)``.
+      SequenceTooLongError: it leaves no room to generate within ``max_model_len``, or needs
+        more blocks than the cache can ever admit.
+    """
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise SequenceTooLongError(
+            f"prompt of {len(ids)} tokens leaves no room to generate: max_model_len is "
+            f"{max_model_len}"
+        )
+    need = cache_config.blocks_for(len(ids) + 1)
+    admit = cache_config.num_blocks - cache_config.watermark_blocks
+    if need > admit:
+        raise SequenceTooLongError(
+            f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache can admit at "
+            f"most {admit}"
+        )

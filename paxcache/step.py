@@ -51,6 +51,7 @@ __all__ = [
     "StepOutputs",
     "StepShapes",
     "default_batch_limits",
+    "resolve_batch_limits",
     "empty_inputs",
     "prepare_inputs",
     "prepare_sampling",
@@ -91,6 +92,27 @@ DEFAULT_BATCH_LIMITS_ACCELERATOR = (256, 2048)
 def default_batch_limits(backend: str) -> tuple[int, int]:
     """``(max_num_seqs, max_num_batched_tokens)`` the engine uses on ``backend`` by default."""
     return DEFAULT_BATCH_LIMITS.get(backend, DEFAULT_BATCH_LIMITS_ACCELERATOR)
+
+
+def resolve_batch_limits(
+    backend: str, max_num_seqs: int | None, max_num_batched_tokens: int | None
+) -> tuple[int, int]:
+    """The given limits, ``None`` replaced by ``backend``'s defaults.
+
+    Raises:
+      ValueError: a limit that is not a positive int.
+    """
+    seqs_default, tokens_default = default_batch_limits(backend)
+    limits = {
+        "max_num_seqs": seqs_default if max_num_seqs is None else max_num_seqs,
+        "max_num_batched_tokens": (
+            tokens_default if max_num_batched_tokens is None else max_num_batched_tokens
+        ),
+    }
+    for name, val in limits.items():
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    return limits["max_num_seqs"], limits["max_num_batched_tokens"]
 
 
 @dataclasses.dataclass(frozen=True)

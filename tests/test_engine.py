@@ -227,3 +227,49 @@ def test_engine_impl_reaches_every_kernel_of_the_step(model):
         eng._jit_step.lower(*eng._empty_step_args(eng.buckets[0]))
     ops = ("ragged_paged_attention", "write_kv", "copy_blocks")
     assert {op: seen["cpu"].get(op) for op in ops} == dict.fromkeys(ops, "pallas_tpu")
+
+
+class _FakeAcceleratorEngine(Engine):
+    """The engine as it sizes its cache on an accelerator: free memory from fake stats."""
+
+    STATS = {"bytes_limit": 64 << 20, "bytes_in_use": 16 << 20}
+
+    def _on_accelerator(self) -> bool:
+        return True
+
+    def _memory_stats(self) -> dict[str, int]:
+        return dict(self.STATS)
+
+
+def test_accelerator_sizing_reserves_the_largest_steps_buffers(model, dense_ref):
+    """On an accelerator the cache gets 0.9 of the free memory less what the largest step
+    needs besides its arguments (measured by compiling it over a small cache), so the step
+    and the cache fit together; the engine then serves normally."""
+    from paxcache import kv_cache
+
+    eng = _FakeAcceleratorEngine(
+        model, ByteTokenizer(), block_size=BS, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    reserve = eng.step_reserve_bytes
+    assert reserve > 0
+    free = (
+        _FakeAcceleratorEngine.STATS["bytes_limit"] - _FakeAcceleratorEngine.STATS["bytes_in_use"]
+    )
+    per_block = eng.bytes_per_block
+    assert eng.cache_config.num_blocks == (int(0.9 * free) - reserve) // per_block
+    assert eng._kv.k.shape[2] == eng.cache_config.num_blocks
+    # Without the reserve it would have been more blocks: the reserve is really taken off.
+    plain, _ = kv_cache.num_blocks_for_budget(
+        0.9, 2, 2, 16, BS, model.dtype, memory_stats=_FakeAcceleratorEngine.STATS
+    )
+    assert eng.cache_config.num_blocks < plain
+    outs = eng.generate(_prompts(), GREEDY10)
+    assert _tokens(outs) == dense_ref
+
+
+def test_accelerator_sizing_names_the_reserve_when_nothing_fits(model):
+    class Tight(_FakeAcceleratorEngine):
+        STATS = {"bytes_limit": 16 << 20, "bytes_in_use": (16 << 20) - 4096}
+
+    with pytest.raises(ValueError, match="for the model step"):
+        Tight(model, ByteTokenizer(), block_size=BS, max_num_seqs=4, max_num_batched_tokens=32)
