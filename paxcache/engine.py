@@ -82,8 +82,8 @@ class Engine:
       tokenizer: its tokenizer (``encode``, ``decode``, ``eos_token_id``).
       model_name: the name reported by ``stats`` and the server.
       num_blocks: device KV blocks; default: enough for ``max_num_seqs`` full-length
-        sequences, capped by ``kv_memory_bytes`` (or 1 GiB on CPU, 90% of free memory on
-        accelerators).
+        sequences, capped by ``kv_memory_bytes`` (or 1 GiB on CPU); on an accelerator 90% of
+        the free memory less the largest step's own needs (:mod:`paxcache.sizing`).
       block_size: tokens per block.
       max_num_seqs: most sequences running (and rows in one step); default by backend
         (``default_batch_limits``: 64 on CPU, 256 on TPU/GPU).
