@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas.buckets import power_of_two_buckets
 from paxcache import allocator, kv_cache
 from paxcache.attention import metadata_from_state
 from paxcache.sampling import MAX_LOGPROBS, SampleOutput, request_keys, sample
@@ -65,14 +66,9 @@ logger = logging.getLogger(__name__)
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     """The token-count buckets of a step budget: powers of two from ``smallest``, then the
-    budget itself (e.g. 256 -> 16, 32, 64, 128, 256)."""
-    buckets = []
-    b = min(smallest, max_tokens)
-    while b < max_tokens:
-        buckets.append(b)
-        b *= 2
-    buckets.append(max_tokens)
-    return tuple(buckets)
+    budget itself (e.g. 256 -> 16, 32, 64, 128, 256): the repository's one padding rule,
+    :func:`kernels_pallas.buckets.power_of_two_buckets`."""
+    return power_of_two_buckets(max_tokens, smallest)
 
 
 # Default (max_num_seqs, max_num_batched_tokens) by backend, chosen like vLLM's (which picks
