@@ -32,6 +32,7 @@ from paxcache.server.convert import (
     tokenize,
     usage,
 )
+from paxcache.server.fields import check_fields
 from paxcache.server.middleware import request_id
 from paxcache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
@@ -63,12 +64,7 @@ async def _prompt_ids(ctx: ServerContext, prompt: str | list[int]) -> list[int]:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     ctx.check_model(body.model)
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of must equal n (best_of > n is not supported)", param="best_of")
+    check_fields(body, "completions")
     check_limits(body, ctx.limits, ctx.vocab_size, body.logprobs, "logprobs")
     raw = completion_prompts(body, ctx.limits)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -133,6 +129,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     ctx.check_model(body.model)
+    check_fields(body, "chat")
     if ctx.tokenizer is None:
         raise APIError(400, "this engine has no tokenizer; chat is unavailable")
     check_limits(body, ctx.limits, ctx.vocab_size, body.top_logprobs, "top_logprobs")
