@@ -2,7 +2,8 @@
 handlers and the routers.
 
 Routers: the service routes here (``GET /health``, ``GET /metrics``, ``GET /v1/models``,
-``GET /v1/models/{id}``) and the generation routes of :mod:`paxcache.server.completions`.
+``GET /v1/models/{id}``), the generation routes of :mod:`paxcache.server.completions` and
+the tokenizer routes of :mod:`paxcache.server.tokenize`.
 Handlers reach the shared state through ``request.app.state.ctx``
 (:class:`paxcache.server.context.ServerContext`).
 """
@@ -21,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paxcache.server import completions
+from paxcache.server import completions, tokenize
 from paxcache.server.context import ServerContext
 from paxcache.server.metrics import CONTENT_TYPE, ServerMetrics
 from paxcache.server.middleware import install_middleware, request_id
@@ -102,6 +103,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(service_router)
     app.include_router(completions.router)
+    app.include_router(tokenize.router)
     return app
 
 
