@@ -83,8 +83,8 @@ def create_app(
         warmup=warmup,
         on_first_token=metrics.first_token,
         on_finish=metrics.request_finished,
+        on_tokens=metrics.tokens,
     )
-    metrics.watch(runner)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -96,6 +96,7 @@ def create_app(
 
     app = FastAPI(title="paxcache", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ServerContext.create(engine, runner, limits, metrics, served_model_name)
+    metrics.watch(runner, model_name=app.state.ctx.model_name)
     app.state.runner = runner
     app.state.registry = metrics.registry
     app.state.limits = limits
