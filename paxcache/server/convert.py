@@ -296,12 +296,14 @@ def completion_logprobs(
     tokenizer: Any, entries: Sequence[dict], offset: int = 0
 ) -> dict[str, list]:
     """Legacy completions ``logprobs`` object from the engine's per-token entries
-    (``{"token_id", "logprob", "top": [(id, logprob), ...]}``)."""
+    (``{"token_id", "logprob", "top": [(id, logprob), ...]}``; ``logprob`` None and ``top``
+    None for a token without context: the first of an echoed prompt)."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
         s = _token_str(tokenizer, int(e.get("token_id", -1)))
         tokens.append(s)
-        lps.append(float(e.get("logprob", 0.0)))
+        lp = e.get("logprob", 0.0)
+        lps.append(None if lp is None else float(lp))  # None: an echoed first prompt token
         top = e.get("top") or []
         tops.append({_token_str(tokenizer, int(t)): float(lp) for t, lp in top} if top else None)
         offsets.append(offset)

@@ -201,7 +201,7 @@ class StreamOptions(_Strict):
 
 class SamplingFields(_Strict):
     """The fields both endpoints share (OpenAI's, plus vLLM's extensions ``top_k``,
-    ``min_p``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``).
+    ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt`` and ``prompt_logprobs``).
 
     Undeclared fields are kept in ``model_extra`` (not refused here): the handlers pass the
     body to :func:`paxcache.server.fields.check_fields`, which refuses the OpenAI fields the
@@ -228,12 +228,14 @@ class SamplingFields(_Strict):
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
     cache_salt: Text | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions`` (OpenAI legacy completions)."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # 0: echo only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Text | None = None

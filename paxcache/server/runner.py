@@ -86,9 +86,10 @@ class Progress:
       error: the engine's error message, if it failed.
       prompt_tokens: prompt length (once known).
       cached: prompt tokens served from the prefix cache (once known).
+      prompt_logprobs: the request's ``RequestOutput.prompt_logprobs`` (once reported).
     """
 
-    __slots__ = ("cached", "completions", "error", "finished", "prompt_tokens")
+    __slots__ = ("cached", "completions", "error", "finished", "prompt_logprobs", "prompt_tokens")
 
     def __init__(self) -> None:
         self.completions: dict[int, list] = {}
@@ -96,6 +97,7 @@ class Progress:
         self.error: str | None = None
         self.prompt_tokens: int | None = None
         self.cached: int | None = None
+        self.prompt_logprobs: list | None = None
 
     def add(self, out: RequestOutput) -> None:
         for c in out.outputs:
@@ -117,6 +119,8 @@ class Progress:
             self.prompt_tokens = len(out.prompt_token_ids)
         if out.num_cached_tokens is not None:
             self.cached = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 def fold(total: Progress, new: Progress, keep_text: bool = True) -> None:
@@ -139,6 +143,8 @@ def fold(total: Progress, new: Progress, keep_text: bool = True) -> None:
         total.prompt_tokens = new.prompt_tokens
     if new.cached is not None:
         total.cached = new.cached
+    if new.prompt_logprobs is not None and keep_text:
+        total.prompt_logprobs = new.prompt_logprobs
 
 
 class Exchange:
