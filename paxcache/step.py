@@ -20,7 +20,11 @@ of :func:`prepare_inputs` only when a plan needs it, and read it in :func:`step`
 inputs.x is not None``. ``None`` is an empty pytree node, so a step without the field traces
 and runs exactly as before, and one with it is its own compiled program (a bucket of its own);
 no call site changes. Warm-up and ahead-of-time compilation build their inputs with the same
-:func:`prepare_inputs` (:func:`empty_inputs`).
+:func:`prepare_inputs` (:func:`empty_inputs`). ``StepInputs.prompt_logprobs``
+(:class:`PromptLogprobInputs`, filled by :func:`prepare_prompt_logprobs`) is built this way:
+the rows of requests with ``SamplingParams.prompt_logprobs`` join the sampled rows in the one
+forward's ``logits_indices``, and :func:`read_result` fetches their log-probabilities only when
+the plan had any.
 
 Shape letters: T tokens (the bucket), R rows (``max_num_seqs``), B allocator slots, V
 vocabulary, K top log-probabilities.

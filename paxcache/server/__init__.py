@@ -15,7 +15,8 @@ id, and clients never see exception text or paths. A request field the server do
 is refused, never silently dropped (:mod:`~paxcache.server.fields` holds the table; unknown
 non-OpenAI fields are ignored with one warning per name). Extensions beyond OpenAI's fields
 (as in vLLM): ``top_k`` (-1 or 0 = off), ``min_p``, ``stop_token_ids``, ``ignore_eos``,
-``cache_salt``.
+``cache_salt``, ``prompt_logprobs``. ``/v1/completions`` honours ``echo`` (with ``logprobs``:
+the prompt's token logprobs first; ``max_tokens: 0``: the prompt alone).
 
 Modules (one job each; the import rules are in ARCHITECTURE.md):
 
@@ -31,7 +32,8 @@ Modules (one job each; the import rules are in ARCHITECTURE.md):
 * :mod:`~paxcache.server.routes`: :func:`create_app` and the service routes;
   :mod:`~paxcache.server.completions`: the two generation routes;
   :mod:`~paxcache.server.tokenize`: ``/tokenize`` and ``/detokenize``;
-  :mod:`~paxcache.server.fields`: which request fields are honoured or refused.
+  :mod:`~paxcache.server.fields`: which request fields are honoured or refused;
+  :mod:`~paxcache.server.echo`: echo and prompt logprobs.
 * :mod:`~paxcache.server.middleware`, :mod:`~paxcache.server.tenants`: request ids, API keys
   and the ``Host`` check, body limits; tenants, their cache salts and in-flight limits.
 * :mod:`~paxcache.server.metrics`: the Prometheus collector and the server's own metrics.
