@@ -537,24 +537,11 @@ class Engine:
             state, kv, out = self._jit_step(
                 self.block_manager.state, self._device_kv(), self._params, inputs
             )
-            fetch = [out.sampled.tokens, out.row_ok, out.num_free_blocks]
-            if any(s.params.logprobs is not None for s, _ in plan.samples):
-                fetch += [out.sampled.logprob, out.sampled.top_ids, out.sampled.top_logprobs]
-            host = jax.device_get(fetch)
+            result = step_lib.read_result(plan, state, out, failed)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
             raise _StepFailed(failed) from e
         self._kv = self._with_host_pool(kv)
-        tokens, row_ok, num_free, *logprobs = host
-        return StepResult(
-            state=state,
-            num_free_blocks=int(num_free),
-            row_ok=row_ok,
-            tokens=tokens,
-            logprob=logprobs[0] if logprobs else None,
-            top_ids=logprobs[1] if logprobs else None,
-            top_logprobs=logprobs[2] if logprobs else None,
-            failed_requests=failed,
-        )
+        return result
 
     def _move_kv(self, plan: StepPlan) -> None:
         """The plan's swaps (out, then in), in chunks of at most ``_max_swap_pairs`` blocks:

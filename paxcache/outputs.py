@@ -54,6 +54,12 @@ class RequestOutput:
         until the request is admitted); OpenAI's ``usage.prompt_tokens_details.cached_tokens``.
       num_preemptions: times a completion of this request was preempted so far (swap or
         recompute; a prompt shared by waiting completions counts once per completion).
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs``, vLLM's shape: one entry per
+        prompt token, ``None`` for the first, then ``{"token_id", "logprob", "rank", "top":
+        [(id, logprob), ...]}`` (the token given the ones before it, its rank in that
+        distribution, 1 = most likely, and the top ``prompt_logprobs`` alternatives); set
+        once the whole prompt is computed (with ``output_kind="delta"``: in that one output
+        only). None otherwise.
     """
 
     request_id: str
@@ -64,6 +70,7 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class RequestState:
@@ -94,6 +101,8 @@ class RequestState:
         # output_kind="delta": tokens / logprobs of each completion already reported.
         self.sent_tokens = [0] * len(seqs)
         self.sent_logprobs = [0] * len(seqs)
+        self.sent_prompt_logprobs = False
+        self.prompt_logprobs_ready = False
 
     def output(self, *, finished: bool) -> RequestOutput:
         """The request's output now (cumulative, or only what is new with
@@ -131,6 +140,13 @@ class RequestState:
                     new_text=new_text,
                 )
             )
+        prompt_lps = self.seqs[0].prompt_logprobs
+        if prompt_lps is not None and not self.prompt_logprobs_ready:
+            self.prompt_logprobs_ready = all(e is not None for e in prompt_lps[1:])
+        if not self.prompt_logprobs_ready or (delta and self.sent_prompt_logprobs):
+            prompt_lps = None
+        elif delta:
+            self.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -140,4 +156,5 @@ class RequestState:
             error=next((s.error for s in self.seqs if s.error), None),
             num_cached_tokens=self.seqs[0].num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
+            prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None,
         )

@@ -50,6 +50,7 @@ __all__ = [
     "request_key",
     "request_keys",
     "sample",
+    "token_logprobs",
 ]
 
 GREEDY_EPS = 1e-5
@@ -102,6 +103,11 @@ class SamplingParams:
       output_kind: ``"cumulative"`` (every output holds the whole completion so far) or
         ``"delta"`` (only the tokens, text and logprobs new since the previous output; what a
         streaming server wants: linear, not quadratic, in the output length).
+      prompt_logprobs: ``None`` (off), or an int in [0, ``MAX_LOGPROBS``]: the
+        log-probability of every prompt token given the tokens before it, plus that many top
+        alternatives (vLLM's semantics; the first prompt token has none). Computed in the
+        prefill the request runs anyway; such a request does not read the prefix cache (every
+        prompt token is computed), see ``RequestOutput.prompt_logprobs``.
 
     Every bound is what the engine can represent (int32 token ids and counts, 64-bit seeds,
     finite floats); a server sets tighter limits of its own.
@@ -122,6 +128,7 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     output_kind: str = "cumulative"
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _I32_MAX:
@@ -155,6 +162,13 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got "
+                f"{self.prompt_logprobs!r}"
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -456,7 +470,23 @@ def sample(
 
     tokens = jax.lax.cond(jnp.all(greedy_rows), lambda: greedy_tok, sampled)
 
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    return token_logprobs(logits, tokens, num_logprobs=num_logprobs)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, *, num_logprobs: int) -> SampleOutput:
+    """Log-probabilities of given tokens under raw logits (no temperature or filters), with
+    each row's top ``num_logprobs``; traceable (``sample`` and the step's prompt logprobs).
+
+    Args:
+      logits: ``f32[B, V]`` (any float dtype; computed in f32).
+      tokens: ``i32[B]`` the token whose log-probability each row reports.
+      num_logprobs: static ``k``.
+
+    Returns:
+      ``SampleOutput(tokens, logprob f32[B], top_ids i32[B, k], top_logprobs f32[B, k])``.
+    """
+    b, v = logits.shape
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
         top_logprobs, top_ids = jax.lax.top_k(logp, min(num_logprobs, v))

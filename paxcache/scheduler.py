@@ -109,6 +109,10 @@ class StepPlan:
       admitted: sequences given blocks this step (new, or resumed after a recompute).
       preempted: sequences preempted this step (swapped out or freed for recompute).
       failed: sequences the scheduler finished with an error (they can never fit).
+      prompt_positions: ``(row_index, position)``: the step also computes the log-probability
+        of prompt token ``position + 1`` from the logits of that row's token at ``position``
+        (rows of sequences with ``prompt_logprobs``, every position of the row that has a
+        next prompt token).
     """
 
     rows: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
@@ -121,6 +125,7 @@ class StepPlan:
     admitted: list[Sequence] = dataclasses.field(default_factory=list)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     failed: list[Sequence] = dataclasses.field(default_factory=list)
+    prompt_positions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +145,9 @@ class StepResult:
       tokens: ``i32[R]`` sampled token ``j``.
       logprob: ``f32[R]`` its log-probability, or None when no sample asked for logprobs.
       top_ids, top_logprobs: ``[R, K]`` the top-K candidates, or None (as ``logprob``).
+      prompt_logprob, prompt_top_ids, prompt_top_logprobs, prompt_rank: entry ``k`` of
+        ``plan.prompt_positions``: ``f32[P]``, ``i32[P, K]``, ``f32[P, K]``, ``i32[P]`` (the
+        token's rank, 1 = most likely); None when the plan has none.
       failed_requests: requests whose host work for this step raised (preparing their
         sampling inputs): they fail, the others go on.
     """
@@ -151,6 +159,10 @@ class StepResult:
     logprob: np.ndarray | None = None
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    prompt_logprob: np.ndarray | None = None
+    prompt_top_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
+    prompt_rank: np.ndarray | None = None
     failed_requests: Collection[str] = ()
 
 
@@ -408,6 +420,12 @@ class Scheduler:
                         plan.samples.append((f, i))
         plan.rows = rows
         plan.slots = [self.block_manager.slot(seq) for seq, _ in rows]
+        plan.prompt_positions = [
+            (i, p)
+            for i, (seq, q) in enumerate(rows)
+            if seq.prompt_logprobs is not None
+            for p in range(seq.num_computed, min(seq.num_computed + q, seq.num_prompt - 1))
+        ]
         return plan
 
     def _plan_running(self) -> list[tuple[Sequence, int]]:
@@ -539,6 +557,7 @@ class Scheduler:
             # arithmetic; those rows simply run again next step (check_invariants reports it).
             self.num_refused_rows += refused
             logger.warning("the allocator refused %d of %d planned rows", refused, len(plan.rows))
+        self._prompt_logprobs(plan, result, failed)
         for i, (seq, q) in enumerate(plan.rows):
             if not row_ok[i] or seq.request_id in failed:
                 continue
@@ -596,6 +615,28 @@ class Scheduler:
                 self.finish(seq.group, "error", INTERNAL_ERROR)
                 touched += seq.group
         return touched
+
+    def _prompt_logprobs(self, plan: StepPlan, result: StepResult, failed: dict) -> None:
+        """Records the prompt log-probabilities the step computed (``plan.prompt_positions``);
+        a recomputed prompt overwrites its entries with the same values."""
+        for k, (i, p) in enumerate(plan.prompt_positions):
+            seq = plan.rows[i][0]
+            if not result.row_ok[i] or seq.request_id in failed:
+                continue
+            try:
+                top_ids, top_lps = result.prompt_top_ids[k], result.prompt_top_logprobs[k]
+                seq.prompt_logprobs[p + 1] = {
+                    "token_id": seq.token_ids[p + 1],
+                    "logprob": float(result.prompt_logprob[k]),
+                    "rank": int(result.prompt_rank[k]),
+                    "top": [
+                        (int(top_ids[t]), float(top_lps[t]))
+                        for t in range(seq.params.prompt_logprobs)
+                    ],
+                }
+            except Exception:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("request %s failed recording prompt logprobs", seq.request_id)
+                failed[seq.request_id] = None
 
     # -- checks ---------------------------------------------------------------------------
 

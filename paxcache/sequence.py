@@ -73,6 +73,9 @@ class Sequence:
       text: detokenized output so far (ends before a matched stop string).
       emitted: characters of ``text`` already reported.
       logprobs: per generated token ``{"token_id", "logprob", "top"}``, or None.
+      prompt_logprobs: the leader of a request with ``params.prompt_logprobs``: one entry per
+        prompt token, ``None`` for the first and for those not computed yet, else
+        ``{"token_id", "logprob", "rank", "top"}``; None otherwise.
       decoder: the incremental detokenizer (``push(id) -> str``, ``flush() -> str``).
       new_ids: tokens generated in the current step (cleared once reported).
     """
@@ -102,6 +105,7 @@ class Sequence:
     text: str = ""
     emitted: int = 0
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
     decoder: Any = None
     new_ids: list[int] = dataclasses.field(default_factory=list)
 
@@ -138,6 +142,11 @@ class Sequence:
         self.error = error
 
 
+PROMPT_LOGPROBS_SALT = "paxcache:prompt_logprobs"
+"""First item of the cache salt of a request with ``prompt_logprobs`` (see
+:func:`new_request`)."""
+
+
 def new_request(
     request_id: str,
     prompt_ids: list[int],
@@ -152,7 +161,14 @@ def new_request(
     The first is the leader; the others follow it (they wait for its prompt, are admitted
     with it by forking its blocks, and sample their first token from its last prompt row),
     and share its arrival, so the request is one unit in the age order.
+
+    A request with ``params.prompt_logprobs`` computes every prompt token (the log-probability
+    of a token comes from the logits at the one before it, which a prefix-cache hit skips): it
+    gets a cache salt of its own, ``(PROMPT_LOGPROBS_SALT, request_id, cache_salt)``, so its
+    lookups miss and nothing else reads its blocks (recompute, as vLLM does).
     """
+    if params.prompt_logprobs is not None:
+        cache_salt = (PROMPT_LOGPROBS_SALT, request_id, cache_salt)
     seqs = [
         Sequence(
             request_id=request_id,
@@ -168,6 +184,8 @@ def new_request(
         for j in range(params.n)
     ]
     lead = seqs[0]
+    if params.prompt_logprobs is not None:
+        lead.prompt_logprobs = [None] * len(prompt_ids)
     lead.followers = seqs[1:]
     for f in seqs[1:]:
         f.leader = lead

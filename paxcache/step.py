@@ -20,7 +20,11 @@ of :func:`prepare_inputs` only when a plan needs it, and read it in :func:`step`
 inputs.x is not None``. ``None`` is an empty pytree node, so a step without the field traces
 and runs exactly as before, and one with it is its own compiled program (a bucket of its own);
 no call site changes. Warm-up and ahead-of-time compilation build their inputs with the same
-:func:`prepare_inputs` (:func:`empty_inputs`).
+:func:`prepare_inputs` (:func:`empty_inputs`). ``StepInputs.prompt_logprobs``
+(:class:`PromptLogprobInputs`, filled by :func:`prepare_prompt_logprobs`) is built this way:
+the rows of requests with ``SamplingParams.prompt_logprobs`` join the sampled rows in the one
+forward's ``logits_indices``, and :func:`read_result` fetches their log-probabilities only when
+the plan had any.
 
 Shape letters: T tokens (the bucket), R rows (``max_num_seqs``), B allocator slots, V
 vocabulary, K top log-probabilities.
@@ -42,10 +46,11 @@ from flax import nnx
 from kernels_pallas.buckets import power_of_two_buckets
 from paxcache import allocator, kv_cache
 from paxcache.attention import metadata_from_state
-from paxcache.sampling import MAX_LOGPROBS, SampleOutput, request_keys, sample
-from paxcache.scheduler import StepPlan
+from paxcache.sampling import MAX_LOGPROBS, SampleOutput, request_keys, sample, token_logprobs
+from paxcache.scheduler import StepPlan, StepResult
 
 __all__ = [
+    "PromptLogprobInputs",
     "SamplingInputs",
     "StepConfig",
     "StepInputs",
@@ -55,8 +60,10 @@ __all__ = [
     "resolve_batch_limits",
     "empty_inputs",
     "prepare_inputs",
+    "prepare_prompt_logprobs",
     "prepare_sampling",
     "prepare_tokens",
+    "read_result",
     "step",
     "token_buckets",
 ]
@@ -183,6 +190,24 @@ class SamplingInputs:
 
 
 @flax.struct.dataclass
+class PromptLogprobInputs:
+    """Token rows whose full-vocabulary log-probabilities the step computes (prompt logprobs).
+
+    Entry ``k`` reads the logits of token row ``rows[k]`` and reports the log-probability of
+    ``targets[k]`` (the next prompt token) and the top ``StepConfig.num_logprobs``; padding
+    entries (``rows = targets = 0``) are computed and ignored. ``P`` is the token bucket ``T``:
+    every fed token may need one, so a bucket compiles one such program.
+
+    Attributes:
+      rows: ``i32[P]`` indices into ``StepInputs.token_ids``.
+      targets: ``i32[P]`` the token whose log-probability entry ``k`` reports.
+    """
+
+    rows: jax.Array
+    targets: jax.Array
+
+
+@flax.struct.dataclass
 class StepInputs:
     """Everything a step reads besides the state, the cache and the weights.
 
@@ -201,6 +226,8 @@ class StepInputs:
         allocator appends it (one block when it starts one, plus a copy-on-write when the
         last block is shared).
       sampling: the per-sample inputs (:class:`SamplingInputs`).
+      prompt_logprobs: :class:`PromptLogprobInputs`, or None when no row of the plan needs
+        prompt log-probabilities (the step then runs the program it always runs).
     """
 
     token_ids: jax.Array
@@ -210,6 +237,7 @@ class StepInputs:
     num_rows: jax.Array
     grows: jax.Array
     sampling: SamplingInputs
+    prompt_logprobs: PromptLogprobInputs | None = None
 
 
 @flax.struct.dataclass
@@ -221,11 +249,17 @@ class StepOutputs:
         top_logprobs f32[R, K])`` for sample ``j`` of the plan.
       row_ok: ``bool[R]`` row ``i`` got its blocks and ran.
       num_free_blocks: ``i32[]`` free device blocks after the step.
+      prompt_logprobs: ``SampleOutput(targets i32[P], logprob f32[P], top_ids i32[P, K],
+        top_logprobs f32[P, K])`` for the entries of ``inputs.prompt_logprobs``, or None.
+      prompt_rank: ``i32[P]`` each target's rank in its distribution (1 = most likely), or
+        None.
     """
 
     sampled: SampleOutput
     row_ok: jax.Array
     num_free_blocks: jax.Array
+    prompt_logprobs: SampleOutput | None = None
+    prompt_rank: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,12 +349,57 @@ def prepare_sampling(
     return sampling, failed
 
 
+def prepare_prompt_logprobs(
+    plan: StepPlan, row_ends: Seq[int], num_tokens: int
+) -> PromptLogprobInputs | None:
+    """The prompt-logprob entries of ``plan`` (``plan.prompt_positions``, in order), padded to
+    ``num_tokens`` (the bucket); None when it has none."""
+    if not plan.prompt_positions:
+        return None
+    rows = np.zeros(num_tokens, np.int32)
+    targets = np.zeros(num_tokens, np.int32)
+    for k, (i, p) in enumerate(plan.prompt_positions):
+        seq, q = plan.rows[i]
+        rows[k] = row_ends[i] - (q - 1) + (p - seq.num_computed)
+        targets[k] = seq.token_ids[p + 1]
+    return PromptLogprobInputs(rows=rows, targets=targets)
+
+
 def prepare_inputs(plan: StepPlan, shapes: StepShapes) -> tuple[StepInputs, set[str]]:
     """The step's inputs for ``plan`` (host arrays), and the requests that failed building
     them (see :func:`prepare_sampling`)."""
     tokens, row_ends = prepare_tokens(plan, shapes)
     sampling, failed = prepare_sampling(plan, row_ends, shapes)
-    return StepInputs(**tokens, sampling=sampling), failed
+    prompt = prepare_prompt_logprobs(plan, row_ends, tokens["token_ids"].shape[0])
+    return StepInputs(**tokens, sampling=sampling, prompt_logprobs=prompt), failed
+
+
+def read_result(
+    plan: StepPlan, state: allocator.BlockState, out: StepOutputs, failed: set[str]
+) -> StepResult:
+    """Reads a step's outputs back to the host in one transfer: the sampled tokens, the row
+    flags and the free-block count, plus log-probabilities only where the plan asked."""
+    fetch: dict[str, Any] = {
+        "tokens": out.sampled.tokens,
+        "row_ok": out.row_ok,
+        "num_free_blocks": out.num_free_blocks,
+    }
+    if any(s.params.logprobs is not None for s, _ in plan.samples):
+        fetch.update(
+            logprob=out.sampled.logprob,
+            top_ids=out.sampled.top_ids,
+            top_logprobs=out.sampled.top_logprobs,
+        )
+    if plan.prompt_positions and out.prompt_logprobs is not None:
+        fetch.update(
+            prompt_logprob=out.prompt_logprobs.logprob,
+            prompt_top_ids=out.prompt_logprobs.top_ids,
+            prompt_top_logprobs=out.prompt_logprobs.top_logprobs,
+            prompt_rank=out.prompt_rank,
+        )
+    host = jax.device_get(fetch)
+    host["num_free_blocks"] = int(host["num_free_blocks"])
+    return StepResult(state=state, failed_requests=failed, **host)
 
 
 def empty_inputs(shapes: StepShapes, num_tokens: int) -> StepInputs:
@@ -399,10 +478,20 @@ def step(
     md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
     model = nnx.merge(config.graphdef, params)
     s = inputs.sampling
+    pl = inputs.prompt_logprobs
+    rows = s.logits_rows if pl is None else jnp.concatenate([s.logits_rows, pl.rows])
     logits, (k_pages, v_pages) = model.forward_paged(
-        inputs.token_ids, (kv.k, kv.v), md, logits_indices=s.logits_rows
+        inputs.token_ids, (kv.k, kv.v), md, logits_indices=rows
     )
     kv = kv.replace(k=k_pages, v=v_pages)
+    prompt_out = prompt_rank = None
+    if pl is not None:  # one forward: the samples' rows, then the prompt-logprob rows
+        ns = s.logits_rows.shape[0]
+        prompt_logits = logits[ns:].astype(jnp.float32)
+        prompt_out = token_logprobs(prompt_logits, pl.targets, num_logprobs=config.num_logprobs)
+        logp = jax.nn.log_softmax(prompt_logits, axis=-1)
+        prompt_rank = 1 + jnp.sum(logp > prompt_out.logprob[:, None], axis=-1, dtype=jnp.int32)
+        logits = logits[:ns]
     sampled = sample(
         logits, s.temperature, s.top_k, s.top_p, s.min_p, s.keys, num_logprobs=config.num_logprobs
     )
@@ -412,6 +501,10 @@ def step(
         computed = jnp.zeros((num_slots,), jnp.int32).at[target].set(inputs.kv_lens, mode="drop")
         state = allocator.commit(state, computed)
     outputs = StepOutputs(
-        sampled=sampled, row_ok=row_ok, num_free_blocks=allocator.num_free_blocks(state)
+        sampled=sampled,
+        row_ok=row_ok,
+        num_free_blocks=allocator.num_free_blocks(state),
+        prompt_logprobs=prompt_out,
+        prompt_rank=prompt_rank,
     )
     return state, kv, outputs

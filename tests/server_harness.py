@@ -68,6 +68,7 @@ class FakeEngine:
         self.lock = threading.Lock()  # proves single-thread ownership: never contended
         self.seen: set[tuple] = set()  # (cache_salt, prompt ids) already prefilled
         self.salts: list = []  # cache_salt of every request added
+        self.prompt_tokens = self.prefix_queries = self.prefix_hits = 0
 
     def warmup(self) -> None:
         self.warmed_up = True
@@ -80,6 +81,9 @@ class FakeEngine:
         key = (cache_salt, tuple(ids))
         cached = (len(ids) // self.block_size) * self.block_size if key in self.seen else 0
         self.seen.add(key)
+        self.prompt_tokens += len(ids)
+        self.prefix_queries += len(ids) // self.block_size
+        self.prefix_hits += cached // self.block_size
         if len(ids) + params.max_tokens > self.max_model_len:
             raise SequenceTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -208,6 +212,9 @@ class FakeEngine:
             "num_waiting": len(self.reqs) - running,
             "num_swapped": 0,
             "num_generated_tokens": self.generated,
+            "num_prompt_tokens": self.prompt_tokens,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
             "block_size": self.block_size,
             "device": "cpu",
             "kv_cache_bytes": 0,

@@ -153,7 +153,7 @@ def _hostile_requests(vocab: int) -> list[tuple[str, object, str | None]]:
         (cmpl, {"prompt": "x", "top_p": float("inf")}, "top_p"),
         (cmpl, {"prompt": "x", "cache_salt": "s" * 1000}, "cache_salt"),
         (cmpl, {"prompt": "x", "cache_salt": ""}, "cache_salt"),
-        (cmpl, {"prompt": "x", "unknown_field": 1}, "unknown_field"),
+        (cmpl, {"prompt": "x", "logit_bias": {"1": 100}}, "logit_bias"),
         (cmpl, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         (cmpl, {"prompt": "\ud800"}, "prompt"),
         (cmpl, {"prompt": "x", "model": "\ud800"}, "model"),

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server for a paxcache ``Engine`` (FastAPI + uvicorn, extra ``serve``).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent
-events when ``"stream": true``, ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``
+events when ``"stream": true``, ending in ``data: [DONE]``), ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's shapes), ``GET /v1/models``, ``GET /health``
 (503 until the engine is warmed up), ``GET /metrics`` (Prometheus text).
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code", "request_id"}}``:
@@ -11,8 +12,11 @@ missing/wrong API key, 404 for an unknown model, 408 for a body that does not ar
 requests in flight, 500 for an internal error, 503 while shutting down or when the engine
 failed. Every response carries an ``x-request-id`` header; the server logs failures with that
 id, and clients never see exception text or paths. A request field the server does not honour
-is refused, never silently dropped. Extensions beyond OpenAI's fields (as in vLLM): ``top_k``
-(-1 or 0 = off), ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``.
+is refused, never silently dropped (:mod:`~paxcache.server.fields` holds the table; unknown
+non-OpenAI fields are ignored with one warning per name). Extensions beyond OpenAI's fields
+(as in vLLM): ``top_k`` (-1 or 0 = off), ``min_p``, ``stop_token_ids``, ``ignore_eos``,
+``cache_salt``, ``prompt_logprobs``. ``/v1/completions`` honours ``echo`` (with ``logprobs``:
+the prompt's token logprobs first; ``max_tokens: 0``: the prompt alone).
 
 Modules (one job each; the import rules are in ARCHITECTURE.md):
 
@@ -26,7 +30,10 @@ Modules (one job each; the import rules are in ARCHITECTURE.md):
 * :mod:`~paxcache.server.context`, :mod:`~paxcache.server.streaming`: what handlers share,
   and server-sent events with a stall timeout.
 * :mod:`~paxcache.server.routes`: :func:`create_app` and the service routes;
-  :mod:`~paxcache.server.completions`: the two generation routes.
+  :mod:`~paxcache.server.completions`: the two generation routes;
+  :mod:`~paxcache.server.tokenize`: ``/tokenize`` and ``/detokenize``;
+  :mod:`~paxcache.server.fields`: which request fields are honoured or refused;
+  :mod:`~paxcache.server.echo`: echo and prompt logprobs.
 * :mod:`~paxcache.server.middleware`, :mod:`~paxcache.server.tenants`: request ids, API keys
   and the ``Host`` check, body limits; tenants, their cache salts and in-flight limits.
 * :mod:`~paxcache.server.metrics`: the Prometheus collector and the server's own metrics.

@@ -32,8 +32,17 @@ from paxcache.server.convert import (
     tokenize,
     usage,
 )
+from paxcache.server.echo import (
+    check_prompt_logprobs,
+    echo_plan,
+    echo_text,
+    prompt_entries,
+    vllm_prompt_logprobs,
+)
+from paxcache.server.fields import check_fields
 from paxcache.server.middleware import request_id
 from paxcache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from paxcache.server.runner import Progress
 
 __all__ = ["router"]
 
@@ -63,20 +72,21 @@ async def _prompt_ids(ctx: ServerContext, prompt: str | list[int]) -> list[int]:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     ctx.check_model(body.model)
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of must equal n (best_of > n is not supported)", param="best_of")
+    check_fields(body, "completions")
     check_limits(body, ctx.limits, ctx.vocab_size, body.logprobs, "logprobs")
+    check_prompt_logprobs(body, ctx.limits)
+    echo = echo_plan(body, ctx.tokenizer is not None)
     raw = completion_prompts(body, ctx.limits)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     ctx.check_max_tokens(max_tokens, "max_tokens")
     params = sampling_params(
-        body, max_tokens=max_tokens, logprobs=body.logprobs, logprobs_param="logprobs"
+        body, max_tokens=max(1, max_tokens), logprobs=body.logprobs, logprobs_param="logprobs"
     )
+    params = echo.params(params)
     prompts = [await _prompt_ids(ctx, q) for q in raw]
+    echoed = []
+    if echo.echo:
+        echoed = [echo_text(ctx.tokenizer, q, p) for q, p in zip(raw, prompts, strict=True)]
     release = ctx.tenant_slots(request, len(prompts) * body.n)
     try:
         rid, ids, exchange = await ctx.submit(request, prompts, params, "cmpl", body.cache_salt)
@@ -85,25 +95,45 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise
     head = {"id": rid, "object": "text_completion", "created": int(time.time())}
     head["model"] = ctx.model_name
+    prompt_lps: dict[int, list | None] = {}  # tag -> the engine's prompt logprobs
 
-    def logprobs(entries: list[dict] | None) -> dict | None:
+    def piece(idx: int, text: str, entries: list[dict] | None, first: bool) -> tuple[str, Any]:
+        """A choice's text and logprobs: the echoed prompt first (``first``), no generated
+        tokens with ``max_tokens: 0``."""
+        if echo.drop_generated:
+            text, entries = "", []
+        if first and echo.echo:
+            tag = idx // body.n
+            text = echoed[tag] + text
+            if echo.echo_logprobs is not None:
+                k = echo.echo_logprobs
+                entries = prompt_entries(prompts[tag], prompt_lps.get(tag), k) + (entries or [])
         if body.logprobs is None:
-            return None
-        return completion_logprobs(ctx.tokenizer, entries or [])
+            return text, None
+        return text, completion_logprobs(ctx.tokenizer, entries or [])
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        started: set[int] = set()
+
+        def on_progress(tag: int, prog: Progress) -> None:
+            if prog.prompt_logprobs is not None:
+                prompt_lps[tag] = prog.prompt_logprobs
 
         def make_chunk(idx: int, delta: str, fr: str | None, lps: list | None) -> dict:
-            choice = {"index": idx, "text": delta, "logprobs": logprobs(lps), "finish_reason": fr}
+            first = idx not in started
+            started.add(idx)
+            text, logprobs = piece(idx, delta, lps, first)
+            choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": fr}
             chunk = {**head, "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None
             return chunk
 
-        return ctx.stream(
-            ids, exchange, body.n, make_chunk, [], _usage_chunk(head, include_usage), release
-        )
+        usage_fn = _usage_chunk(head, include_usage)
+        if usage_fn is not None and echo.drop_generated:
+            usage_fn = _no_completion_tokens(usage_fn)
+        return ctx.stream(ids, exchange, body.n, make_chunk, [], usage_fn, release, on_progress)
 
     try:
         outs = await ctx.collect(request, ids, exchange)
@@ -113,30 +143,40 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         err = request_error(o)
         if err is not None:
             raise err
-    choices = [
-        {
-            "index": tag * body.n + index,
-            "text": "".join(texts),
-            "logprobs": logprobs(lps),
-            "finish_reason": finish_reason(reason),
-        }
-        for tag, out in enumerate(outs)
-        for index, (texts, _, lps, reason) in out.completions.items()
-    ]
+    choices = []
+    for tag, out in enumerate(outs):
+        prompt_lps[tag] = out.prompt_logprobs
+        for index, (texts, _, lps, reason) in out.completions.items():
+            idx = tag * body.n + index
+            text, logprobs = piece(idx, "".join(texts), lps, first=True)
+            choice = {
+                "index": idx,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(reason),
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    ctx.tokenizer, out.prompt_logprobs, body.prompt_logprobs
+                )
+            choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
-    return JSONResponse(
-        {**head, "choices": choices, "usage": usage(outs), "system_fingerprint": None}
-    )
+    use = usage(outs)
+    if echo.drop_generated:
+        use = {**use, "completion_tokens": 0, "total_tokens": use["prompt_tokens"]}
+    return JSONResponse({**head, "choices": choices, "usage": use, "system_fingerprint": None})
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     ctx.check_model(body.model)
+    check_fields(body, "chat")
     if ctx.tokenizer is None:
         raise APIError(400, "this engine has no tokenizer; chat is unavailable")
     check_limits(body, ctx.limits, ctx.vocab_size, body.top_logprobs, "top_logprobs")
     check_chat_limits(body, ctx.limits)
+    check_prompt_logprobs(body, ctx.limits)
     max_tokens = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     ctx.check_max_tokens(max_tokens, param)
@@ -152,7 +192,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if max_tokens is None:
         limit = ctx.max_model_len
         max_tokens = limit - len(prompt_ids) if limit is not None else 256
-    params = dataclasses.replace(params, max_tokens=max_tokens)
+    params = dataclasses.replace(
+        params, max_tokens=max_tokens, prompt_logprobs=body.prompt_logprobs
+    )
     release = ctx.tenant_slots(request, body.n)
     try:
         rid, ids, exchange = await ctx.submit(
@@ -210,9 +252,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         for index, (texts, _, lps, reason) in outs[0].completions.items()
     ]
     choices.sort(key=lambda ch: ch["index"])
-    return JSONResponse(
-        {**head, "choices": choices, "usage": usage(outs), "system_fingerprint": None}
-    )
+    resp = {**head, "choices": choices, "usage": usage(outs), "system_fingerprint": None}
+    if body.prompt_logprobs is not None:  # vLLM's extension
+        k = body.prompt_logprobs
+        resp["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokenizer, outs[0].prompt_logprobs, k)
+    return JSONResponse(resp)
+
+
+def _no_completion_tokens(
+    usage_fn: Callable[[dict[str, Any]], dict],
+) -> Callable[[dict[str, Any]], dict]:
+    """The usage chunk of ``max_tokens: 0`` (echo only): no completion tokens."""
+    return lambda u: usage_fn({**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]})
 
 
 def _usage_chunk(

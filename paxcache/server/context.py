@@ -223,6 +223,7 @@ class ServerContext:
         first_chunks: list[dict],
         usage_chunk: Callable[[dict[str, Any]], dict] | None,
         release: Callable[[], None],
+        on_progress: Callable[[int, Progress], None] | None = None,
     ) -> EventStream:
         """The SSE response of submitted requests (arguments as in
         :func:`paxcache.server.streaming.stream_events`)."""
@@ -234,8 +235,9 @@ class ServerContext:
             release()
 
         events = stream_events(
-            self.runner, ids, exchange, n, make_chunk, first_chunks, usage_chunk, release
-        )
+            self.runner, ids, exchange, n, make_chunk, first_chunks, usage_chunk, release,
+            on_progress,
+        )  # fmt: skip
         return EventStream(
             events,
             self.limits.stream_stall_timeout_s,

@@ -202,13 +202,16 @@ def _message_text(m: ChatMessage) -> str:
     return "".join(part.text for part in m.content)
 
 
-def _render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+def _render_chat(
+    tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+) -> str:
     msgs = [{"role": m.role, "content": _message_text(m)} for m in messages]
     fn = getattr(tokenizer, "apply_chat_template", None)
     if fn is not None:
-        return fn(msgs)
+        return fn(msgs) if add_generation_prompt else fn(msgs, add_generation_prompt=False)
     # Documented fallback: "<|role|>\ncontent\n" per message, then "<|assistant|>\n".
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs)
+    return text + "<|assistant|>\n" if add_generation_prompt else text
 
 
 def chat_token_ids(tokenizer: Any, text: str) -> list[int]:
@@ -223,13 +226,27 @@ def chat_token_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage], request_id: str | None) -> list:
+def chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    request_id: str | None,
+    *,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool | None = None,
+) -> list:
     """Renders (the checkpoint's template, sandboxed) and tokenizes a chat; runs in a worker
-    thread. Template errors become 400 (the template rejected the messages) or 500."""
+    thread. Template errors become 400 (the template rejected the messages) or 500.
+
+    ``add_special_tokens`` None (the chat endpoint) tokenizes as :func:`chat_token_ids`; a
+    bool (``/tokenize``) encodes the rendered text with or without the tokenizer's specials.
+    """
     from paxcache.models.tokenizer import ChatTemplateError
 
     try:
-        return chat_token_ids(tokenizer, _render_chat(tokenizer, messages))
+        text = _render_chat(tokenizer, messages, add_generation_prompt)
+        if add_special_tokens is not None:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return chat_token_ids(tokenizer, text)
     except ChatTemplateError as e:
         if e.client_error:
             raise APIError(400, e.public_message, param="messages") from None
@@ -279,12 +296,14 @@ def completion_logprobs(
     tokenizer: Any, entries: Sequence[dict], offset: int = 0
 ) -> dict[str, list]:
     """Legacy completions ``logprobs`` object from the engine's per-token entries
-    (``{"token_id", "logprob", "top": [(id, logprob), ...]}``)."""
+    (``{"token_id", "logprob", "top": [(id, logprob), ...]}``; ``logprob`` None and ``top``
+    None for a token without context: the first of an echoed prompt)."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
         s = _token_str(tokenizer, int(e.get("token_id", -1)))
         tokens.append(s)
-        lps.append(float(e.get("logprob", 0.0)))
+        lp = e.get("logprob", 0.0)
+        lps.append(None if lp is None else float(lp))  # None: an echoed first prompt token
         top = e.get("top") or []
         tops.append({_token_str(tokenizer, int(t)): float(lp) for t, lp in top} if top else None)
         offsets.append(offset)

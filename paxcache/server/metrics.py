@@ -3,8 +3,20 @@
 Two sources: :class:`EngineStatsCollector` turns the engine thread's latest ``engine.stats()``
 snapshot into gauges and counters when scraped (the engine is never called from the scrape),
 and :class:`ServerMetrics` holds the server's own histograms and counters (time to first
-token, end-to-end latency, finish reasons, refusals, stalled streams), fed by the engine
-thread's hooks and by the handlers.
+token, inter-token and end-to-end latency, finish reasons, refusals, stalled streams), fed by
+the engine thread's hooks and by the handlers.
+
+Beside the ``paxcache_*`` names, the gateway metrics are exported under vLLM's names, with
+vLLM's ``model_name`` label, so routers that read vLLM's metrics (the Kubernetes Gateway API
+inference extension, llm-d) work unchanged: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:num_requests_swapped``, ``vllm:kv_cache_usage_perc``
+(0..1; also under its older name ``vllm:gpu_cache_usage_perc``), ``vllm:prompt_tokens_total``,
+``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
+``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``,
+``vllm:request_success_total`` (by ``finished_reason``) and the histograms
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:time_per_output_token_seconds`` and ``vllm:e2e_request_latency_seconds``. Running and
+waiting count sequences (an ``n > 1`` request counts ``n``), as the scheduler sees them.
 """
 
 from __future__ import annotations
@@ -25,6 +37,19 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# vLLM's buckets, so dashboards built for vLLM read the same quantiles.
+_VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_VLLM_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+_VLLM_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 
 
 class EngineStatsCollector:
@@ -33,10 +58,12 @@ class EngineStatsCollector:
     Args:
       runner: anything with ``stats_snapshot`` (dict), ``num_inflight`` and
         ``num_engine_errors`` (an :class:`paxcache.server.runner.EngineRunner`).
+      model_name: the ``model_name`` label of the ``vllm:*`` metrics (None: not exported).
     """
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, model_name: str | None = None) -> None:
         self.runner = runner
+        self.model_name = model_name
 
     def describe(self) -> list:
         return []
@@ -117,6 +144,38 @@ class EngineStatsCollector:
             family, _, why = impl.partition(" (fallback: ")
             kernels.add_metric([op, family, why.removesuffix(")")], 1.0)
         yield kernels
+        if self.model_name is not None:
+            yield from self._vllm(s)
+
+    def _vllm(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """The engine's gauges and counters under vLLM's names."""
+        label = [self.model_name]
+        usage = "KV-cache usage: 1 means every device block is in use."
+        gauges = {
+            "vllm:num_requests_running": ("Sequences running.", s.get("num_running")),
+            "vllm:num_requests_waiting": ("Sequences waiting.", s.get("num_waiting")),
+            "vllm:num_requests_swapped": ("Sequences swapped to host.", s.get("num_swapped")),
+            "vllm:kv_cache_usage_perc": (usage, s.get("kv_usage")),
+            "vllm:gpu_cache_usage_perc": (usage + " (vLLM's older name)", s.get("kv_usage")),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, float(value or 0.0))
+            yield g
+        counters = {
+            "vllm:prompt_tokens": ("Prompt tokens of requests added.", "num_prompt_tokens"),
+            "vllm:generation_tokens": ("Tokens generated.", "num_generated_tokens"),
+            "vllm:num_preemptions": ("Sequences preempted.", "num_preemptions"),
+            "vllm:prefix_cache_queries": (
+                "Prefix-cache lookups (blocks queried).",
+                "prefix_cache_queries",
+            ),
+            "vllm:prefix_cache_hits": ("Prefix-cache hits (blocks found).", "prefix_cache_hits"),
+        }
+        for name, (doc, key) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, float(s.get(key) or 0.0))
+            yield c
 
 
 class ServerMetrics:
@@ -128,10 +187,48 @@ class ServerMetrics:
       finished: engine completions finished, by ``finish_reason``.
       rejected, rejected_tenant: requests refused with 429 (queue full / tenant limit).
       stalled: streams dropped because the client stopped reading.
+      vllm_ttft, vllm_itl, vllm_tpot, vllm_e2e, vllm_success: the same under vLLM's names,
+        labelled ``model_name`` (see the module docstring); exported once :meth:`watch` named
+        the model.
     """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.model_name: str | None = None
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            ["model_name"],
+            buckets=_VLLM_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.vllm_itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two generated tokens of a completion.",
+            ["model_name"],
+            buckets=_VLLM_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.vllm_tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Per request: (end-to-end latency - time to first token) / (generated tokens - 1).",
+            ["model_name"],
+            buckets=_VLLM_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            ["model_name"],
+            buckets=_VLLM_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "Completions finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "paxcache_time_to_first_token_seconds",
             "Time from request arrival to its first generated token.",
@@ -166,19 +263,54 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def watch(self, runner: Any) -> None:
-        """Adds the engine's stats (:class:`EngineStatsCollector` over ``runner``)."""
-        self.registry.register(EngineStatsCollector(runner))
+    def watch(self, runner: Any, model_name: str | None = None) -> None:
+        """Adds the engine's stats (:class:`EngineStatsCollector` over ``runner``); with
+        ``model_name``, the ``vllm:*`` metrics too, under that label."""
+        self.model_name = model_name
+        self.registry.register(EngineStatsCollector(runner, model_name))
+        if model_name is not None:  # exported at 0 from the start, as vLLM does
+            for h in (self.vllm_ttft, self.vllm_itl, self.vllm_tpot, self.vllm_e2e):
+                h.labels(model_name)
+            for reason in ("stop", "length", "abort", "error"):
+                self.vllm_success.labels(model_name=model_name, finished_reason=reason)
 
     def first_token(self, seconds: float) -> None:
         """Engine-thread hook: a request got its first token ``seconds`` after submission."""
         self.ttft.observe(seconds)
+        if self.model_name is not None:
+            self.vllm_ttft.labels(self.model_name).observe(seconds)
 
-    def request_finished(self, out: RequestOutput, seconds: float) -> None:
-        """Engine-thread hook: a request finished ``seconds`` after submission."""
+    def tokens(self, seconds: float, count: int) -> None:
+        """Engine-thread hook: a completion that already had tokens got ``count`` more,
+        ``seconds`` after its previous ones (each counts as one gap of ``seconds / count``)."""
+        if self.model_name is not None and count > 0:
+            h = self.vllm_itl.labels(self.model_name)
+            for _ in range(count):
+                h.observe(seconds / count)
+
+    def request_finished(
+        self,
+        out: RequestOutput,
+        seconds: float,
+        first_token_s: float | None = None,
+        num_tokens: int = 0,
+    ) -> None:
+        """Engine-thread hook: a request finished ``seconds`` after submission, its first
+        token ``first_token_s`` after submission (None: it generated none), having generated
+        ``num_tokens`` tokens over its ``n`` completions."""
         self.e2e.observe(seconds)
         for o in out.outputs:
             self.finished.labels(finish_reason=str(o.finish_reason)).inc()
+        if self.model_name is None:
+            return
+        self.vllm_e2e.labels(self.model_name).observe(seconds)
+        for o in out.outputs:
+            reason = str(o.finish_reason)
+            self.vllm_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        per_completion = num_tokens / max(1, len(out.outputs))
+        if first_token_s is not None and per_completion > 1:
+            tpot = (seconds - first_token_s) / (per_completion - 1)
+            self.vllm_tpot.labels(self.model_name).observe(max(0.0, tpot))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (:data:`CONTENT_TYPE`)."""

@@ -1,10 +1,12 @@
 """The server's wire protocol: limits, OpenAI-shaped errors and the request schemas.
 
 Request bodies are strict pydantic models: ``"5"`` is not an int, ``"yes"`` is not a bool,
-unknown fields are refused (a field the server does not honour is never silently dropped) and
-strings with lone UTF-16 surrogates are refused. Every numeric field is bounded where it
-enters (``top_k`` at most the vocabulary, seeds 64-bit, ...); the per-request limits that
-depend on the deployment are :class:`ServerLimits`.
+and strings with lone UTF-16 surrogates are refused. Fields a request body does not declare
+are kept aside for :mod:`paxcache.server.fields` (a field the server does not honour is never
+silently dropped: it is refused, or, when it is no OpenAI field at all, ignored with a
+warning); nested objects (messages, ``stream_options``) refuse unknown fields. Every numeric
+field is bounded where it enters (``top_k`` at most the vocabulary, seeds 64-bit, ...); the
+per-request limits that depend on the deployment are :class:`ServerLimits`.
 
 Errors are :class:`APIError`: ``{"error": {"message", "type", "param", "code", "request_id"}}``
 with the HTTP status (the table is in the package docstring, :mod:`paxcache.server`).
@@ -199,7 +201,14 @@ class StreamOptions(_Strict):
 
 class SamplingFields(_Strict):
     """The fields both endpoints share (OpenAI's, plus vLLM's extensions ``top_k``,
-    ``min_p``, ``stop_token_ids``, ``ignore_eos`` and ``cache_salt``)."""
+    ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt`` and ``prompt_logprobs``).
+
+    Undeclared fields are kept in ``model_extra`` (not refused here): the handlers pass the
+    body to :func:`paxcache.server.fields.check_fields`, which refuses the OpenAI fields the
+    server does not honour and ignores unknown ones with a warning.
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: Text | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -219,12 +228,14 @@ class SamplingFields(_Strict):
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
     cache_salt: Text | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions`` (OpenAI legacy completions)."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # 0: echo only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Text | None = None

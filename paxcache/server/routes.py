@@ -2,7 +2,8 @@
 handlers and the routers.
 
 Routers: the service routes here (``GET /health``, ``GET /metrics``, ``GET /v1/models``,
-``GET /v1/models/{id}``) and the generation routes of :mod:`paxcache.server.completions`.
+``GET /v1/models/{id}``), the generation routes of :mod:`paxcache.server.completions` and
+the tokenizer routes of :mod:`paxcache.server.tokenize`.
 Handlers reach the shared state through ``request.app.state.ctx``
 (:class:`paxcache.server.context.ServerContext`).
 """
@@ -21,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paxcache.server import completions
+from paxcache.server import completions, tokenize
 from paxcache.server.context import ServerContext
 from paxcache.server.metrics import CONTENT_TYPE, ServerMetrics
 from paxcache.server.middleware import install_middleware, request_id
@@ -82,8 +83,8 @@ def create_app(
         warmup=warmup,
         on_first_token=metrics.first_token,
         on_finish=metrics.request_finished,
+        on_tokens=metrics.tokens,
     )
-    metrics.watch(runner)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +96,7 @@ def create_app(
 
     app = FastAPI(title="paxcache", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ServerContext.create(engine, runner, limits, metrics, served_model_name)
+    metrics.watch(runner, model_name=app.state.ctx.model_name)
     app.state.runner = runner
     app.state.registry = metrics.registry
     app.state.limits = limits
@@ -102,6 +104,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(service_router)
     app.include_router(completions.router)
+    app.include_router(tokenize.router)
     return app
 
 

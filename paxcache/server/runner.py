@@ -86,9 +86,10 @@ class Progress:
       error: the engine's error message, if it failed.
       prompt_tokens: prompt length (once known).
       cached: prompt tokens served from the prefix cache (once known).
+      prompt_logprobs: the request's ``RequestOutput.prompt_logprobs`` (once reported).
     """
 
-    __slots__ = ("cached", "completions", "error", "finished", "prompt_tokens")
+    __slots__ = ("cached", "completions", "error", "finished", "prompt_logprobs", "prompt_tokens")
 
     def __init__(self) -> None:
         self.completions: dict[int, list] = {}
@@ -96,6 +97,7 @@ class Progress:
         self.error: str | None = None
         self.prompt_tokens: int | None = None
         self.cached: int | None = None
+        self.prompt_logprobs: list | None = None
 
     def add(self, out: RequestOutput) -> None:
         for c in out.outputs:
@@ -117,6 +119,8 @@ class Progress:
             self.prompt_tokens = len(out.prompt_token_ids)
         if out.num_cached_tokens is not None:
             self.cached = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 def fold(total: Progress, new: Progress, keep_text: bool = True) -> None:
@@ -139,6 +143,8 @@ def fold(total: Progress, new: Progress, keep_text: bool = True) -> None:
         total.prompt_tokens = new.prompt_tokens
     if new.cached is not None:
         total.cached = new.cached
+    if new.prompt_logprobs is not None and keep_text:
+        total.prompt_logprobs = new.prompt_logprobs
 
 
 class Exchange:
@@ -202,6 +208,9 @@ class Sink:
         self.tag = tag
         self.t_submit = time.monotonic()
         self.got_first_token = False
+        self.first_token_s: float | None = None  # seconds from submission to the first token
+        self.t_last_token = 0.0
+        self.num_tokens = 0  # generated, over all completions
 
     def put(self, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the handler's loop is gone (shutdown)
@@ -235,8 +244,11 @@ class EngineRunner:
       multihost: broadcast each round to :func:`paxcache.multihost.run_follower` on the
         other processes; ``None``: when ``jax.process_count() > 1``.
       on_first_token: called with the seconds from submission to a request's first token.
-      on_finish: called with a finished request's last output and its seconds since
-        submission.
+      on_finish: called with a finished request's last output, its seconds since submission,
+        the seconds from submission to its first token (None without one) and the tokens it
+        generated (all completions).
+      on_tokens: called when a request that already had tokens gets more, with the seconds
+        since its previous ones and how many came (inter-token latency).
     """
 
     def __init__(
@@ -248,7 +260,8 @@ class EngineRunner:
         stats_interval_s: float = 0.1,
         multihost: bool | None = None,
         on_first_token: Callable[[float], None] | None = None,
-        on_finish: Callable[[RequestOutput, float], None] | None = None,
+        on_finish: Callable[[RequestOutput, float, float | None, int], None] | None = None,
+        on_tokens: Callable[[float, int], None] | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -270,6 +283,7 @@ class EngineRunner:
         self.num_engine_errors = 0
         self.on_first_token = on_first_token
         self.on_finish = on_finish
+        self.on_tokens = on_tokens
         self._multihost = process_count() > 1 if multihost is None else multihost
 
     # -- called from handlers (any thread) ----------------------------------------------------
@@ -505,15 +519,25 @@ class EngineRunner:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            if not sink.got_first_token and any(o.token_ids for o in out.outputs):
+            new = sum(len(o.new_token_ids) for o in out.outputs)
+            if new and not sink.got_first_token:
                 sink.got_first_token = True
+                sink.first_token_s = now - sink.t_submit
                 if self.on_first_token is not None:
                     with contextlib.suppress(Exception):
-                        self.on_first_token(now - sink.t_submit)
+                        self.on_first_token(sink.first_token_s)
+            elif new and self.on_tokens is not None:
+                with contextlib.suppress(Exception):
+                    self.on_tokens(now - sink.t_last_token, new)
+            if new:
+                sink.t_last_token = now
+                sink.num_tokens += new
             sink.put(out)
             if out.finished:
                 del self._sinks[out.request_id]
                 self._done()
                 if self.on_finish is not None:
                     with contextlib.suppress(Exception):
-                        self.on_finish(out, now - sink.t_submit)
+                        self.on_finish(
+                            out, now - sink.t_submit, sink.first_token_s, sink.num_tokens
+                        )

@@ -37,6 +37,7 @@ async def stream_events(
     first_chunks: list[dict],
     usage_chunk: Callable[[dict[str, Any]], dict] | None,
     release: Callable[[], None],
+    on_progress: Callable[[int, Progress], None] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE chunks of one streaming response.
 
@@ -49,6 +50,8 @@ async def stream_events(
       first_chunks: chunks sent before any output (chat: the assistant role).
       usage_chunk: builds the final usage chunk (``stream_options.include_usage``), or None.
       release: frees the tenant's slots (idempotent), called when the stream ends.
+      on_progress: called with each ``(tag, progress)`` taken, before its chunks are made
+        (the echo of a prompt reads its prompt logprobs there).
     """
     totals = [Progress() for _ in ids]
     reported: set[int] = set()
@@ -64,6 +67,8 @@ async def stream_events(
                 yield sse(failure.error().body())
                 break
             for tag, prog in got.items():
+                if on_progress is not None:
+                    on_progress(tag, prog)
                 for index, (texts, _, lps, reason) in sorted(prog.completions.items()):
                     idx = tag * n + index
                     delta = "".join(texts)
