@@ -31,6 +31,7 @@ compiles again.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -48,6 +49,7 @@ from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
 from paxcache.errors import DuplicateSequenceError, SequenceTooLongError
+from paxcache.grammar import GrammarCompiler
 from paxcache.manager import BlockManager
 from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, RequestState
 from paxcache.sampling import SamplingParams
@@ -246,6 +248,7 @@ class Engine:
             eos_token_ids=eos_ids,
         )
         self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size)
+        self._grammars = GrammarCompiler(tokenizer, cfg.vocab_size, eos_ids)  # lazy
         self._step_config = step_lib.StepConfig(
             graphdef=graphdef, impl=impl, interpret=interpret, mesh=self.mesh
         )
@@ -413,6 +416,8 @@ class Engine:
           SequenceTooLongError: the prompt leaves no room to generate within
             ``max_model_len``, or needs more blocks than the cache can ever admit.
           ValueError: empty prompt or token ids outside the vocabulary.
+          GrammarError: ``params.structured_outputs`` is rejected by the grammar library, or
+            llguidance is not installed (:mod:`paxcache.grammar`).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -451,6 +456,7 @@ class Engine:
             raise ValueError(
                 f"cache_salt must be hashable, got {type(cache_salt).__name__}"
             ) from None
+        make_matcher = self._grammars.factory(params.structured_outputs)  # may raise GrammarError
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
         seqs = new_request(
             request_id,
@@ -459,6 +465,7 @@ class Engine:
             seed=seed,
             cache_salt=cache_salt,
             make_decoder=lambda: _make_decoder(self.tokenizer),
+            make_matcher=make_matcher,
         )
         self._requests[request_id] = RequestState(request_id, text, list(ids), params, seqs)
         self.scheduler.add(seqs)
@@ -788,11 +795,4 @@ def _make_decoder(tokenizer: Any) -> Any:
     return IncrementalDecoder(tokenizer)
 
 
-def _counter() -> Iterator[int]:
-    i = 0
-    while True:
-        yield i
-        i += 1
-
-
-_gen_ids = _counter()
+_gen_ids = itertools.count()

@@ -225,6 +225,10 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def tokenizer_json(self) -> str:
+        """The ``tokenizers`` library's JSON of this tokenizer (what grammar libraries read)."""
+        return self._tok.to_str()
+
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True
     ) -> str:
