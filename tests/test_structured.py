@@ -173,22 +173,27 @@ def model():
 
 
 def _engine(model, **kw) -> Engine:
-    args = dict(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=32)
+    args = dict(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=16)
     args.update(kw)
     return Engine(model, ByteTokenizer(), warmup=False, **args)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """One engine (one token bucket) shared by the fast tests: each program compiles once."""
+    return _engine(model)
 
 
 AB5 = StructuredOutputsParams(regex="[ab]{5}")
 
 
-def test_constrained_rows_sample_only_allowed_tokens_and_others_are_untouched(model):
+def test_constrained_rows_sample_only_allowed_tokens_and_others_are_untouched(engine):
     """At temperature 1 a constrained row only ever samples 'a' or 'b' and stops (reason
     "stop") when the grammar is complete; an unconstrained request in the same batch gets the
     very tokens it gets in a batch without any constrained row."""
     free = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, logprobs=2)
-    eng = _engine(model)
+    eng = engine
     alone = eng.generate(["hello world"], free)[0].outputs[0]
-    eng = _engine(model)
     reqs = ["hello world"] + ["xyz"] * 3
     params = [free] + [
         SamplingParams(max_tokens=12, temperature=1.0, seed=s, structured_outputs=AB5, logprobs=2)
@@ -211,7 +216,7 @@ def test_constrained_rows_sample_only_allowed_tokens_and_others_are_untouched(mo
 
 
 def test_an_unconstrained_batch_runs_without_a_mask(model):
-    eng = _engine(model)
+    eng = _engine(model, enable_prefix_caching=False)
     eng.add_request("free", "abc", SamplingParams(max_tokens=2))
     plan = eng.scheduler.schedule()
     inputs, failed = step.prepare_inputs(plan, eng._shapes)
@@ -226,11 +231,11 @@ def test_an_unconstrained_batch_runs_without_a_mask(model):
     assert jax.tree.structure(inputs) != jax.tree.structure(inputs2)
 
 
-def test_eos_only_when_the_grammar_accepts(model):
+def test_eos_only_when_the_grammar_accepts(engine):
     """A grammar whose output may end after 'a' or go on: EOS is sampled only once the text
     is complete, and a stopped grammar ends the sequence without EOS."""
     spec = StructuredOutputsParams(regex="a(bc)?")
-    eng = _engine(model)
+    eng = engine
     outs = eng.generate(
         ["q"] * 8,
         [
@@ -278,8 +283,11 @@ def test_person_ok_can_fail():
     "kw",
     [
         dict(),  # plenty of room
-        dict(num_blocks=14, preemption_mode="recompute"),
-        dict(num_blocks=14, num_host_blocks=32, preemption_mode="swap"),
+        pytest.param(dict(num_blocks=14, preemption_mode="recompute"), marks=pytest.mark.slow),
+        pytest.param(
+            dict(num_blocks=14, num_host_blocks=32, preemption_mode="swap"),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["roomy", "recompute", "swap"],
 )
@@ -288,7 +296,7 @@ def test_schema_valid_json_under_sampling_n_preemption_and_prefix_caching(model,
     budget that chunks the prompts, and (two cases) a cache so small that sequences are
     preempted and resumed: every completion that stops is schema-valid JSON, and the random
     model's completions do stop."""
-    eng = _engine(model, max_num_batched_tokens=16, **kw)
+    eng = _engine(model, **kw)
     prefix = "A person record in JSON, please: "
     params = [
         SamplingParams(
@@ -314,8 +322,8 @@ def test_schema_valid_json_under_sampling_n_preemption_and_prefix_caching(model,
     assert all(eng.check_invariants().values())
 
 
-def test_a_bad_constraint_is_refused_at_add_and_nothing_is_queued(model):
-    eng = _engine(model)
+def test_a_bad_constraint_is_refused_at_add_and_nothing_is_queued(engine):
+    eng = engine
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "nope"}))
     with pytest.raises(grammar.GrammarError, match="invalid JSON schema"):
         eng.add_request("bad", "x", bad)
@@ -327,7 +335,7 @@ def test_without_llguidance_a_constrained_request_fails_clearly(model, monkeypat
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance -> ImportError
     monkeypatch.setitem(sys.modules, "llguidance.numpy", None)
     assert not grammar.available()
-    eng = _engine(model)
+    eng = _engine(model)  # a fresh engine: its grammar compiler never loaded the library
     with pytest.raises(grammar.GrammarUnavailableError, match="llguidance"):
         eng.add_request("c", "x", SamplingParams(structured_outputs=AB5))
     out = eng.generate(["free"], SamplingParams(max_tokens=3, ignore_eos=True))[0]
