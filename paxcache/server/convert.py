@@ -202,11 +202,39 @@ def _message_text(m: ChatMessage) -> str:
     return "".join(part.text for part in m.content)
 
 
-def _render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
-    msgs = [{"role": m.role, "content": _message_text(m)} for m in messages]
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": m.role, "content": _message_text(m)}
+    if m.tool_calls:  # arguments as objects, as templates (and vLLM) expect them
+        msg["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _json_or_text(c.function.arguments),
+                },
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def _json_or_text(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except (json.JSONDecodeError, RecursionError):
+        return s
+
+
+def _render_chat(
+    tokenizer: Any, messages: Sequence[ChatMessage], tools: list[dict] | None = None
+) -> str:
+    msgs = [_template_message(m) for m in messages]
     fn = getattr(tokenizer, "apply_chat_template", None)
     if fn is not None:
-        return fn(msgs)
+        return fn(msgs, tools=tools) if tools else fn(msgs)
     # Documented fallback: "<|role|>\ncontent\n" per message, then "<|assistant|>\n".
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
 
@@ -223,13 +251,19 @@ def chat_token_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[ChatMessage], request_id: str | None) -> list:
-    """Renders (the checkpoint's template, sandboxed) and tokenizes a chat; runs in a worker
-    thread. Template errors become 400 (the template rejected the messages) or 500."""
+def chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    request_id: str | None,
+    tools: list[dict] | None = None,
+) -> list:
+    """Renders (the checkpoint's template, sandboxed, with the request's ``tools``) and
+    tokenizes a chat; runs in a worker thread. Template errors become 400 (the template
+    rejected the messages) or 500."""
     from paxcache.models.tokenizer import ChatTemplateError
 
     try:
-        return chat_token_ids(tokenizer, _render_chat(tokenizer, messages))
+        return chat_token_ids(tokenizer, _render_chat(tokenizer, messages, tools))
     except ChatTemplateError as e:
         if e.client_error:
             raise APIError(400, e.public_message, param="messages") from None
