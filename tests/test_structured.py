@@ -35,7 +35,7 @@ PERSON = {
 PERSON_DOC = '{"name":"Bo","age":42,"tags":["a","c"],"ok":true}'
 
 
-def _bpe_tokenizer(path) -> HFTokenizer:
+def _bpe_tokenizer(path, chat_template: str | None = None) -> HFTokenizer:
     """A small byte-level BPE ``tokenizer.json`` (trained here, as Llama-3's is byte-level BPE)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -51,9 +51,10 @@ def _bpe_tokenizer(path) -> HFTokenizer:
     tk.train_from_iterator(corpus, trainer)
     path.mkdir(parents=True, exist_ok=True)
     tk.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
-    )
+    cfg = {"bos_token": "<s>", "eos_token": "</s>"}
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return HFTokenizer(path)
 
 
@@ -340,3 +341,54 @@ def test_without_llguidance_a_constrained_request_fails_clearly(model, monkeypat
         eng.add_request("c", "x", SamplingParams(structured_outputs=AB5))
     out = eng.generate(["free"], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_warmup_compiles_the_masked_variant_so_constrained_serving_never_compiles(model):
+    eng = _engine(model)
+    eng.warmup_structured = True
+    eng.warmup()
+    before = eng.stats()["num_compilations"]
+    eng.generate(["q"], SamplingParams(max_tokens=6, structured_outputs=AB5))
+    eng.generate(["q"], SamplingParams(max_tokens=3))
+    assert eng.stats()["num_compilations"] == before
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}:"
+    "{{ t.function.parameters | tojson }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}{% endfor %}<assistant>"
+)
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template(tmp_path):
+    """``tools`` is the template's ``tools`` variable (as transformers passes it) and an
+    earlier call's arguments reach it as an object; the fallback template lists them too."""
+    from paxcache.server.convert import _render_chat
+    from paxcache.server.protocol import ChatMessage
+
+    tok = _bpe_tokenizer(tmp_path / "t", HERMES_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    msgs = [
+        ChatMessage(role="user", content="2+2?"),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'},
+                    }
+                ],
+            }
+        ),
+        ChatMessage(role="tool", content="4", tool_call_id="c1"),
+    ]
+    text = _render_chat(tok, msgs, tools)
+    assert text.startswith('<tools>add:{"type": "object"};</tools><user>2+2?')
+    assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>' in text
+    assert "<tools>" not in _render_chat(tok, msgs)
+    simple = _render_chat(ByteTokenizer(), msgs, tools)
+    assert simple.startswith("<|tools|>\n[{") and '"arguments": {"a": 2, "b": 2}' in simple

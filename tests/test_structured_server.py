@@ -188,6 +188,7 @@ def server():
 
     # One token bucket: the warm-up and the constrained variant compile one program each.
     engine = Engine.from_pretrained("tiny", max_num_seqs=8, max_num_batched_tokens=16)
+    engine.warmup_structured = True  # as scripts/serve.py sets it
     with serve_in_thread(create_app(engine)) as base:
         yield base
 
