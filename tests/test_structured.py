@@ -66,12 +66,17 @@ def _bit(mask_row: np.ndarray, t: int) -> bool:
 # The glue
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["loop", "thread_pool"])
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
-def test_bitmask_matches_the_library_mask_along_a_document(kind: str, tmp_path):
-    """Our rows (filled several at once) equal llguidance's own mask at every position of a
-    valid document, for both tokenizer kinds; EOS is allowed exactly where the grammar
-    accepts."""
+def test_bitmask_matches_the_library_mask_along_a_document(
+    kind: str, pool: bool, tmp_path, monkeypatch
+):
+    """Our rows (filled in a loop, or several at once in llguidance's thread pool) equal
+    llguidance's own mask at every position of a valid document, for both tokenizer kinds;
+    EOS is allowed exactly where the grammar accepts."""
     import llguidance
+
+    monkeypatch.setattr(grammar, "PARALLEL_FILL_MIN_VOCAB", 0 if pool else 1 << 30)
 
     if kind == "byte":
         tok, vocab = ByteTokenizer(), 259
