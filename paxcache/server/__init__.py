@@ -26,7 +26,9 @@ Modules (one job each; the import rules are in ARCHITECTURE.md):
 * :mod:`~paxcache.server.context`, :mod:`~paxcache.server.streaming`: what handlers share,
   and server-sent events with a stall timeout.
 * :mod:`~paxcache.server.routes`: :func:`create_app` and the service routes;
-  :mod:`~paxcache.server.completions`: the two generation routes.
+  :mod:`~paxcache.server.completions`: the two generation routes;
+  :mod:`~paxcache.server.structured`: ``response_format``, ``tools`` and ``tool_choice`` (the
+  engine constraint, and tool calls parsed and streamed back).
 * :mod:`~paxcache.server.middleware`, :mod:`~paxcache.server.tenants`: request ids, API keys
   and the ``Host`` check, body limits; tenants, their cache salts and in-flight limits.
 * :mod:`~paxcache.server.metrics`: the Prometheus collector and the server's own metrics.
