@@ -397,3 +397,23 @@ def test_tools_and_earlier_calls_reach_the_chat_template(tmp_path):
     assert "<tools>" not in _render_chat(tok, msgs)
     simple = _render_chat(ByteTokenizer(), msgs, tools)
     assert simple.startswith("<|tools|>\n[{") and '"arguments": {"a": 2, "b": 2}' in simple
+
+
+def test_a_failed_matcher_fails_its_request_alone(engine):
+    """A matcher that has gone into error (here: fed a token outside its grammar behind the
+    engine's back) fails its own request with an error; the batch and the other request go
+    on."""
+    eng = engine
+    eng.add_request("bad", "q", SamplingParams(max_tokens=5, structured_outputs=AB5))
+    eng.add_request("good", "q", SamplingParams(max_tokens=5, structured_outputs=AB5, seed=1))
+    (bad,) = eng._requests["bad"].seqs
+    assert not bad.matcher.consume(ord("z")) and bad.matcher.error
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs["bad"].outputs[0].finish_reason == "error"
+    good = outs["good"].outputs[0]
+    assert good.finish_reason == "stop" and len(good.text) == 5 and set(good.text) <= set("ab")
+    assert all(eng.check_invariants().values())
