@@ -15,6 +15,7 @@ from paxcache.server.structured import (
     LLAMA3_JSON,
     ToolPlan,
     ToolStream,
+    chat_message,
     chat_plan,
     parse_tool_calls,
     tool_parser,
@@ -445,3 +446,15 @@ def test_bad_schemas_and_tools_are_400_naming_the_field_and_the_server_serves_on
         timeout=60,
     )
     assert ok.status_code == 200
+
+
+def test_a_forced_call_cut_short():
+    """``length`` on a named call keeps the partial arguments; on a ``required`` array that
+    does not parse, the text comes back as content (never a call without a name)."""
+    msg, fr = chat_message(ToolPlan(mode="named", name="f"), '{"x":', "length")
+    assert fr == "length"
+    assert msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x":'}
+    msg, fr = chat_message(ToolPlan(mode="required"), '[{"name": "add", "argu', "length")
+    assert fr == "length" and msg == {"role": "assistant", "content": '[{"name": "add", "argu'}
+    out = _feed(ToolPlan(mode="required"), ['[{"name": "add", "argu'], reason="length")
+    assert out[-1] == ({"content": '[{"name": "add", "argu'}, "length")

@@ -289,31 +289,36 @@ def parse_tool_calls(text: str, parser: str | None) -> tuple[str | None, list[di
 
 
 def forced_calls(plan: ToolPlan, text: str) -> list[dict]:
-    """The tool calls of a forced (``required`` or named) completion's text; a text cut short
-    (``length``) that does not parse gives its raw text as one call's arguments."""
+    """The tool calls of a forced (``required`` or named) completion's text. A named call cut
+    short (``length``) keeps its partial arguments; a ``required`` array cut short parses to
+    no call (its text is then returned as content)."""
     if plan.mode == "named":
         return [_call(plan.name or "", text)]
     try:
         items = json.loads(text)
     except json.JSONDecodeError:
-        return [_call("", text)]
-    return [_call(it["name"], it.get("arguments", {})) for it in items if isinstance(it, dict)]
+        return []
+    if not isinstance(items, list):
+        return []
+    return [
+        _call(it["name"], it.get("arguments", {}))
+        for it in items
+        if isinstance(it, dict) and isinstance(it.get("name"), str)
+    ]
 
 
 def chat_message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict, str | None]:
     """A finished choice's ``message`` and finish reason."""
+    calls: list[dict] = []
+    content: str | None = text
     if plan.forced:
-        calls = forced_calls(plan, text)
-        return (
-            {"role": "assistant", "content": None, "tool_calls": calls},
-            "tool_calls" if reason == "stop" else reason,
-        )
-    if plan.mode == "auto" and plan.parser is not None:
+        calls, content = forced_calls(plan, text), None
+    elif plan.mode == "auto" and plan.parser is not None:
         content, calls = parse_tool_calls(text, plan.parser)
-        if calls:
-            msg = {"role": "assistant", "content": content, "tool_calls": calls}
-            return msg, "tool_calls" if reason == "stop" else reason
-    return {"role": "assistant", "content": text}, reason
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    msg = {"role": "assistant", "content": content, "tool_calls": calls}
+    return msg, "tool_calls" if reason == "stop" else reason
 
 
 @dataclass
@@ -347,6 +352,8 @@ class ToolStream:
             if reason is None:
                 return {}, None
             calls = [dict(c, index=i) for i, c in enumerate(forced_calls(plan, self.text))]
+            if not calls:  # cut short: the text as content, as chat_message returns it
+                return ({"content": self.text} if self.text else {}), reason
             return {"tool_calls": calls}, ("tool_calls" if reason == "stop" else reason)
         if plan.mode == "auto" and plan.parser is not None:
             return self._auto(reason)
