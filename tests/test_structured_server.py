@@ -165,6 +165,38 @@ def test_named_streams_arguments_and_required_sends_calls_whole():
     assert calls[0]["function"]["name"] == "add" and out[-1][1] == "tool_calls"
 
 
+def test_required_hoists_the_tools_definitions_to_the_root():
+    """``#/$defs/...`` references inside a tool's parameters still resolve in the union (the
+    grammar library accepts it), and a clash between two tools is a 400."""
+    from paxcache import grammar
+    from paxcache.server.protocol import APIError
+
+    point = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/pt"}},
+        "required": ["p"],
+        "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+    tools = [
+        {"type": "function", "function": {"name": "move", "parameters": point}},
+        TOOLS[1],
+    ]
+    body = ChatCompletionRequest.model_validate(
+        {"messages": MSGS, "tools": tools, "tool_choice": "required"}
+    )
+    plan = chat_plan(body, None)
+    assert plan.constraint.json["$defs"] == point["$defs"]
+    grammar.validate(plan.constraint)
+    other = {**point, "$defs": {"pt": {"type": "string"}}}
+    tools.append({"type": "function", "function": {"name": "jump", "parameters": other}})
+    body = ChatCompletionRequest.model_validate(
+        {"messages": MSGS, "tools": tools, "tool_choice": "required"}
+    )
+    with pytest.raises(APIError, match="differently") as e:
+        chat_plan(body, None)
+    assert e.value.param == "tools.2.function.parameters"
+
+
 def test_required_builds_a_union_over_the_tools_with_their_names():
     body = ChatCompletionRequest.model_validate(
         {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
@@ -407,7 +439,7 @@ BAD = [
                 {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
             ]
         },
-        "tools[0].function.parameters",
+        "tools.0.function.parameters",
     ),
     (
         {

@@ -132,6 +132,28 @@ def _parameters(tool: Tool) -> dict:
     return p if p is not None else {"type": "object", "properties": {}}
 
 
+def _root_definitions(tools: list[Tool]) -> dict[str, dict]:
+    """The tools' ``$defs`` / ``definitions``, for the root of the ``required`` union (their
+    ``#/$defs/...`` references are relative to the document root). Two tools defining one
+    name differently are a 400."""
+    merged: dict[str, dict] = {}
+    for i, t in enumerate(tools):
+        for key in ("$defs", "definitions"):
+            defs = _parameters(t).get(key)
+            if not isinstance(defs, dict):
+                continue
+            into = merged.setdefault(key, {})
+            for name, d in defs.items():
+                if into.setdefault(name, d) != d:
+                    raise APIError(
+                        400,
+                        f"tools.{i}.function.parameters defines {key}/{name} differently from "
+                        "another tool; tool_choice 'required' needs one definition per name",
+                        param=f"tools.{i}.function.parameters",
+                    )
+    return merged
+
+
 def tool_parser(chat_template: str | None) -> str | None:
     """The ``auto`` tool-call format a chat template uses (None: no template, the bundled
     fallback's Hermes format; a template with no known format: None)."""
@@ -171,8 +193,8 @@ def chat_plan(body: ChatCompletionRequest, chat_template: str | None) -> ToolPla
         if check is not None and check.get("type", "object") != "object":
             raise APIError(
                 400,
-                f"tools[{i}].function.parameters must be a JSON schema of an object",
-                param=f"tools[{i}].function.parameters",
+                f"tools.{i}.function.parameters must be a JSON schema of an object",
+                param=f"tools.{i}.function.parameters",
             )
     as_dicts = [t.model_dump(exclude_none=True) for t in tools]
     if choice is None:
@@ -219,6 +241,7 @@ def chat_plan(body: ChatCompletionRequest, chat_template: str | None) -> ToolPla
             }
             if body.parallel_tool_calls is False:
                 calls["maxItems"] = 1
+            calls.update(_root_definitions(tools))
             plan.constraint = StructuredOutputsParams(json=calls)
     elif mode == "auto":
         plan.parser = tool_parser(chat_template)
