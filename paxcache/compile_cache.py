@@ -26,6 +26,13 @@ reset so the change takes effect even after earlier compilations). A directory t
 through JAX itself (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept when no
 directory is asked for.
 
+Several processes share one directory (two servers, a server and its tests, the processes
+of a multi-host run on one machine). JAX writes an entry in place, unlocked, unless the cache
+has a size limit; a process reading an entry another is still writing then deserializes a
+torn executable (a crash seen once in this project's test suite). :func:`enable` therefore
+sets a size limit (:data:`DEFAULT_MAX_BYTES`, unless one is set already), which makes JAX take
+a file lock around every read and write (and evict least-recently-used entries beyond it).
+
 Counters: :func:`cache_hits` counts executables loaded from the cache in this process (JAX's
 ``/jax/compilation_cache/cache_hits`` event); :func:`backend_compiles` counts every XLA
 backend compilation (JAX's compile event, which also fires for an executable loaded from the
@@ -130,6 +137,17 @@ def resolve(compile_cache: str | os.PathLike[str] | bool | None) -> Path | None:
     )
 
 
+DEFAULT_MAX_BYTES = 16 << 30
+"""Size limit :func:`enable` gives JAX's cache (least-recently-used entries go beyond it); any
+limit turns on JAX's file lock, which keeps concurrent processes from reading torn entries."""
+
+
+def _lock_cache() -> None:
+    """A size limit (hence JAX's cross-process file lock) unless the user set one."""
+    if jax.config.jax_compilation_cache_max_size == -1:
+        jax.config.update("jax_compilation_cache_max_size", DEFAULT_MAX_BYTES)
+
+
 def enable(path: str | os.PathLike[str] | None = None) -> Path | None:
     """Turns on JAX's persistent compilation cache in ``path`` (default :func:`default_dir`).
 
@@ -148,6 +166,7 @@ def enable(path: str | os.PathLike[str] | None = None) -> Path | None:
     target = target.resolve()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _lock_cache()
     if current_dir() != str(target):
         from jax.experimental.compilation_cache import compilation_cache as cc
 

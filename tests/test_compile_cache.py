@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -64,6 +65,19 @@ def test_default_dir_follows_env_then_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compile_cache.default_dir() == tmp_path / "home" / ".cache" / "paxcache" / "jax"
+
+
+def test_enabled_cache_is_locked_across_processes(tmp_path, restore_cache_dir):
+    """JAX writes cache entries in place; only a size-limited cache takes its file lock, so a
+    process never reads an entry another is still writing. enable() sets the limit."""
+    import jax.numpy as jnp
+    from jax._src import compilation_cache as jax_cc
+
+    compile_cache.enable(tmp_path / "locked")
+    assert jax.config.jax_compilation_cache_max_size == compile_cache.DEFAULT_MAX_BYTES
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(5))  # a new program: written through the cache
+    assert jax_cc._cache is not None and jax_cc._cache.eviction_enabled
+    assert (tmp_path / "locked" / ".lockfile").exists()
 
 
 def test_resolve_arguments(tmp_path, restore_cache_dir):
