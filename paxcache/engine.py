@@ -229,6 +229,13 @@ class Engine:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         build(int(num_blocks))
+        if num_blocks * block_size < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, less than max_model_len %d: longer requests "
+                "are refused (shard over more devices, or lower max_model_len)",
+                num_blocks * block_size,
+                self.max_model_len,
+            )
         self._requests: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         logger.info(

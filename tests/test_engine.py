@@ -181,10 +181,12 @@ def test_streaming_step_outputs_are_incremental(engine, dense_ref):
     assert pieces == dense_ref[0] == last.outputs[0].token_ids
 
 
-def test_request_that_can_never_fit_gets_a_clear_error(model):
+def test_request_that_can_never_fit_gets_a_clear_error(model, caplog):
     from paxcache.errors import SequenceTooLongError
 
-    eng = _engine(model, num_blocks=4, watermark=0.0)
+    with caplog.at_level("WARNING", logger="paxcache.engine"):
+        eng = _engine(model, num_blocks=4, watermark=0.0)
+    assert "holds 32 tokens, less than max_model_len 256" in caplog.text
     with pytest.raises(SequenceTooLongError, match="blocks"):
         eng.add_request("big", list(range(40)), GREEDY10)
     with pytest.raises(SequenceTooLongError, match="max_model_len"):
