@@ -391,11 +391,11 @@ def test_tools_and_earlier_calls_reach_the_chat_template(tmp_path):
         ),
         ChatMessage(role="tool", content="4", tool_call_id="c1"),
     ]
-    text = _render_chat(tok, msgs, tools=tools)
+    text = _render_chat(tok, msgs, tools)
     assert text.startswith('<tools>add:{"type": "object"};</tools><user>2+2?')
     assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>' in text
     assert "<tools>" not in _render_chat(tok, msgs)
-    simple = _render_chat(ByteTokenizer(), msgs, tools=tools)
+    simple = _render_chat(ByteTokenizer(), msgs, tools)
     assert simple.startswith("<|tools|>\n[{") and '"arguments": {"a": 2, "b": 2}' in simple
 
 
