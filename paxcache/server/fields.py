@@ -97,8 +97,7 @@ FIELDS: tuple[FieldRule, ...] = (
         "tool_choice",
         "-",
         "honoured",
-        "`none`, `auto` (parsed: Hermes, Llama-3 JSON), `required` and a named function "
-        "(generated under the schema)",
+        "`none`, `auto` (parsed: Hermes, Llama-3 JSON), `required` and a named function (generated under the schema)",
     ),
     FieldRule("parallel_tool_calls", "-", "honoured", "false: at most one call with `required`"),
     FieldRule("top_k", "honoured", "honoured", "0 or -1: off", "vLLM"),
