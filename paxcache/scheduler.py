@@ -591,16 +591,10 @@ class Scheduler:
                         {
                             "token_id": tok,
                             "logprob": float(result.logprob[j]),
-                            # A constrained row's disallowed tokens have -inf: not reported.
-                            "top": [
-                                (int(top_ids[i]), float(top_lps[i]))
-                                for i in range(k)
-                                if top_lps[i] > -np.inf
-                            ],
+                            "top": [(int(top_ids[i]), float(top_lps[i])) for i in range(k)],
                         }
                     )
-                # Advances the grammar matcher, detokenizes, applies the stop conditions.
-                check_stop(seq, tok, self.eos_token_ids, self.max_model_len)
+                check_stop(seq, tok, self.eos_token_ids, self.max_model_len)  # detokenizes
             except Exception:  # noqa: BLE001 - this request fails, the others go on
                 logger.exception(
                     "request %s failed while detokenizing or checking stop conditions; "
