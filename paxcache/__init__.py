@@ -23,6 +23,7 @@ _LAZY = {
     "models": ("paxcache.models", None),
     "Engine": ("paxcache.engine", "Engine"),
     "SamplingParams": ("paxcache.sampling", "SamplingParams"),
+    "StructuredOutputsParams": ("paxcache.sampling", "StructuredOutputsParams"),
 }
 
 __all__ = sorted(_LAZY)

@@ -44,12 +44,13 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from paxcache import allocator, kv_cache, sizing
+from paxcache import allocator, grammar, kv_cache, sizing
 from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
 from paxcache.errors import DuplicateSequenceError
 from paxcache.manager import BlockManager
+from paxcache.models.tokenizer import IncrementalDecoder
 from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, RequestState
 from paxcache.sampling import SamplingParams
 from paxcache.scheduler import Scheduler, StepPlan, StepResult
@@ -200,6 +201,8 @@ class Engine:
         eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids.add(int(tokenizer.eos_token_id))
+        self._grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, eos_ids)  # lazy
+        self.warmup_structured = False  # warmup() also compiles the masked step variants
         build = functools.partial(
             self._build_cache,
             block_size=block_size,
@@ -438,6 +441,8 @@ class Engine:
           SequenceTooLongError: the prompt leaves no room to generate within
             ``max_model_len``, or needs more blocks than the cache can ever admit.
           ValueError: empty prompt or token ids outside the vocabulary.
+          GrammarError: ``params.structured_outputs`` is rejected by the grammar library, or
+            llguidance is not installed (:mod:`paxcache.grammar`).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -464,6 +469,7 @@ class Engine:
             raise ValueError(
                 f"cache_salt must be hashable, got {type(cache_salt).__name__}"
             ) from None
+        make_matcher = self._grammars.factory(params.structured_outputs)  # may raise GrammarError
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
         seqs = new_request(
             request_id,
@@ -471,7 +477,8 @@ class Engine:
             params,
             seed=seed,
             cache_salt=cache_salt,
-            make_decoder=lambda: _make_decoder(self.tokenizer),
+            make_decoder=lambda: IncrementalDecoder(self.tokenizer),
+            make_matcher=make_matcher,
         )
         self._requests[request_id] = RequestState(request_id, text, list(ids), params, seqs)
         self.scheduler.add(seqs)
@@ -551,8 +558,7 @@ class Engine:
         return result
 
     def _move_kv(self, plan: StepPlan) -> None:
-        """The plan's swaps (out, then in), in chunks of at most ``_max_swap_pairs`` blocks:
-        the programs warm-up compiled."""
+        """The plan's swaps (out, then in), in chunks warm-up compiled (``_max_swap_pairs``)."""
         chunk = max(1, self._max_swap_pairs())
         for pairs, move in ((plan.swap_out, kv_cache.swap_out), (plan.swap_in, kv_cache.swap_in)):
             for i in range(0, len(pairs), chunk):
@@ -629,19 +635,24 @@ class Engine:
                     if out.finished:
                         return
 
-    def _empty_step_args(self, t: int) -> tuple:
+    def _empty_step_args(self, t: int, masked: bool = False) -> tuple:
         """``(state, kv, params, inputs)`` of a step with T=t that runs nothing (warm-up,
-        ahead-of-time compilation, HLO inspection): ``self._jit_step(*args)``."""
+        ahead-of-time compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``:
+        the variant with an allowed-token bitmask (constrained decoding)."""
         inputs = step_lib.empty_inputs(self._shapes, t)
+        if masked:  # all tokens allowed
+            w = grammar.bitmask_words(self._shapes.vocab_size)
+            inputs = inputs.replace(allowed=np.full((self._shapes.max_rows, w), -1, np.int32))
         return self.block_manager.state, self._device_kv(), self._params, inputs
 
     def warmup(self) -> None:
         """Compiles every program serving can run, so serving never compiles.
 
-        Every token bucket of the fused step, the block manager's allocator functions and,
-        with a host pool, every swap program (out and in, every pair bucket). A Mosaic TPU
-        kernel that fails to compile is replaced by the XLA path here, with one warning naming
-        the op and the error (``stats()["kernel_impls"]`` then says ``"xla (fallback:
+        Every token bucket of the fused step (with ``warmup_structured`` and llguidance, also
+        its masked variant, which constrained requests run), the block manager's allocator
+        functions and, with a host pool, every swap program (out and in, every pair bucket). A
+        Mosaic TPU kernel that fails to compile is replaced by the XLA path here, with one
+        warning naming the op and the error (``stats()["kernel_impls"]``: ``"xla (fallback:
         ...)"``).
 
         Logs one line per compiled step bucket (``logging`` INFO, logger ``paxcache.engine``)
@@ -654,10 +665,12 @@ class Engine:
         compiles0 = self._num_compiled()
         # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.
         with kernels_pallas.compile_probes():
-            for i, t in enumerate(self.buckets):
+            masks = (False, True) if self.warmup_structured and grammar.available() else (False,)
+            variants = [(t, m) for m in masks for t in self.buckets]
+            for i, (t, masked) in enumerate(variants):
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()
-                state, kv, out = self._jit_step(*self._empty_step_args(t))
+                state, kv, out = self._jit_step(*self._empty_step_args(t, masked))
                 self._kv = self._with_host_pool(kv)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
@@ -665,10 +678,11 @@ class Engine:
                     StepPlan(), StepResult(state, int(num_free), row_ok, np.zeros(0, np.int32))
                 )
                 logger.info(
-                    "warm-up %d/%d: step for %d tokens ready in %.1fs%s",
+                    "warm-up %d/%d: step for %d tokens%s ready in %.1fs%s",
                     i + 1,
-                    len(self.buckets),
+                    len(variants),
                     t,
+                    " (constrained)" if masked else "",
                     time.perf_counter() - tb,
                     " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
                 )
@@ -780,12 +794,6 @@ class Engine:
             and not st["active"].any()
         )
         return checks
-
-
-def _make_decoder(tokenizer: Any) -> Any:
-    from paxcache.models.tokenizer import IncrementalDecoder
-
-    return IncrementalDecoder(tokenizer)
 
 
 _gen_ids = itertools.count()

@@ -26,6 +26,8 @@ logits (before temperature and filters), as vLLM reports them.
 
 from __future__ import annotations
 
+import dataclasses
+import json as _json
 import math
 import numbers
 import secrets
@@ -45,6 +47,7 @@ __all__ = [
     "OUTPUT_KINDS",
     "SampleOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "pack_params",
     "random_seed",
     "request_key",
@@ -80,6 +83,54 @@ def _is_real(x: object) -> bool:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (exactly one field set), enforced by
+    :mod:`paxcache.grammar` with a per-token mask applied inside the step.
+
+    Attributes:
+      json: a JSON schema (a dict, or its JSON text): the output is one JSON value that
+        validates against it.
+      json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+      regex: the output matches this regular expression (whole).
+      grammar: a Lark grammar (llguidance's dialect) the output must derive.
+
+    Raises:
+      ValueError: none or several fields set, or a field of the wrong type.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                f"got {type(self.json).__name__}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise ValueError(
+                f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
+            )
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {v!r}")
+        chosen = [k for k in ("json", "regex", "grammar") if getattr(self, k) is not None]
+        chosen += ["json_object"] if self.json_object else []
+        if len(chosen) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, grammar; "
+                f"got {chosen or 'none'}"
+            )
+
+    def key(self) -> str:
+        """A canonical string of the constraint (equal constraints, equal keys)."""
+        return _json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's completions.
 
@@ -108,6 +159,11 @@ class SamplingParams:
         alternatives (vLLM's semantics; the first prompt token has none). Computed in the
         prefill the request runs anyway; such a request does not read the prefix cache (every
         prompt token is computed), see ``RequestOutput.prompt_logprobs``.
+      structured_outputs: constrain the output (JSON schema, any JSON object, regex, Lark
+        grammar): :class:`StructuredOutputsParams`, or its fields as a dict; ``None`` for free
+        text. Needs the ``llguidance`` package (the ``structured`` extra). The reported
+        logprobs of a constrained request are those of the constrained distribution (the
+        disallowed tokens' logits set to -inf before the log-softmax).
 
     Every bound is what the engine can represent (int32 token ids and counts, 64-bit seeds,
     finite floats); a server sets tighter limits of its own.
@@ -129,6 +185,7 @@ class SamplingParams:
     ignore_eos: bool = False
     output_kind: str = "cumulative"
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _I32_MAX:
@@ -200,6 +257,19 @@ class SamplingParams:
             if not _is_int(t) or not 0 <= t <= _I32_MAX:
                 raise ValueError(f"stop_token_ids must be ints in [0, {_I32_MAX}], got {t!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+        so = self.structured_outputs
+        if isinstance(so, dict):  # e.g. from JSON (the multi-host wire)
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, a dict or None, got "
+                f"{type(so).__name__}"
+            )
+        object.__setattr__(self, "structured_outputs", so)
 
     @property
     def greedy(self) -> bool:

@@ -591,10 +591,16 @@ class Scheduler:
                         {
                             "token_id": tok,
                             "logprob": float(result.logprob[j]),
-                            "top": [(int(top_ids[i]), float(top_lps[i])) for i in range(k)],
+                            # A constrained row's disallowed tokens have -inf: not reported.
+                            "top": [
+                                (int(top_ids[i]), float(top_lps[i]))
+                                for i in range(k)
+                                if top_lps[i] > -np.inf
+                            ],
                         }
                     )
-                check_stop(seq, tok, self.eos_token_ids, self.max_model_len)  # detokenizes
+                # Advances the grammar matcher, detokenizes, applies the stop conditions.
+                check_stop(seq, tok, self.eos_token_ids, self.max_model_len)
             except Exception:  # noqa: BLE001 - this request fails, the others go on
                 logger.exception(
                     "request %s failed while detokenizing or checking stop conditions; "

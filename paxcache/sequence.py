@@ -78,6 +78,9 @@ class Sequence:
         ``{"token_id", "logprob", "rank", "top"}``; None otherwise.
       decoder: the incremental detokenizer (``push(id) -> str``, ``flush() -> str``).
       new_ids: tokens generated in the current step (cleared once reported).
+      matcher: its grammar state (:class:`paxcache.grammar.Matcher`) when the request is
+        constrained, else None. It has consumed exactly the generated tokens, so preemption
+        (recompute or swap, which keep ``token_ids``) leaves it consistent.
     """
 
     request_id: str
@@ -108,6 +111,7 @@ class Sequence:
     prompt_logprobs: list[dict | None] | None = None
     decoder: Any = None
     new_ids: list[int] = dataclasses.field(default_factory=list)
+    matcher: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -155,8 +159,10 @@ def new_request(
     seed: int,
     cache_salt: Hashable | None = None,
     make_decoder: Callable[[], Any] = lambda: None,
+    make_matcher: Callable[[], Any] = lambda: None,
 ) -> list[Sequence]:
-    """The ``params.n`` sequences of a new request, in index order.
+    """The ``params.n`` sequences of a new request, in index order (each with its own
+    decoder and, for a constrained request, its own grammar matcher).
 
     The first is the leader; the others follow it (they wait for its prompt, are admitted
     with it by forking its blocks, and sample their first token from its last prompt row),
@@ -180,6 +186,7 @@ def new_request(
             cache_salt=cache_salt,
             logprobs=[] if params.logprobs is not None else None,
             decoder=make_decoder(),
+            matcher=make_matcher(),
         )
         for j in range(params.n)
     ]
@@ -197,10 +204,15 @@ def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len:
     """Detokenizes ``tok`` (just appended to ``seq``) and finishes ``seq`` if it should stop.
 
     Stops: a stop string in the text (the text is cut before it), EOS (unless ``ignore_eos``)
-    or a stop token id (neither is detokenized), ``max_tokens`` generated, or
-    ``max_model_len`` reached (both ``"length"``).
+    or a stop token id (neither is detokenized), a grammar that can take no more tokens
+    (``"stop"``), ``max_tokens`` generated, or ``max_model_len`` reached (both ``"length"``).
+
+    Raises:
+      ValueError: the token is outside the sequence's grammar (its matcher refused it).
     """
     p = seq.params
+    if seq.matcher is not None and not seq.matcher.consume(tok):
+        raise ValueError(f"token {tok} is not allowed by the grammar: {seq.matcher.error}")
     is_eos = tok in eos_ids and not p.ignore_eos
     is_stop_tok = tok in (p.stop_token_ids or ())
     if not (is_eos or is_stop_tok):
@@ -216,13 +228,13 @@ def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len:
             seq.text = seq.text[:i]
             reason = "stop"
     if reason is None:
-        if is_eos or is_stop_tok:
+        if is_eos or is_stop_tok or (seq.matcher is not None and seq.matcher.is_stopped()):
             reason = "stop"
         elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= max_model_len:
             reason = "length"
     if reason is not None:
         seq.finish(reason)
-        if reason == "length" and not stops:
+        if (reason == "length" or seq.matcher is not None) and not stops:
             seq.text += seq.decoder.flush()
 
 

@@ -56,9 +56,11 @@ __all__ = [
     "StepInputs",
     "StepOutputs",
     "StepShapes",
+    "apply_allowed",
     "default_batch_limits",
     "resolve_batch_limits",
     "empty_inputs",
+    "prepare_allowed",
     "prepare_inputs",
     "prepare_prompt_logprobs",
     "prepare_sampling",
@@ -228,6 +230,9 @@ class StepInputs:
       sampling: the per-sample inputs (:class:`SamplingInputs`).
       prompt_logprobs: :class:`PromptLogprobInputs`, or None when no row of the plan needs
         prompt log-probabilities (the step then runs the program it always runs).
+      allowed: ``i32[R, ceil(V/32)]`` per-sample allowed-token bitmask (bit ``t % 32`` of
+        word ``t // 32``: token ``t`` may be sampled), or None when no sample of the plan is
+        constrained (:func:`prepare_allowed`). Unconstrained samples' rows are all ones.
     """
 
     token_ids: jax.Array
@@ -238,6 +243,7 @@ class StepInputs:
     grows: jax.Array
     sampling: SamplingInputs
     prompt_logprobs: PromptLogprobInputs | None = None
+    allowed: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -365,13 +371,51 @@ def prepare_prompt_logprobs(
     return PromptLogprobInputs(rows=rows, targets=targets)
 
 
+def prepare_allowed(plan: StepPlan, shapes: StepShapes) -> tuple[np.ndarray | None, set[str]]:
+    """The allowed-token bitmask of ``plan``'s samples: ``i32[R, ceil(V/32)]``, all ones but
+    for the samples of constrained sequences (their grammar matcher fills their row), or None
+    when no sample is constrained (the step then runs its unconstrained program).
+
+    A request whose matcher failed (or raises here) is reported in the returned set and
+    samples unconstrained in this step: it fails, the batch runs.
+
+    Returns:
+      ``(bitmask or None, ids of requests that failed here)``.
+    """
+    rows = [(seq.matcher, j) for j, (seq, _) in enumerate(plan.samples) if seq.matcher is not None]
+    if not rows:
+        return None, set()
+    from paxcache import grammar  # only constrained plans need the grammar library
+
+    mask = np.full((shapes.max_rows, grammar.bitmask_words(shapes.vocab_size)), -1, np.int32)
+    failed: set[str] = set()
+    for m, j in rows:
+        if m.error is not None:
+            seq = plan.samples[j][0]
+            logger.error("request %s: its grammar matcher failed: %s", seq.request_id, m.error)
+            failed.add(seq.request_id)
+    live = [(m, j) for m, j in rows if plan.samples[j][0].request_id not in failed]
+    try:
+        if live:
+            grammar.fill_bitmask(live, mask)
+    except Exception:  # noqa: BLE001 - these requests fail, the batch runs
+        logger.exception("filling the allowed-token bitmask failed; failing its requests")
+        failed |= {plan.samples[j][0].request_id for _, j in live}
+    for _, j in rows:
+        if plan.samples[j][0].request_id in failed:
+            mask[j] = -1
+    return mask, failed
+
+
 def prepare_inputs(plan: StepPlan, shapes: StepShapes) -> tuple[StepInputs, set[str]]:
     """The step's inputs for ``plan`` (host arrays), and the requests that failed building
-    them (see :func:`prepare_sampling`)."""
+    them (see :func:`prepare_sampling`, :func:`prepare_allowed`)."""
     tokens, row_ends = prepare_tokens(plan, shapes)
     sampling, failed = prepare_sampling(plan, row_ends, shapes)
     prompt = prepare_prompt_logprobs(plan, row_ends, tokens["token_ids"].shape[0])
-    return StepInputs(**tokens, sampling=sampling, prompt_logprobs=prompt), failed
+    allowed, failed_masks = prepare_allowed(plan, shapes)
+    inputs = StepInputs(**tokens, sampling=sampling, prompt_logprobs=prompt, allowed=allowed)
+    return inputs, failed | failed_masks
 
 
 def read_result(
@@ -424,6 +468,16 @@ def _append_requests(inputs: StepInputs, num_slots: int) -> tuple[jax.Array, jax
     counts = jnp.zeros((num_slots,), jnp.int32).at[target].set(1, mode="drop")
     tokens = jnp.zeros((num_slots, 1), jnp.int32).at[target, 0].set(last_token, mode="drop")
     return counts, tokens
+
+
+def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """``logits`` (``f32[R, V]``) with the tokens ``allowed`` (``i32[R, ceil(V/32)]`` bitmask)
+    does not allow set to -inf."""
+    v = logits.shape[-1]
+    ids = jnp.arange(v, dtype=jnp.uint32)
+    words = allowed.astype(jnp.uint32)[:, ids // 32]  # [R, V]
+    bits = (words >> (ids % 32)[None, :]) & jnp.uint32(1)  # unsigned: a logical shift
+    return jnp.where(bits.astype(bool), logits, -jnp.inf)
 
 
 def step(
@@ -492,6 +546,8 @@ def step(
         logp = jax.nn.log_softmax(prompt_logits, axis=-1)
         prompt_rank = 1 + jnp.sum(logp > prompt_out.logprob[:, None], axis=-1, dtype=jnp.int32)
         logits = logits[:ns]
+    if inputs.allowed is not None:  # before sampling and logprobs: the constrained distribution
+        logits = apply_allowed(logits.astype(jnp.float32), inputs.allowed)
     sampled = sample(
         logits, s.temperature, s.top_k, s.top_p, s.min_p, s.keys, num_logprobs=config.num_logprobs
     )

@@ -102,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="None: swap when --host-blocks > 0, else recompute",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument(
+        "--no-structured-warmup",
+        action="store_true",
+        help="do not compile the constrained-decoding step variants at start-up (the first "
+        "constrained request at each token bucket then compiles its own)",
+    )
     p.add_argument("--served-model-name", default=None, help="model id shown to clients")
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit")
@@ -378,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"paxcache: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 2
+    engine.warmup_structured = not args.no_structured_warmup  # with llguidance installed
     stats = engine.stats()  # on every process: multi-host engine calls run in lockstep
     if jax.process_index() != 0:
         return _follow(engine, run_follower, jax.process_index(), jax.process_count())

@@ -71,6 +71,11 @@ RULES = (
         ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"),
         only=("paxcache.errors", "paxcache.sampling", "paxcache.sharding"),
     ),
+    Rule(
+        "the grammar glue imports only the errors and the sampling parameters",
+        ("paxcache.grammar",),
+        only=("paxcache.errors", "paxcache.sampling"),
+    ),
 )
 
 
@@ -219,6 +224,7 @@ def clean_tree(tmp_path: Path) -> Path:
         "paxcache/server/routes.py": "import fastapi\nfrom paxcache import engine\n",
         "paxcache/multihost.py": "from paxcache import sampling, sharding\n",
         "paxcache/sharding.py": "",
+        "paxcache/grammar.py": "from paxcache.sampling import StructuredOutputsParams\n",
     }
     for rel, text in files.items():
         _write(tmp_path, rel, text)
@@ -251,6 +257,7 @@ def test_a_clean_tree_passes(clean_tree: Path):
         ("paxcache/sampling.py", "from paxcache import engine\n", "the leaves"),
         ("paxcache/multihost.py", "import fastapi\n", "multi-host"),
         ("paxcache/multihost.py", "from paxcache.server import protocol\n", "multi-host"),
+        ("paxcache/grammar.py", "from paxcache import engine\n", "the grammar glue"),
         (
             "kernels_pallas/ops.py",
             "import importlib\nimportlib.import_module('paxcache.engine')\n",

@@ -62,6 +62,15 @@ def served(engine):
     return serve
 
 
+def _deep_schema(depth: int) -> dict:
+    """A ``response_format`` whose schema nests ``depth`` arrays (the grammar library's
+    recursion limit refuses it: a 400, not a crash)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+
+
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -154,7 +163,8 @@ def _hostile_requests(vocab: int) -> list[tuple[str, object, str | None]]:
         (cmpl, {"prompt": "x", "cache_salt": "s" * 1000}, "cache_salt"),
         (cmpl, {"prompt": "x", "cache_salt": ""}, "cache_salt"),
         (cmpl, {"prompt": "x", "logit_bias": {"1": 100}}, "logit_bias"),
-        (cmpl, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        (cmpl, {"prompt": "x", "response_format": {"type": "json_schema"}}, None),
+        (cmpl, {"prompt": "x", "response_format": _deep_schema(900)}, "response_format"),
         (cmpl, {"prompt": "\ud800"}, "prompt"),
         (cmpl, {"prompt": "x", "model": "\ud800"}, "model"),
         (cmpl, {"prompt": "x", "stop": ["\udfff"]}, "stop"),
@@ -169,7 +179,7 @@ def _hostile_requests(vocab: int) -> list[tuple[str, object, str | None]]:
         (chat, {"messages": msg * 600}, "messages"),
         (chat, {"messages": msg, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         (chat, {"messages": msg, "n": 65}, "n"),
-        (chat, {"messages": msg, "tools": [{"type": "function"}]}, "tools"),
+        (chat, {"messages": msg, "tools": [{"type": "function"}]}, "tools.0.function"),
         (cmpl, b"[" * 200_000 + b"]" * 200_000, None),
         (cmpl, b'{"prompt": "\xff\xfe"}', None),
         (cmpl, b'{"prompt": "x", "n": 1e400}', None),

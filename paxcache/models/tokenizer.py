@@ -70,9 +70,24 @@ SIMPLE_CHAT_TEMPLATE_DOC = """Fallback chat template (no jinja2 or no template i
 """
 
 
-def simple_chat_template(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-    """Renders messages as ``<|role|>\\ncontent\\n`` blocks plus ``<|assistant|>\\n``."""
-    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+def simple_chat_template(
+    messages: Sequence[Message],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """Renders messages as ``<|role|>\\ncontent\\n`` blocks plus ``<|assistant|>\\n``.
+
+    With ``tools``, a ``<|tools|>\\n[...]\\n`` block (their JSON) comes first; an assistant
+    message's ``tool_calls`` follow its content as ``<tool_call>{"name", "arguments"}
+    </tool_call>`` lines (the Hermes format the server parses back)."""
+    parts = [f"<|tools|>\n{json.dumps(list(tools), ensure_ascii=False)}\n"] if tools else []
+    for m in messages:
+        text = m.get("content") or ""
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function", call)
+            body = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+            text += f"<tool_call>{json.dumps(body, ensure_ascii=False)}</tool_call>\n"
+        parts.append(f"<|{m['role']}|>\n{text}\n")
     if add_generation_prompt:
         parts.append("<|assistant|>\n")
     return "".join(parts)
@@ -142,10 +157,13 @@ class ByteTokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """See ``SIMPLE_CHAT_TEMPLATE_DOC``."""
-        return simple_chat_template(messages, add_generation_prompt)
+        return simple_chat_template(messages, add_generation_prompt, tools)
 
 
 def _token_content(tok: Any) -> str | None:
@@ -225,11 +243,19 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def tokenizer_json(self) -> str:
+        """The ``tokenizers`` library's JSON of this tokenizer (what grammar libraries read)."""
+        return self._tok.to_str()
+
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Renders the checkpoint's jinja ``chat_template`` in a sandbox (see the module
-        docstring).
+        docstring). ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts)
+        reach the template as its ``tools`` variable, as transformers passes them.
 
         Falls back to ``simple_chat_template`` (see ``SIMPLE_CHAT_TEMPLATE_DOC``) when the
         checkpoint has no template or jinja2 is not installed.
@@ -239,12 +265,12 @@ class HFTokenizer:
             (``raise_exception``), or fails or is stopped by the sandbox while rendering.
         """
         if not self.chat_template:
-            return simple_chat_template(messages, add_generation_prompt)
+            return simple_chat_template(messages, add_generation_prompt, tools)
         try:
             import jinja2  # noqa: F401
         except ImportError:
             logger.warning("jinja2 not installed; using the simple chat template")
-            return simple_chat_template(messages, add_generation_prompt)
+            return simple_chat_template(messages, add_generation_prompt, tools)
         if self._template is None:
             self._template = compile_chat_template(self.chat_template, self.template_source)
         return render_chat_template(
@@ -252,6 +278,7 @@ class HFTokenizer:
             self.template_source,
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
+            tools=[dict(t) for t in tools] if tools else None,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **self._special_tokens,

@@ -33,7 +33,9 @@ Modules (one job each; the import rules are in ARCHITECTURE.md):
   :mod:`~paxcache.server.completions`: the two generation routes;
   :mod:`~paxcache.server.tokenize`: ``/tokenize`` and ``/detokenize``;
   :mod:`~paxcache.server.fields`: which request fields are honoured or refused;
-  :mod:`~paxcache.server.echo`: echo and prompt logprobs.
+  :mod:`~paxcache.server.echo`: echo and prompt logprobs;
+  :mod:`~paxcache.server.structured`: ``response_format``, ``tools`` and ``tool_choice`` (the
+  engine constraint, and tool calls parsed and streamed back).
 * :mod:`~paxcache.server.middleware`, :mod:`~paxcache.server.tenants`: request ids, API keys
   and the ``Host`` check, body limits; tenants, their cache salts and in-flight limits.
 * :mod:`~paxcache.server.metrics`: the Prometheus collector and the server's own metrics.

@@ -43,6 +43,13 @@ from paxcache.server.fields import check_fields
 from paxcache.server.middleware import request_id
 from paxcache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from paxcache.server.runner import Progress
+from paxcache.server.structured import (
+    ToolStream,
+    chat_message,
+    chat_plan,
+    check_constraint,
+    response_format_constraint,
+)
 
 __all__ = ["router"]
 
@@ -83,6 +90,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         body, max_tokens=max(1, max_tokens), logprobs=body.logprobs, logprobs_param="logprobs"
     )
     params = echo.params(params)
+    spec = response_format_constraint(body.response_format)
+    if spec is not None:  # compiled off the event loop: a bad schema is a 400 here
+        await asyncio.to_thread(check_constraint, spec, "response_format")
+        params = dataclasses.replace(params, structured_outputs=spec)
     prompts = [await _prompt_ids(ctx, q) for q in raw]
     echoed = []
     if echo.echo:
@@ -185,8 +196,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     params = sampling_params(
         body, max_tokens=max_tokens or 1, logprobs=lp, logprobs_param="top_logprobs"
     )
+    plan = chat_plan(body, getattr(ctx.tokenizer, "chat_template", None))
+    if plan.constraint is not None:  # compiled off the event loop: a bad schema is a 400 here
+        await asyncio.to_thread(check_constraint, plan.constraint, plan.constraint_param)
+        params = dataclasses.replace(params, structured_outputs=plan.constraint)
     prompt_ids = await asyncio.to_thread(
-        chat_prompt, ctx.tokenizer, body.messages, request_id(request)
+        chat_prompt, ctx.tokenizer, body.messages, request_id(request), tools=plan.tools
     )
     ctx.check_prompt_len(prompt_ids, "messages")
     if max_tokens is None:
@@ -220,8 +235,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                 ch["usage"] = None
             return ch
 
+        streams: dict[int, ToolStream] = {}  # per choice: content and tool-call deltas
+
         def make_chunk(idx: int, delta: str, fr: str | None, lps: list | None) -> dict:
-            return chunk(idx, {"content": delta} if delta else {}, fr, logprobs(lps))
+            d, fr = streams.setdefault(idx, ToolStream(plan)).push(delta, fr)
+            return chunk(idx, d, fr, logprobs(lps))
 
         first = [chunk(j, {"role": "assistant", "content": ""}, None, None) for j in range(body.n)]
         usage_head = {**head, "object": "chat.completion.chunk"}
@@ -245,11 +263,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     choices = [
         {
             "index": index,
-            "message": {"role": "assistant", "content": "".join(texts)},
+            "message": message,
             "logprobs": logprobs(lps),
-            "finish_reason": finish_reason(reason),
+            "finish_reason": fr,
         }
         for index, (texts, _, lps, reason) in outs[0].completions.items()
+        for message, fr in [chat_message(plan, "".join(texts), finish_reason(reason))]
     ]
     choices.sort(key=lambda ch: ch["index"])
     resp = {**head, "choices": choices, "usage": usage(outs), "system_fingerprint": None}

@@ -202,13 +202,47 @@ def _message_text(m: ChatMessage) -> str:
     return "".join(part.text for part in m.content)
 
 
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": m.role, "content": _message_text(m)}
+    if m.tool_calls:  # arguments as objects, as templates (and vLLM) expect them
+        msg["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _json_or_text(c.function.arguments),
+                },
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def _json_or_text(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except (json.JSONDecodeError, RecursionError):
+        return s
+
+
 def _render_chat(
-    tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> str:
-    msgs = [{"role": m.role, "content": _message_text(m)} for m in messages]
+    msgs = [_template_message(m) for m in messages]
     fn = getattr(tokenizer, "apply_chat_template", None)
     if fn is not None:
-        return fn(msgs) if add_generation_prompt else fn(msgs, add_generation_prompt=False)
+        kwargs: dict[str, Any] = {}
+        if not add_generation_prompt:
+            kwargs["add_generation_prompt"] = False
+        if tools:
+            kwargs["tools"] = tools
+        return fn(msgs, **kwargs)
     # Documented fallback: "<|role|>\ncontent\n" per message, then "<|assistant|>\n".
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs)
     return text + "<|assistant|>\n" if add_generation_prompt else text
@@ -233,9 +267,11 @@ def chat_prompt(
     *,
     add_generation_prompt: bool = True,
     add_special_tokens: bool | None = None,
+    tools: list[dict] | None = None,
 ) -> list:
-    """Renders (the checkpoint's template, sandboxed) and tokenizes a chat; runs in a worker
-    thread. Template errors become 400 (the template rejected the messages) or 500.
+    """Renders (the checkpoint's template, sandboxed, with the request's ``tools``) and
+    tokenizes a chat; runs in a worker thread. Template errors become 400 (the template
+    rejected the messages) or 500.
 
     ``add_special_tokens`` None (the chat endpoint) tokenizes as :func:`chat_token_ids`; a
     bool (``/tokenize``) encodes the rendered text with or without the tokenizer's specials.
@@ -243,7 +279,7 @@ def chat_prompt(
     from paxcache.models.tokenizer import ChatTemplateError
 
     try:
-        text = _render_chat(tokenizer, messages, add_generation_prompt)
+        text = _render_chat(tokenizer, messages, add_generation_prompt, tools)
         if add_special_tokens is not None:
             return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return chat_token_ids(tokenizer, text)

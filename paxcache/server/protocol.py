@@ -33,12 +33,18 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "FunctionDefinition",
+    "JSONSchemaFormat",
+    "NamedToolChoice",
+    "ResponseFormat",
     "SafeJSON",
     "SamplingFields",
     "ServerLimits",
     "StreamOptions",
     "Text",
     "TextContentPart",
+    "Tool",
+    "ToolCall",
     "internal_error",
     "shown",
 ]
@@ -199,6 +205,63 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# Structured output and tools (their rules: paxcache.server.structured).
+
+
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: a named JSON schema (``strict`` is always honoured:
+    the output is generated under the schema)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or
+    ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant message (sent back with the conversation)."""
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class SamplingFields(_Strict):
     """The fields both endpoints share (OpenAI's, plus vLLM's extensions ``top_k``,
     ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt`` and ``prompt_logprobs``).
@@ -229,6 +292,7 @@ class SamplingFields(_Strict):
     user: Text | None = None
     cache_salt: Text | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None  # paxcache.server.structured
 
 
 class CompletionRequest(SamplingFields):
@@ -251,6 +315,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -260,3 +326,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
