@@ -52,10 +52,12 @@ __all__ = [
     "backend_compiles",
     "cache_hits",
     "cache_misses",
+    "check_memory_maps",
     "current_dir",
     "default_dir",
     "disable",
     "enable",
+    "memory_maps",
     "resolve",
 ]
 
@@ -98,6 +100,52 @@ def cache_hits() -> int:
 def cache_misses() -> int:
     """Programs looked up in the persistent cache and not found (then compiled and stored)."""
     return _MISSES[0]
+
+
+MAPS_WARN_FRACTION = 0.75
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """``(maps held, limit)``: this process's memory maps and Linux's ``vm.max_map_count``;
+    None where either cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return held, limit
+
+
+def check_memory_maps(maps: tuple[int, int] | None = None) -> bool:
+    """Warns (once per call, logger ``paxcache.compile_cache``) when the process holds more than
+    ``MAPS_WARN_FRACTION`` of ``vm.max_map_count`` memory maps; returns whether it warned.
+
+    XLA:CPU keeps each compiled program's code in memory maps for as long as JAX caches the
+    executable, and every engine configuration compiles its own programs. A process that builds
+    many engines (a notebook, a test session) can reach the kernel's limit; the next compile or
+    cache load then fails inside LLVM's JIT linker, which aborts the process rather than
+    raising. ``jax.clear_caches()`` releases the programs of engines no longer in use.
+
+    Args:
+      maps: ``(held, limit)``; default :func:`memory_maps` now.
+    """
+    maps = memory_maps() if maps is None else maps
+    if maps is None:
+        return False
+    held, limit = maps
+    if limit <= 0 or held <= MAPS_WARN_FRACTION * limit:
+        return False
+    logger.warning(
+        "this process holds %d memory maps of the kernel's limit vm.max_map_count=%d; compiled "
+        "XLA programs of earlier engines hold them. Past the limit the next compile aborts the "
+        "process (LLVM: report_fatal_error). Call jax.clear_caches() after dropping engines, "
+        "or raise the limit (sysctl vm.max_map_count)",
+        held,
+        limit,
+    )
+    return True
 
 
 def default_dir() -> Path:

@@ -661,6 +661,7 @@ class Engine:
         on first use unless the engine was built with ``warmup=False``.
         """
         t0 = time.perf_counter()
+        compile_cache_lib.check_memory_maps()  # a compile past the kernel's limit aborts
         hits0 = compile_cache_lib.cache_hits()
         compiles0 = self._num_compiled()
         # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.

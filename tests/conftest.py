@@ -16,10 +16,19 @@
   engine loads the executables instead of compiling them again, with identical results (the
   cache is keyed by the compiled program). A ``PAXCACHE_COMPILE_CACHE`` set in the environment
   is used instead (and kept).
+* JAX's in-memory caches are cleared after every test module (``jax.clear_caches()``). Each
+  compiled XLA:CPU program keeps its code in memory maps until then, and the suite compiles or
+  loads thousands (one engine's programs hold ~550 maps); in one process they pass Linux's
+  ``vm.max_map_count`` (65530 by default) about a third of the way through the suite, and the
+  next program load aborts the process inside LLVM's JIT linker (``report_fatal_error`` in
+  ``RuntimeDyld::emitSection``). Cleared per module, the count stays bounded; a module's own
+  fixtures are torn down before this one, and later modules reload what they need from the
+  session's persistent cache.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -46,3 +55,14 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for path in _session_cache:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each module: drop JAX's in-memory executables (and their memory maps)."""
+    yield
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()

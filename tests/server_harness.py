@@ -232,7 +232,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app) -> Iterator[str]:
+def serve_in_thread(app, *, wait_ready: bool = True, ready_timeout: float = 600.0) -> Iterator[str]:
+    """Serves ``app`` with uvicorn in a daemon thread; yields its base URL.
+
+    With ``wait_ready`` (the default) it first waits until ``/health`` says the engine's warm-up
+    has finished (200, or 503 with a status other than "warming up"), so a test's requests never
+    race a real engine's warm-up; ``wait_ready=False`` yields as soon as uvicorn listens.
+    """
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -243,8 +249,17 @@ def serve_in_thread(app) -> Iterator[str]:
     while not server.started:
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
+    base = f"http://127.0.0.1:{port}"
+    if wait_ready:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            r = httpx.get(f"{base}/health", timeout=30)
+            if r.status_code == 200 or r.json().get("status") != "warming up":
+                break
+            assert time.monotonic() < deadline, "engine warm-up did not finish"
+            time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield base
     finally:
         server.should_exit = True
         thread.join(20)

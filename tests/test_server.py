@@ -68,7 +68,7 @@ def test_health_is_503_until_warmup_done():
     engine = FakeEngine()
     release = threading.Event()
     engine.warmup = lambda: release.wait(10)  # type: ignore[method-assign]
-    with serve_in_thread(create_app(engine)) as base:
+    with serve_in_thread(create_app(engine), wait_ready=False) as base:
         r = httpx.get(f"{base}/health")
         assert r.status_code == 503 and r.json()["status"] == "warming up"
         release.set()
