@@ -140,8 +140,8 @@ def check_memory_maps(maps: tuple[int, int] | None = None) -> bool:
     logger.warning(
         "this process holds %d memory maps of the kernel's limit vm.max_map_count=%d; compiled "
         "XLA programs of earlier engines hold them. Past the limit the next compile aborts the "
-        "process (LLVM: report_fatal_error). Call jax.clear_caches() after dropping engines, "
-        "or raise the limit (sysctl vm.max_map_count)",
+        "process (LLVM report_fatal_error or std::bad_alloc). Call jax.clear_caches() after "
+        "dropping engines, or raise the limit (sysctl vm.max_map_count)",
         held,
         limit,
     )
