@@ -7,6 +7,15 @@ microseconds (``scripts/bench_structured.py``); paxcache never parses grammars i
 optional dependency (the ``structured`` extra): the engine imports and runs without it, and a
 constrained request then fails with :class:`GrammarUnavailableError`.
 
+Why llguidance, of the three libraries vLLM and SGLang use: xgrammar's wheel depends on torch
+(``pip install xgrammar`` resolves torch, triton and transformers, several GB with a CUDA
+build), which a JAX runtime must not pull in; outlines-core turns a JSON schema into a regular
+expression and builds the token index of the whole automaton up front (no recursive schemas,
+no context-free grammars, and a compile cost that grows with vocabulary and schema size).
+llguidance has no Python dependencies, parses context-free grammars (JSON schema, Lark, regex)
+lazily, needs no per-grammar precompute over the vocabulary, and takes any tokenizer given its
+token bytes (the byte-level tiny model included).
+
 The pieces, host side only:
 
 * :func:`grammar_source` / :func:`validate`: a constraint -> llguidance grammar text, with a
