@@ -16,14 +16,16 @@
   engine loads the executables instead of compiling them again, with identical results (the
   cache is keyed by the compiled program). A ``PAXCACHE_COMPILE_CACHE`` set in the environment
   is used instead (and kept).
-* JAX's in-memory caches are cleared after every test module (``jax.clear_caches()``). Each
-  compiled XLA:CPU program keeps its code in memory maps until then, and the suite compiles or
-  loads thousands (one engine's programs hold ~550 maps); in one process they pass Linux's
-  ``vm.max_map_count`` (65530 by default) about a third of the way through the suite, and the
-  next program load aborts the process inside LLVM's JIT linker (``report_fatal_error`` in
-  ``RuntimeDyld::emitSection``). Cleared per module, the count stays bounded; a module's own
-  fixtures are torn down before this one, and later modules reload what they need from the
-  session's persistent cache.
+* JAX's in-memory caches are cleared (``jax.clear_caches()``) after a test module that leaves
+  the process holding more than a third of Linux's ``vm.max_map_count`` memory maps (65530 by
+  default). Each compiled XLA:CPU program keeps its code in memory maps while JAX caches it,
+  and the suite compiles or loads thousands (one engine's programs hold ~550 maps); never
+  cleared, they pass the limit about a third of the way through the suite, and the next
+  program load aborts the process inside LLVM's JIT linker (``report_fatal_error`` in
+  ``RuntimeDyld::emitSection``). Clearing after every module instead costs minutes (every
+  module re-traces and re-lowers what it shares with others). A module's own fixtures are
+  torn down before the check; later modules reload what they need from the session's
+  persistent cache.
 """
 
 from __future__ import annotations
@@ -57,12 +59,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+MAPS_CLEAR_FRACTION = 1 / 3
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
-    """After each module: drop JAX's in-memory executables (and their memory maps)."""
+    """After a module, past a third of ``vm.max_map_count``: drop JAX's in-memory executables
+    (and their memory maps)."""
     yield
     import jax
 
+    from paxcache import compile_cache
+
+    maps = compile_cache.memory_maps()
+    if maps is None or maps[0] <= MAPS_CLEAR_FRACTION * maps[1]:
+        return
     gc.collect()
     jax.clear_caches()
     gc.collect()
