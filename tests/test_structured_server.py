@@ -481,8 +481,9 @@ def test_bad_schemas_and_tools_are_400_naming_the_field_and_the_server_serves_on
 
 
 def test_a_forced_call_cut_short():
-    """``length`` on a named call keeps the partial arguments; on a ``required`` array that
-    does not parse, the text comes back as content (never a call without a name)."""
+    """``length`` on a named call keeps the partial arguments; on a ``required`` array, the
+    calls it completed come back as calls, and with none complete the text comes back as
+    content (never a call without a name)."""
     msg, fr = chat_message(ToolPlan(mode="named", name="f"), '{"x":', "length")
     assert fr == "length"
     assert msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x":'}
@@ -490,3 +491,21 @@ def test_a_forced_call_cut_short():
     assert fr == "length" and msg == {"role": "assistant", "content": '[{"name": "add", "argu'}
     out = _feed(ToolPlan(mode="required"), ['[{"name": "add", "argu'], reason="length")
     assert out[-1] == ({"content": '[{"name": "add", "argu'}, "length")
+    cut = '[{"name": "add", "arguments": {"a": 1}} , {"name":"get_weather","arguments":{"ci'
+    msg, fr = chat_message(ToolPlan(mode="required"), cut, "length")
+    assert fr == "length" and msg["content"] is None
+    (call,) = msg["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    out = _feed(ToolPlan(mode="required"), [cut[:30], cut[30:]], reason="length")
+    assert out[-1][1] == "length"
+    assert [c["function"]["name"] for c in out[-1][0]["tool_calls"]] == ["add"]
+    # Complete arrays, whitespace included, parse whole; an element that is not a call is
+    # skipped, and text that is not an array gives no call.
+    two = ' [ {"name": "a", "arguments": {}},{"name": "b", "arguments": {"x": [1, 2]}} ]'
+    msg, fr = chat_message(ToolPlan(mode="required"), two, "stop")
+    assert fr == "tool_calls" and [c["function"]["name"] for c in msg["tool_calls"]] == ["a", "b"]
+    assert msg["tool_calls"][1]["function"]["arguments"] == '{"x": [1, 2]}'
+    msg, _ = chat_message(ToolPlan(mode="required"), '[1, {"name": "c"}]', "stop")
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["c"]
+    msg, fr = chat_message(ToolPlan(mode="required"), '{"name": "c"}', "stop")
+    assert fr == "stop" and msg == {"role": "assistant", "content": '{"name": "c"}'}

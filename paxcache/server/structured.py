@@ -311,21 +311,42 @@ def parse_tool_calls(text: str, parser: str | None) -> tuple[str | None, list[di
     return text, []
 
 
+def _complete_items(text: str) -> list[Any]:
+    """The complete elements of a JSON array, in order, whether or not the array itself is
+    complete: ``'[{"a": 1}, {"b'`` gives ``[{"a": 1}]``. Text that is not an array gives []."""
+    decoder = json.JSONDecoder()
+    ws = " \t\r\n"
+    pos = len(text) - len(text.lstrip(ws))
+    if not text.startswith("[", pos):
+        return []
+    pos += 1
+    items: list[Any] = []
+    while True:
+        while pos < len(text) and text[pos] in ws:
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return items
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items  # cut short inside this element
+        items.append(item)
+        while pos < len(text) and text[pos] in ws:
+            pos += 1
+        if pos >= len(text) or text[pos] != ",":
+            return items
+        pos += 1
+
+
 def forced_calls(plan: ToolPlan, text: str) -> list[dict]:
     """The tool calls of a forced (``required`` or named) completion's text. A named call cut
-    short (``length``) keeps its partial arguments; a ``required`` array cut short parses to
-    no call (its text is then returned as content)."""
+    short (``length``) keeps its partial arguments; a ``required`` array cut short keeps the
+    calls it completed (none complete: no call, and its text is returned as content)."""
     if plan.mode == "named":
         return [_call(plan.name or "", text)]
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    if not isinstance(items, list):
-        return []
     return [
         _call(it["name"], it.get("arguments", {}))
-        for it in items
+        for it in _complete_items(text)
         if isinstance(it, dict) and isinstance(it.get("name"), str)
     ]
 
