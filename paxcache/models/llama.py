@@ -12,11 +12,11 @@ rotation coordinates), so HF checkpoints load without permuting rows.
 Two forward paths share the per-layer code:
 
 * ``model(token_ids)``: the dense causal forward with no cache (the reference).
-* ``model.forward_paged(token_ids, kv_pages, metadata)``: a flat (ragged) batch of tokens whose
+* ``model.forward_paged(token_ids, kv_cache, metadata)``: a flat (ragged) batch of tokens whose
   attention and KV writes go through the model's own :class:`paxcache.nn.PagedAttention`
   layer, the same layer a user's model calls (README, "Paged attention in your own Flax
   model"). The step's :class:`~paxcache.attention.AttentionMetadata` gives the positions, the
-  block tables and how the op runs (kernel, mesh); the KV pages travel through the scan carry
+  block tables and how the op runs (kernel, mesh); the KV cache travels through the scan carry
   so XLA can update them in place.
 
 Numerics: parameters are stored in ``param_dtype``; matmuls run in ``dtype`` with float32
@@ -367,19 +367,21 @@ class LlamaForCausalLM(nnx.Module):
     def hidden_states_paged(
         self,
         token_ids: jax.Array,
-        kv_pages: tuple[jax.Array, jax.Array],
+        kv_cache: Any,
         metadata: AttentionMetadata,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, Any]:
         """Flat-batch forward on the paged KV cache, up to the final norm.
 
         Args:
             token_ids: i32[T] tokens of all sequences in the step, flattened (row order of
                 ``metadata``).
-            kv_pages: (k_pages, v_pages), each [L, K, N, S, D].
+            kv_cache: the whole model's KV cache (a :class:`kernels_pallas.PagedKVCache`,
+                opaque here: it is handed to each layer's attention and carried through the
+                layer scan so XLA updates it in place).
             metadata: the step's attention metadata; ``metadata.positions`` drives RoPE.
 
         Returns:
-            (hidden [T, E] final-normed, (k_pages, v_pages) with this step's K/V written).
+            (hidden [T, E] final-normed, the cache with this step's K/V written).
 
         Raises:
             ValueError: layers with different sliding windows (one layer serves them all).
@@ -396,43 +398,40 @@ class LlamaForCausalLM(nnx.Module):
         n_layers = self.config.num_hidden_layers
 
         def body(carry, xs):
-            x, k_pages, v_pages = carry
+            x, kv_cache = carry
             lp, layer = xs
             q, k, v = self._qkv(lp, x, cos, sin)
-            attn, (k_pages, v_pages) = self.attention(
-                q, k, v, (k_pages, v_pages), metadata, layer=layer
-            )
-            return (self._finish_layer(lp, x, attn), k_pages, v_pages), None
+            attn, kv_cache = self.attention(q, k, v, kv_cache, metadata, layer=layer)
+            return (self._finish_layer(lp, x, attn), kv_cache), None
 
-        k_pages, v_pages = kv_pages
-        (x, k_pages, v_pages), _ = jax.lax.scan(
+        (x, kv_cache), _ = jax.lax.scan(
             body,
-            (x, k_pages, v_pages),
+            (x, kv_cache),
             (self.layers.stacked(), jnp.arange(n_layers, dtype=jnp.int32)),
         )
-        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), (k_pages, v_pages)
+        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv_cache
 
     def forward_paged(
         self,
         token_ids: jax.Array,
-        kv_pages: tuple[jax.Array, jax.Array],
+        kv_cache: Any,
         metadata: AttentionMetadata,
         logits_indices: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, Any]:
         """Paged forward: :meth:`hidden_states_paged` plus the LM head.
 
         Args:
-            token_ids, kv_pages, metadata: as in :meth:`hidden_states_paged`.
+            token_ids, kv_cache, metadata: as in :meth:`hidden_states_paged`.
             logits_indices: optional i32[R] rows of the flat batch to compute logits for
                 (e.g. each sequence's last token); all T rows when None.
 
         Returns:
-            (logits f32[T or R, V], (k_pages, v_pages)).
+            (logits f32[T or R, V], the updated cache).
         """
-        hidden, kv_pages = self.hidden_states_paged(token_ids, kv_pages, metadata)
+        hidden, kv_cache = self.hidden_states_paged(token_ids, kv_cache, metadata)
         if logits_indices is not None:
             hidden = jnp.take(hidden, logits_indices, axis=0)
-        return self.compute_logits(hidden), kv_pages
+        return self.compute_logits(hidden), kv_cache
 
     def init_kv_pages(
         self, num_blocks: int, block_size: int, dtype: Any | None = None
