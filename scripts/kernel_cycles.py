@@ -1,0 +1,906 @@
+"""Static TPU kernel report: steady-state VLIW bundles of paxcache's and RPA v3's attention kernels.
+
+libtpu dumps the final VLIW bundles of every Mosaic kernel it compiles for an abstract topology
+(``--xla_jf_dump_to=DIR --xla_jf_dump_llo_text=true``). One bundle issues per cycle, so the
+bundles a kernel executes (loop bodies times their trip counts, no stalls) are a lower bound on
+its time; bytes or useful flops over that time bound the fraction of HBM bandwidth or MXU peak
+the kernel can reach. Each compile runs in a fresh subprocess (libtpu reads LIBTPU_INIT_ARGS
+once, when it initialises): the script re-runs itself with ``--child``.
+
+Usage::
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. python scripts/kernel_cycles.py --target v5e,v6e \\
+        --case decode,prefill,mixed --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 \\
+        --page 16 --batch 64 --ctx 4096 --chunk 2048 \\
+        --rpa-wheel tpu_inference-0.32.0-py3-none-any.whl --json out.json
+
+Dump format (``*-final_bundles.txt``): one bundle per line, ``ADDR MARK: DEPTH { op ;; op }``
+with ``MARK`` in LB (loop body start), PF (predicated-region fallthrough) ... and ``DEPTH`` one
+``>`` per enclosing loop; region comments ``Start region N`` / ``Start/End empty region N``.
+A branch is ``sbr.rel (pred) target = $regionN`` followed by delay-slot bundles (4 on v5e).
+
+Control structure (:func:`parse_dump`): a branch whose target region starts at or before it is
+a loop's back edge: the loop spans the target bundle through the branch's delay slots, and one
+iteration issues every bundle of that span outside nested loops. A branch forward skips a
+*region* (the bundles after its delay slots up to the target): a ``pl.when`` or a loop guard.
+The cost of one loop iteration (:func:`iteration_cycles`) is its span, minus nested loops'
+spans plus their trip counts times their own iteration cost, minus the skipped share of each
+region: a region holding a loop of zero trips is skipped, other regions get a weight (the
+fraction of iterations that execute them) from the kernel's model below.
+
+Trip counts (derived from the dump's loop tree, the kernel's block sizes and the shape; every
+sequence has ``ctx`` keys; a "program" is one grid step, which Mosaic compiles as the
+outermost loop of the kernel, so its trips are the grid size):
+
+* ``paxcache_ragged_paged_attention`` (``kernels_pallas.ragged_paged_attention``, grid
+  ``T_pad / TQ``, ``TQ = default_queries_per_block``, ``P = default_pages_per_compute_block``
+  pages of ``S`` keys per step): in a program, the top-level loops are the binary search on
+  ``cu_q_lens`` (trips simulated exactly), ``skip_empty`` loops (0 trips: every sequence has
+  rows) and the work-item loop (the one holding the MXU ops). A sequence overlapping the block
+  with last row at position ``pos_hi`` takes ``n = ceil(ceil((pos_hi + 1) / S) / P)`` work
+  items. Inside a work item: the head loop (the nested loop with MXU ops) runs ``K`` trips, the
+  other nested loops (``skip_empty``) 0; a region that starts KV DMAs without waiting (the next
+  step's pages) runs on ``n - 1`` of ``n`` items; every other region (next sequence's table row
+  and pages, finishing the sequence's output, row prefetch) once per sequence.
+* ``paxcache_paged_decode_attention`` (``kernels_pallas.paged_attention``, grid ``(2, B/2)``,
+  one program per sequence): the step loop (the loop holding the head loop) runs
+  ``n = ceil(ceil(ctx / S) / P)`` trips, the head loop ``K``; in a step the region that starts
+  DMAs (next pages) runs on ``n - 1`` of ``n`` steps, regions that only wait on every step.
+* RPA v3 (``ragged_paged_attention`` of tpu-inference, default block sizes
+  ``(bq, bkv, bq_c, bkv_c)`` from ``get_default_block_sizes``; grid (1,)): its decode kernel
+  (``RPAd-*``) takes the decode rows, its prefill kernel (``RPAp-*``, ``static_q_len = chunk``)
+  the chunk (the mixed case runs both; the row sums them). The sequence loop runs once per
+  sequence of the kernel; the query-block loop ``ceil(q_len / bq)`` trips (absent when that is
+  statically 1); for query block ``i`` the KV-block loop ``ceil(min(ctx, gap + (i + 1) * bq) /
+  bkv)`` trips (``gap = ctx - q_len``), and in KV block ``j`` the compute loop (the loop with
+  MXU ops) ``ceil(min(eff - j * bkv, bkv) / bkv_c)`` (``eff`` the block's visible length); the
+  KV-cache update loop (a nested loop without MXU ops) runs over the pages the block's new
+  tokens touch on the last query block and is skipped otherwise. Regions of the sequence loop
+  before its first nested loop that start DMAs (the prologue: first sequence only) and after
+  its last one (the epilogue: last sequence only) have weight 0; all other regions weight 1.
+
+Units: a decode unit is one sequence, its bytes the logical KV it reads
+(``ctx * K * 2 * D * itemsize``); useful flops are ``4 * H * D`` per causal (query row,
+visible key) pair; ``ratio_to_rpa`` divides paxcache's cycles per KiB (decode) or bundles per
+useful flop (prefill, mixed) by RPA v3's. Cycles are summed over every program on one
+TensorCore and compared with per-TensorCore clock, bandwidth and peak.
+
+Verified: compiling at ctx 2048 and 4096 gives the same static code (same bundle counts per
+loop) while the derived cycles scale with the trip counts (``--check-scaling``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Per-TensorCore clock (Hz), HBM bandwidth (B/s) and bf16 peak (flop/s): the fallback when
+#: ``pltpu.get_tpu_info()`` cannot say (it never gives the clock).
+CHIPS = {
+    "v5e": dict(topology="v5e:2x2", generation=5, clock=1.5e9, bw=819e9, peak=197e12),
+    "v6e": dict(topology="v6e:2x2", generation=6, clock=1.75e9, bw=1640e9, peak=918e12),
+    "tpu7x": dict(topology="tpu7x:2x2x1", generation=7, clock=2.2e9, bw=3690e9, peak=1153.5e12),
+}
+CASES = ("decode", "prefill", "mixed")
+RPA_PAGES = 16384  # the peer's serving-sized cache
+_MXU = re.compile(r"\bvmatmul|\bvmatpush|\bvmatprep|\bvmatres")
+_DMA_START = re.compile(r"=\s*dma\.(?!done)")
+_DMA_WAIT = re.compile(r"dma\.done\.wait")
+
+
+# --------------------------------------------------------------------------------------------
+# Dump parser
+# --------------------------------------------------------------------------------------------
+
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-fA-F]+|\d+)\s+(?:(LH|LB|LE|PB|PF|CT):)?\s*:?\s*(>*)\s*\{", re.M)
+_BRANCH = re.compile(r"sbr\.rel\b[^;}]*?target\s*=\s*\$region(\d+)")
+_START = re.compile(r"Start(?:/End empty)? region (\d+)\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    """One VLIW bundle: its address, loop depth, marker and text (ops and comments)."""
+
+    addr: int
+    depth: int
+    marker: str
+    text: str
+
+    @property
+    def empty(self) -> bool:
+        return self.text.split("{", 1)[1].lstrip().startswith("}")
+
+
+@dataclasses.dataclass
+class Loop:
+    """Bundles ``[start, end]`` (end = last delay slot of the back edge) and nested loops."""
+
+    start: int
+    end: int
+    children: list[Loop] = dataclasses.field(default_factory=list)
+    regions: list[Region] = dataclasses.field(default_factory=list)
+    mxu: bool = False
+
+    @property
+    def span(self) -> int:
+        return self.end - self.start + 1
+
+
+@dataclasses.dataclass
+class Region:
+    """Bundles ``[start, end)`` a forward branch skips; ``loops``: loops inside it."""
+
+    start: int
+    end: int
+    dma_start: bool = False
+    dma_wait: bool = False
+    loops: list[Loop] = dataclasses.field(default_factory=list)
+
+    @property
+    def span(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class Dump:
+    """A parsed kernel: its bundles, top-level loops and top-level regions."""
+
+    name: str
+    bundles: list[Bundle]
+    loops: list[Loop]
+    regions: list[Region]
+    delay: int
+
+    def summary(self) -> list[Any]:
+        """Nested ``[span, [children...]]`` per top-level loop: the static code's shape."""
+
+        def walk(lp: Loop) -> list[Any]:
+            return [lp.span, [walk(c) for c in lp.children]]
+
+        return [walk(lp) for lp in self.loops]
+
+
+def parse_bundles(text: str) -> list[Bundle]:
+    """Split a ``final_bundles`` text into bundles (a bundle's comment may span lines)."""
+    ms = list(_BUNDLE.finditer(text))
+    out = []
+    for i, m in enumerate(ms):
+        end = ms[i + 1].start() if i + 1 < len(ms) else len(text)
+        out.append(
+            Bundle(int(m.group(1), 0), len(m.group(3)), m.group(2) or "", text[m.start() : end])
+        )
+    return out
+
+
+def _delay_slots(bundles: list[Bundle], branches: list[int]) -> int:
+    """Delay slots after a branch: the usual count of bundles before the next region mark."""
+    counts = []
+    for b in branches:
+        n = 0
+        for j in range(b + 1, min(b + 9, len(bundles))):
+            if (
+                bundles[j].marker
+                or _START.search(bundles[j].text)
+                or _BRANCH.search(bundles[j].text)
+            ):
+                break
+            n += 1
+            if "End region" in bundles[j].text:
+                break
+        counts.append(n)
+    return max(set(counts), key=counts.count) if counts else 0
+
+
+def parse_dump(text: str, name: str = "") -> Dump:
+    """Parse bundles and build the loop tree and the forward-branch regions."""
+    bundles = parse_bundles(text)
+    starts: dict[int, int] = {}
+    for i, b in enumerate(bundles):
+        for r in _START.findall(b.text):
+            starts.setdefault(int(r), i)
+    branches = [
+        (i, int(m.group(1))) for i, b in enumerate(bundles) for m in _BRANCH.finditer(b.text)
+    ]
+    delay = _delay_slots(bundles, [i for i, _ in branches])
+    loops, regions = [], []
+    for i, region in branches:
+        t = starts.get(region)
+        if t is None:
+            continue
+        if t <= i:
+            loops.append(Loop(t, min(i + delay, len(bundles) - 1)))
+        elif t > i + delay + 1:
+            regions.append(Region(i + delay + 1, t))
+    loops.sort(key=lambda lp: (lp.start, -lp.end))
+    roots: list[Loop] = []
+    stack: list[Loop] = []
+    for lp in loops:
+        while stack and not (stack[-1].start <= lp.start and lp.end <= stack[-1].end):
+            stack.pop()
+        (stack[-1].children if stack else roots).append(lp)
+        stack.append(lp)
+
+    def mark(lp: Loop) -> bool:
+        own = any(_MXU.search(bundles[j].text) for j in range(lp.start, lp.end + 1))
+        lp.mxu = own
+        for c in lp.children:
+            mark(c)
+        return own
+
+    for lp in roots:
+        mark(lp)
+    top: list[Region] = []
+    for rg in regions:
+        rg.dma_start = any(_DMA_START.search(bundles[j].text) for j in range(rg.start, rg.end))
+        rg.dma_wait = any(_DMA_WAIT.search(bundles[j].text) for j in range(rg.start, rg.end))
+        owner = _innermost(roots, rg.start, rg.end - 1)
+        rg.loops = [
+            c
+            for c in (owner.children if owner else roots)
+            if rg.start <= c.start and c.end < rg.end
+        ]
+        siblings = owner.regions if owner else top
+        # keep outermost regions only (a region inside another region of the same loop is
+        # part of it)
+        if any(o.start <= rg.start and rg.end <= o.end for o in siblings):
+            continue
+        for o in [o for o in siblings if rg.start <= o.start and o.end <= rg.end]:
+            siblings.remove(o)
+        siblings.append(rg)
+    for holder in [*_all_loops(roots)]:
+        holder.regions.sort(key=lambda r: r.start)
+    top.sort(key=lambda r: r.start)
+    return Dump(name, bundles, roots, top, delay)
+
+
+def _all_loops(loops: Sequence[Loop]) -> list[Loop]:
+    out = []
+    for lp in loops:
+        out.append(lp)
+        out.extend(_all_loops(lp.children))
+    return out
+
+
+def _innermost(loops: Sequence[Loop], a: int, b: int) -> Loop | None:
+    """Innermost loop holding bundles ``[a, b]`` in its body (a region that covers a whole
+    loop, its guard, belongs to the loop's parent)."""
+    for lp in loops:
+        if lp.start <= a and b <= lp.end and not (a <= lp.start and lp.end <= b):
+            return _innermost(lp.children, a, b) or lp
+    return None
+
+
+def iteration_cycles(
+    loop: Loop,
+    nested: Callable[[Loop], float | None],
+    weight: Callable[[Loop, Region], float] = lambda _lp, _rg: 1.0,
+) -> float:
+    """Bundles one iteration of ``loop`` issues.
+
+    Args:
+      loop: the loop.
+      nested: the cycles a nested loop takes per iteration of ``loop`` (its trips times its
+        iteration cost), or None when it runs zero trips.
+      weight: fraction of iterations that execute a region of this loop; a region holding
+        nested loops that all run zero trips is skipped whatever the weight says.
+    """
+    totals = {id(c): nested(c) for c in loop.children}
+    cost = float(loop.span)
+    for c in loop.children:
+        cost += (totals[id(c)] or 0.0) - c.span
+    for rg in loop.regions:
+        w = (
+            0.0
+            if rg.loops and all(totals.get(id(c)) is None for c in rg.loops)
+            else weight(loop, rg)
+        )
+        if w == 1.0:
+            continue
+        inner = sum((totals.get(id(c)) or 0.0) - c.span for c in rg.loops)
+        cost -= (1.0 - w) * (rg.span + inner)
+    return cost
+
+
+def straight_cycles(dump: Dump, exclude: Sequence[Region] = ()) -> int:
+    """Bundles outside every top-level loop (regions in ``exclude`` not counted)."""
+    inside = sum(lp.span for lp in dump.loops)
+    skip = sum(r.span - sum(c.span for c in r.loops) for r in exclude)
+    return len(dump.bundles) - inside - skip
+
+
+# --------------------------------------------------------------------------------------------
+# Work and ceilings
+# --------------------------------------------------------------------------------------------
+
+
+def kv_bytes(ctx: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Logical KV bytes one sequence of ``ctx`` tokens reads (K and V)."""
+    return ctx * kv_heads * 2 * head_dim * itemsize
+
+
+def causal_pairs(q_len: int, ctx: int) -> int:
+    """(query row, visible key) pairs of ``q_len`` rows that are the last of ``ctx`` tokens."""
+    gap = ctx - q_len
+    return q_len * gap + q_len * (q_len + 1) // 2
+
+
+def case_work(case: str, a: argparse.Namespace) -> tuple[int, int, int]:
+    """``(units, bytes, useful flops)`` of a case: units are sequences (decode rows + chunk)."""
+    per = kv_bytes(a.ctx, a.kv_heads, a.head_dim, _itemsize(a.dtype))
+    f = 4 * a.heads * a.head_dim
+    if case == "decode":
+        return a.batch, a.batch * per, a.batch * a.ctx * f
+    if case == "prefill":
+        return 1, per, causal_pairs(a.chunk, a.ctx) * f
+    return a.batch + 1, (a.batch + 1) * per, (a.batch * a.ctx + causal_pairs(a.chunk, a.ctx)) * f
+
+
+def ceilings(
+    cycles: float, nbytes: float, flops: float, clock: float, bw: float, peak: float
+) -> dict:
+    """``cycles_per_kib``, ``hbm_ceiling``, ``bundles_per_useful_flop``, ``mxu_ceiling``."""
+    t = cycles / clock
+    return dict(
+        cycles_per_kib=cycles / (nbytes / 1024.0),
+        hbm_ceiling=min(1.0, (nbytes / bw) / t) if t > 0 else None,
+        bundles_per_useful_flop=cycles / flops if flops else None,
+        mxu_ceiling=min(1.0, (flops / peak) / t) if t > 0 and flops else None,
+    )
+
+
+def _itemsize(dtype: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "float8_e4m3fn": 1}[dtype]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------
+# Trip-count models
+# --------------------------------------------------------------------------------------------
+
+
+def _mxu_child(loop: Loop) -> Loop | None:
+    return next((c for c in loop.children if c.mxu or _mxu_child(c)), None)
+
+
+def _unit_loop(dump: Dump, programs: int = 1) -> Loop:
+    """The loop of one program: Mosaic compiles a grid of more than one step as the kernel's
+    outermost loop (the top-level loop holding the MXU ops); a one-step grid has none, and the
+    whole kernel is then one program (a virtual loop over every bundle, run once)."""
+    if programs > 1:
+        return next(lp for lp in dump.loops if lp.mxu)
+    return Loop(0, len(dump.bundles) - 1, list(dump.loops), list(dump.regions), True)
+
+
+def _search_trips(cu: Sequence[int], nseq: int, r0: int) -> int:
+    lo, hi, n = 0, nseq, 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cu[mid + 1] > r0 else (mid + 1, hi)
+        n += 1
+    return n
+
+
+def paxcache_ragged_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float:
+    """Static cycles of ``paxcache_ragged_paged_attention`` for sequences of ``q_lens`` rows."""
+    tq, p, s, kh = meta["tq"], meta["pages_per_step"], meta["page"], meta["kv_heads"]
+    m = meta["max_blocks"]
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    grid = _unit_loop(dump, _cdiv(cu[-1], tq))
+    work = next(c for c in grid.children if c.mxu)
+    head = _mxu_child(work) or work
+    search = grid.children[0] if grid.children[0] is not work else None
+    search_iter = iteration_cycles(search, lambda c: None) if search else 0.0
+    base = iteration_cycles(
+        work,
+        lambda c: kh * iteration_cycles(c, lambda _: None) if c is head else None,
+        lambda *_: 0.0,
+    )
+    plain = [r for r in work.regions if not r.loops]
+    c_step = sum(r.span for r in plain if r.dma_start and not r.dma_wait)
+    c_once = sum(r.span for r in plain if not (r.dma_start and not r.dma_wait))
+    total = 0.0
+    for qb in range(_cdiv(cu[-1], tq)):
+        r0, r1 = qb * tq, qb * tq + tq
+        work_cost = 0.0
+        for sq, q in enumerate(q_lens):
+            lo, hi = max(cu[sq], r0), min(cu[sq + 1], r1)
+            if hi > lo:
+                pos_hi = hi - 1 + ctx - q - cu[sq]
+                n = _cdiv(min((pos_hi + s) // s, m), p)
+                work_cost += n * base + (n - 1) * c_step + c_once
+        n_search = _search_trips(cu, len(q_lens), r0)
+
+        def nested(c: Loop, w: float = work_cost, ns: int = n_search) -> float | None:
+            if c is work:
+                return w
+            if c is search:
+                return ns * search_iter if ns else None
+            return None  # skip_empty: every sequence has rows
+
+        total += iteration_cycles(grid, nested)
+    return total
+
+
+def paxcache_paged_cycles(dump: Dump, meta: dict, batch: int, ctx: int) -> float:
+    """Static cycles of ``paxcache_paged_decode_attention`` (one program per sequence)."""
+    p, s, kh = meta["pages_per_step"], meta["page"], meta["kv_heads"]
+    programs = 2 * _cdiv(batch, 2) if batch >= 2 else 1
+    grid = _unit_loop(dump, programs)
+    step = _mxu_child(grid)
+    head = _mxu_child(step) or step
+    n = _cdiv(_cdiv(ctx, s), p)
+
+    def weight(lp: Loop, rg: Region) -> float:
+        return (n - 1) / n if lp is step and rg.dma_start else 1.0
+
+    head_iter = iteration_cycles(head, lambda _: None)
+    step_iter = iteration_cycles(step, lambda c: kh * head_iter if c is head else None, weight)
+    per_seq = iteration_cycles(grid, lambda c: n * step_iter if c is step else None)
+    return programs * per_seq
+
+
+def rpa_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float:
+    """Static cycles of one RPA v3 kernel (grid (1,)) for its sequences of ``ctx`` keys."""
+    bq, bkv, bkv_c, page = meta["bq_sz"], meta["bkv_sz"], meta["bkv_csz"], meta["page"]
+    seq = next(lp for lp in dump.loops if lp.mxu)  # grid (1,): the sequence loop is top-level
+    chain = [seq]
+    while (c := _mxu_child(chain[-1])) is not None:
+        chain.append(c)
+    compute = chain[-1]
+    bkv_loop = chain[-2]
+    bq_loop = chain[-3] if len(chain) >= 4 else None
+    compute_iter = iteration_cycles(compute, lambda _: None)
+    first = min((c.start for c in seq.children), default=seq.end)
+    last = max((c.end for c in seq.children), default=seq.start)
+
+    def seq_weight(lp: Loop, rg: Region) -> float:
+        if rg.loops:
+            return 1.0
+        if rg.end <= first and rg.dma_start:
+            return 0.0  # prologue: the first sequence only
+        return 0.0 if rg.start > last else 1.0  # epilogue: the last sequence only
+
+    total = 0.0
+    for q in q_lens:
+        actual_bq = min(bq, q) if meta["static_q_len"] else bq
+        gap = ctx - q
+        bq_costs = []
+        for i in range(_cdiv(q, actual_bq)):
+            eff = min(ctx, gap + (i + 1) * actual_bq)
+            bkv_total = 0.0
+            for j in range(_cdiv(eff, bkv)):
+                n_c = _cdiv(max(min(eff - j * bkv, bkv), 0), bkv_c)
+                lo, hi = j * bkv, min((j + 1) * bkv, ctx)
+                upd = 0
+                if i == _cdiv(q, actual_bq) - 1 and hi > max(lo, gap):
+                    upd = _cdiv(hi, page) - max(lo, gap) // page
+
+                def nested(c: Loop, n_c: int = n_c, upd: int = upd) -> float | None:
+                    if c is compute:
+                        return n_c * compute_iter if n_c else None
+                    if not upd:
+                        return None
+                    return upd * iteration_cycles(c, lambda _: None)  # KV-cache update
+
+                bkv_total += iteration_cycles(bkv_loop, nested)
+            if bq_loop is None:
+                bq_costs.append(bkv_total)
+            else:
+                bq_costs.append(
+                    iteration_cycles(bq_loop, lambda c, t=bkv_total: t if c is bkv_loop else None)
+                )
+        inner = bq_loop or bkv_loop
+        total += iteration_cycles(
+            seq, lambda c, t=sum(bq_costs): t if c is inner else None, seq_weight
+        )
+    root = _unit_loop(dump)  # code outside the sequence loop runs once per call
+    return iteration_cycles(root, lambda c: total if c is seq else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling (child process: one target, one case, one kernel family)
+# --------------------------------------------------------------------------------------------
+
+
+def _abstract(shape: Sequence[int], dtype: Any, device: Any) -> Any:
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=SingleDeviceSharding(device))
+
+
+def paxcache_cache(kp: Any, device: Any, blocks: int, a: argparse.Namespace) -> Any:
+    """Abstract cache for paxcache's public ops: the opaque ``init_kv_cache`` pytree when the
+    package has it (every leaf placed on ``device``), else the ``(k_pages, v_pages)`` pair of
+    ``[L, K, N, S, D]`` arrays."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(a.dtype)
+    if hasattr(kp, "init_kv_cache"):
+        tree = jax.eval_shape(
+            lambda: kp.init_kv_cache(1, blocks, a.page, a.kv_heads, a.head_dim, dtype=dtype)
+        )
+        return jax.tree.map(lambda x: _abstract(x.shape, x.dtype, device), tree)
+    shape = (1, a.kv_heads, blocks, a.page, a.head_dim)
+    return (_abstract(shape, dtype, device), _abstract(shape, dtype, device))
+
+
+def _q_lens(case: str, a: argparse.Namespace) -> list[int]:
+    if case == "decode":
+        return [1] * a.batch
+    if case == "prefill":
+        return [a.chunk]
+    return [1] * a.batch + [a.chunk]
+
+
+def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_pallas as kp
+    from kernels_pallas.tpu._attention_common import default_pages_per_compute_block
+    from kernels_pallas.tpu.ragged_paged_attention import default_queries_per_block
+
+    q_lens = _q_lens(case, a)
+    nseq, t = len(q_lens), sum(q_lens)
+    m = _cdiv(a.ctx, a.page)
+    blocks = nseq * m + 1  # a runtime bound for these kernels: keep the compile small
+    cache = paxcache_cache(kp, device, blocks, a)
+    dtype = jnp.dtype(a.dtype)
+    i32 = jnp.int32
+    opaque = not isinstance(cache, tuple)
+    pages = default_pages_per_compute_block(
+        a.page, m, 128, kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=dtype.itemsize
+    )
+    meta = dict(page=a.page, kv_heads=a.kv_heads, max_blocks=m, pages_per_step=pages)
+
+    def cache_args(c: Any) -> tuple:
+        return (c,) if opaque else tuple(c)
+
+    def ragged(q, c, kvl, bt, cu, n):
+        return kp.ragged_paged_attention(q, *cache_args(c), kvl, bt, cu, n, layer=0)
+
+    def paged(q, c, lengths, bt):
+        return kp.paged_attention(q, *cache_args(c), lengths, bt, layer=0)
+
+    with jax.default_device(device):
+        q = _abstract((t, a.heads, a.head_dim), dtype, device)
+        args = (
+            q,
+            cache,
+            _abstract((nseq,), i32, device),
+            _abstract((nseq, m), i32, device),
+            _abstract((nseq + 1,), i32, device),
+            _abstract((), i32, device),
+        )
+        jax.jit(ragged).trace(*args).lower().compile()
+        out = [
+            dict(
+                meta,
+                variant="ragged",
+                name="paxcache_ragged_paged_attention",
+                tq=default_queries_per_block(t, a.heads // a.kv_heads),
+            )
+        ]
+        if case == "decode":
+            jax.jit(paged).trace(*args[:4]).lower().compile()
+            out.append(dict(meta, variant="paged", name="paxcache_paged_decode_attention"))
+    return out
+
+
+def load_rpa(wheel: str, generation: int) -> Any:
+    """RPA v3's ``kernel`` module loaded by path under stub parent packages (the package's
+    ``__init__`` imports vllm); ``get_tpu_version`` patched to ``generation``."""
+    root = Path(wheel)
+    if root.is_file():
+        dest = Path(tempfile.mkdtemp(prefix="rpa_wheel_"))
+        with zipfile.ZipFile(root) as z:
+            z.extractall(dest)
+        root = dest
+    hits = sorted(root.glob("**/kernels/ragged_paged_attention/v3/kernel.py"))
+    if not hits:
+        raise SystemExit(f"--rpa-wheel {wheel}: no kernels/ragged_paged_attention/v3/kernel.py")
+    v3 = hits[0].parent
+    pkg = "tpu_inference.kernels.ragged_paged_attention.v3"
+    parts = pkg.split(".")
+    for i in range(len(parts)):
+        name = ".".join(parts[: i + 1])
+        mod = types.ModuleType(name)
+        mod.__path__ = []  # type: ignore[attr-defined]
+        sys.modules[name] = mod
+    loaded = {}
+    for leaf in ("util", "kernel"):
+        spec = importlib.util.spec_from_file_location(f"{pkg}.{leaf}", v3 / f"{leaf}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[f"{pkg}.{leaf}"] = mod
+        if leaf == "kernel":
+            loaded["util"].get_tpu_version = lambda: generation
+        spec.loader.exec_module(mod)
+        mod.get_tpu_version = lambda: generation
+        loaded[leaf] = mod
+    return loaded["kernel"]
+
+
+def _compile_rpa(case: str, a: argparse.Namespace, device: Any, generation: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    rpa = load_rpa(a.rpa_wheel, generation)
+    q_lens = _q_lens(case, a)
+    nseq, t = len(q_lens), sum(q_lens)
+    pps = _cdiv(a.ctx, a.page)
+    dtype = jnp.dtype(a.dtype)
+    i32 = jnp.int32
+    chunk = a.chunk if case != "decode" else None
+    shape = rpa.get_kv_cache_shape(RPA_PAGES, a.page, a.kv_heads, a.head_dim, dtype)
+    with jax.default_device(device):
+        q = _abstract((t, a.heads, a.head_dim), dtype, device)
+        kv = _abstract((t, a.kv_heads, a.head_dim), dtype, device)
+        args = (
+            q,
+            kv,
+            kv,
+            _abstract(shape, dtype, device),
+            _abstract((nseq,), i32, device),
+            _abstract((nseq * pps,), i32, device),
+            _abstract((nseq + 1,), i32, device),
+            _abstract((3,), i32, device),
+        )
+
+        def f(*xs):
+            return rpa.ragged_paged_attention(
+                *xs, sm_scale=a.head_dim**-0.5, chunk_prefill_size=chunk
+            )
+
+        jax.jit(f).trace(*args).lower().compile()
+        out = []
+        kinds = [("DECODE", "d", [1] * a.batch)] if case != "prefill" else []
+        if case != "decode":
+            kinds.append(("PREFILL", "p", [a.chunk]))
+        for kind, sym, lens in kinds:
+            bs = rpa.get_default_block_sizes(
+                dtype, dtype, a.heads, a.kv_heads, _cdiv(a.head_dim, 128) * 128, a.page, t,
+                nseq, pps, case=getattr(rpa.RpaCase, kind),
+            )  # fmt: skip
+            name = f"RPA{sym}-p_{a.page}-bq_{bs['bq_sz']}_{bs['bq_csz']}-bkv_{bs['bkv_sz']}_{bs['bkv_csz']}"
+            out.append(dict(bs, variant=kind.lower(), name=name, page=a.page, q_lens=lens,
+                            static_q_len=1 if kind == "DECODE" else a.chunk))  # fmt: skip
+    return out
+
+
+def child_main(a: argparse.Namespace) -> None:
+    """Compile one family for one target and case (dump written by libtpu); print JSON meta."""
+    import jax
+    from jax.experimental import topologies
+
+    chip = CHIPS[a.target]
+    device = topologies.get_topology_desc(chip["topology"], platform="tpu").devices[0]
+    info: dict[str, float] = {}
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        with jax.default_device(device):
+            ti = pltpu.get_tpu_info()
+        cores = max(1, int(getattr(ti, "num_cores", 1) or 1))
+        info = dict(bw=ti.mem_bw_bytes_per_second / cores, peak=ti.bf16_ops_per_second / cores)
+    except Exception:  # noqa: BLE001 - older jax or unknown chip: the table
+        info = {}
+    if a.child == "paxcache":
+        kernels = _compile_paxcache(a.case, a, device)
+    else:
+        kernels = _compile_rpa(a.case, a, device, chip["generation"])
+    print("KERNEL_CYCLES_META " + json.dumps(dict(kernels=kernels, info=info)))
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: spawn compiles, read dumps, report
+# --------------------------------------------------------------------------------------------
+
+_DUMP_NAME = re.compile(r"^\d+-(.+?)(?:\.\d+)?-\d+-final_bundles\.txt$")
+
+
+def find_dumps(directory: str) -> dict[str, str]:
+    """Kernel name -> path of its ``final_bundles`` text in a dump folder."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*-final_bundles.txt"))):
+        m = _DUMP_NAME.match(os.path.basename(path))
+        if m:
+            out[m.group(1)] = path
+    return out
+
+
+def _shape_flags(a: argparse.Namespace) -> list[str]:
+    return [
+        f"--heads={a.heads}", f"--kv-heads={a.kv_heads}", f"--head-dim={a.head_dim}",
+        f"--dtype={a.dtype}", f"--page={a.page}", f"--batch={a.batch}", f"--ctx={a.ctx}",
+        f"--chunk={a.chunk}",
+    ]  # fmt: skip
+
+
+def compile_family(family: str, target: str, case: str, a: argparse.Namespace) -> tuple[dict, dict]:
+    """Compile one family in a fresh process; returns ``(meta, {name: Dump})``."""
+    with tempfile.TemporaryDirectory(prefix="kernel_cycles_") as d:
+        filt = "paxcache" if family == "paxcache" else "RPA"
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["LIBTPU_INIT_ARGS"] = (
+            env.get("LIBTPU_INIT_ARGS", "")
+            + f" --xla_jf_dump_to={d} --xla_jf_dump_llo_text=true --xla_jf_dump_to_filter={filt}"
+        ).strip()
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        cmd = [sys.executable, os.path.abspath(__file__), f"--child={family}",
+               f"--target={target}", f"--case={case}", *_shape_flags(a)]  # fmt: skip
+        if a.rpa_wheel:
+            cmd.append(f"--rpa-wheel={a.rpa_wheel}")
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("KERNEL_CYCLES_META ")), None)
+        if r.returncode != 0 or line is None:
+            tail = "\n".join((r.stderr or "").strip().splitlines()[-15:])
+            raise RuntimeError(
+                f"{family} {target} {case}: compile failed (rc {r.returncode}):\n{tail}"
+            )
+        meta = json.loads(line.split(" ", 1)[1])
+        dumps = {}
+        for name, path in find_dumps(d).items():
+            dumps[name] = parse_dump(Path(path).read_text(), name)
+        return meta, dumps
+
+
+def _dump_for(dumps: dict[str, Dump], name: str) -> Dump:
+    if name in dumps:
+        return dumps[name]
+    hits = [k for k in dumps if k.startswith(name)]
+    if not hits:
+        raise RuntimeError(f"no final_bundles dump for kernel {name!r} (have {sorted(dumps)})")
+    return dumps[hits[0]]
+
+
+def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
+    """Rows of one target and case: every paxcache kernel, then RPA v3 (when given)."""
+    chip = CHIPS[target]
+    _, nbytes, flops = case_work(case, a)
+    rows = []
+    families = ["paxcache"] + (["rpa"] if a.rpa_wheel else [])
+    for family in families:
+        meta, dumps = compile_family(family, target, case, a)
+        clock = chip["clock"]
+        bw = meta["info"].get("bw") or chip["bw"]
+        peak = meta["info"].get("peak") or chip["peak"]
+        if family == "paxcache":
+            for k in meta["kernels"]:
+                dump = _dump_for(dumps, k["name"])
+                if k["variant"] == "paged":
+                    cyc = paxcache_paged_cycles(dump, k, a.batch, a.ctx)
+                else:
+                    cyc = paxcache_ragged_cycles(dump, k, _q_lens(case, a), a.ctx)
+                rows.append(_row("paxcache", k["name"], target, case, cyc, nbytes, flops,
+                                 clock, bw, peak, dump))  # fmt: skip
+        else:
+            names, cyc, shapes = [], 0.0, []
+            for k in meta["kernels"]:
+                dump = _dump_for(dumps, k["name"])
+                names.append(dump.name)
+                cyc += rpa_cycles(dump, k, k["q_lens"], a.ctx)
+                shapes.append(dump.summary())
+            row = _row(
+                "rpa_v3", "+".join(names), target, case, cyc, nbytes, flops, clock, bw, peak, None
+            )
+            row["static_code"] = shapes
+            rows.append(row)
+    peer = next((r for r in rows if r["kernel"] == "rpa_v3"), None)
+    key = "cycles_per_kib" if case == "decode" else "bundles_per_useful_flop"
+    for r in rows:
+        if r["kernel"] == "paxcache":
+            r["ratio_to_rpa"] = r[key] / peer[key] if peer and peer[key] else None
+    return rows
+
+
+def _row(kernel, name, target, case, cyc, nbytes, flops, clock, bw, peak, dump) -> dict:  # noqa: ANN001
+    row = dict(kernel=kernel, name=name, target=target, case=case, static_cycles=cyc)
+    row.update(ceilings(cyc, nbytes, flops, clock, bw, peak))
+    row["ratio_to_rpa"] = None
+    row["kv_bytes"], row["useful_flops"] = nbytes, flops
+    row["clock_hz"], row["hbm_bytes_per_s"], row["peak_flops"] = clock, bw, peak
+    if dump is not None:
+        row["static_code"] = dump.summary()
+    return row
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """A fixed-width table of the report's main columns."""
+    head = ("kernel", "name", "target", "case", "cycles_per_kib", "hbm_ceiling",
+            "bundles_per_useful_flop", "mxu_ceiling", "ratio_to_rpa")  # fmt: skip
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [head] + [tuple(fmt(r.get(h)) for h in head) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(head))) for c in cells)
+
+
+def _csv(kind: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(s: str) -> list[str]:
+        vals = [v.strip() for v in s.split(",") if v.strip()]
+        bad = [v for v in vals if v not in kind]
+        if bad or not vals:
+            raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(kind)}")
+        return vals
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI (``--target`` and ``--case`` take comma lists)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--target", type=_csv(tuple(CHIPS)), default=["v5e"])
+    p.add_argument("--case", type=_csv(CASES), default=["decode"])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--rpa-wheel", default=None, help="tpu-inference .whl or unpacked folder")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per compile")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the report; returns the exit status."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.child:
+        a.target, a.case = a.target[0], a.case[0]
+        child_main(a)
+        return 0
+    if a.case != ["decode"] and a.chunk > a.ctx:
+        p.error(f"--chunk {a.chunk} exceeds --ctx {a.ctx}")
+    rows: list[dict] = []
+    failed = []
+    for target in a.target:
+        for case in a.case:
+            try:
+                rows.extend(measure(target, case, a))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failed.append(f"{target} {case}: {e}")
+                print(f"FAILED {target} {case}: {e}", file=sys.stderr)
+    print(format_table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if failed and not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
