@@ -14,19 +14,11 @@ Usage::
         --page 16 --batch 64 --ctx 4096 --chunk 2048 \\
         --rpa-wheel tpu_inference-0.32.0-py3-none-any.whl --json out.json
 
-Dump format (``*-final_bundles.txt``): one bundle per line, ``ADDR MARK: DEPTH { op ;; op }``
-with ``MARK`` in LB (loop body start), PF (predicated-region fallthrough) ... and ``DEPTH`` one
-``>`` per enclosing loop; region comments ``Start region N`` / ``Start/End empty region N``.
-A branch is ``sbr.rel (pred) target = $regionN`` followed by delay-slot bundles (4 on v5e).
-
-Control structure (:func:`parse_dump`): a branch whose target region starts at or before it is
-a loop's back edge: the loop spans the target bundle through the branch's delay slots, and one
-iteration issues every bundle of that span outside nested loops. A branch forward skips a
-*region* (the bundles after its delay slots up to the target): a ``pl.when`` or a loop guard.
-The cost of one loop iteration (:func:`iteration_cycles`) is its span, minus nested loops'
-spans plus their trip counts times their own iteration cost, minus the skipped share of each
-region: a region holding a loop of zero trips is skipped, other regions get a weight (the
-fraction of iterations that execute them) from the kernel's model below.
+Control structure: ``scripts/bundle_dump.py`` (dump format, loops from back edges, regions
+from forward branches). The cost of one loop iteration (``iteration_cycles``) is its span,
+minus nested loops' spans plus their trip counts times their own iteration cost, minus the
+skipped share of each region: a region holding a loop of zero trips is skipped, other regions
+get a weight (the fraction of iterations that execute them) from the kernel's model below.
 
 Trip counts (derived from the dump's loop tree, the kernel's block sizes and the shape; every
 sequence has ``ctx`` keys; a "program" is one grid step, which Mosaic compiles as the
@@ -72,11 +64,9 @@ loop) while the derived cycles scale with the trip counts (``--check-scaling``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import importlib.util
 import json
-import math
 import os
 import re
 import subprocess
@@ -99,230 +89,16 @@ CHIPS = {
 }
 CASES = ("decode", "prefill", "mixed")
 RPA_PAGES = 16384  # the peer's serving-sized cache
-_MXU = re.compile(r"\bvmatmul|\bvmatpush|\bvmatprep|\bvmatres")
-_DMA_START = re.compile(r"=\s*dma\.(?!done)")
-_DMA_WAIT = re.compile(r"dma\.done\.wait")
 
 
-# --------------------------------------------------------------------------------------------
-# Dump parser
-# --------------------------------------------------------------------------------------------
-
-_BUNDLE = re.compile(r"^\s*(0x[0-9a-fA-F]+|\d+)\s+(?:(LH|LB|LE|PB|PF|CT):)?\s*:?\s*(>*)\s*\{", re.M)
-_BRANCH = re.compile(r"sbr\.rel\b[^;}]*?target\s*=\s*\$region(\d+)")
-_START = re.compile(r"Start(?:/End empty)? region (\d+)\b")
-
-
-@dataclasses.dataclass(frozen=True)
-class Bundle:
-    """One VLIW bundle: its address, loop depth, marker and text (ops and comments)."""
-
-    addr: int
-    depth: int
-    marker: str
-    text: str
-
-    @property
-    def empty(self) -> bool:
-        return self.text.split("{", 1)[1].lstrip().startswith("}")
-
-
-@dataclasses.dataclass
-class Loop:
-    """Bundles ``[start, end]`` (end = last delay slot of the back edge) and nested loops."""
-
-    start: int
-    end: int
-    children: list[Loop] = dataclasses.field(default_factory=list)
-    regions: list[Region] = dataclasses.field(default_factory=list)
-    mxu: bool = False
-
-    @property
-    def span(self) -> int:
-        return self.end - self.start + 1
-
-
-@dataclasses.dataclass
-class Region:
-    """Bundles ``[start, end)`` a forward branch skips; ``loops``: loops inside it."""
-
-    start: int
-    end: int
-    dma_start: bool = False
-    dma_wait: bool = False
-    loops: list[Loop] = dataclasses.field(default_factory=list)
-
-    @property
-    def span(self) -> int:
-        return self.end - self.start
-
-
-@dataclasses.dataclass
-class Dump:
-    """A parsed kernel: its bundles, top-level loops and top-level regions."""
-
-    name: str
-    bundles: list[Bundle]
-    loops: list[Loop]
-    regions: list[Region]
-    delay: int
-
-    def summary(self) -> list[Any]:
-        """Nested ``[span, [children...]]`` per top-level loop: the static code's shape."""
-
-        def walk(lp: Loop) -> list[Any]:
-            return [lp.span, [walk(c) for c in lp.children]]
-
-        return [walk(lp) for lp in self.loops]
-
-
-def parse_bundles(text: str) -> list[Bundle]:
-    """Split a ``final_bundles`` text into bundles (a bundle's comment may span lines)."""
-    ms = list(_BUNDLE.finditer(text))
-    out = []
-    for i, m in enumerate(ms):
-        end = ms[i + 1].start() if i + 1 < len(ms) else len(text)
-        out.append(
-            Bundle(int(m.group(1), 0), len(m.group(3)), m.group(2) or "", text[m.start() : end])
-        )
-    return out
-
-
-def _delay_slots(bundles: list[Bundle], branches: list[int]) -> int:
-    """Delay slots after a branch: the usual count of bundles before the next region mark."""
-    counts = []
-    for b in branches:
-        n = 0
-        for j in range(b + 1, min(b + 9, len(bundles))):
-            if (
-                bundles[j].marker
-                or _START.search(bundles[j].text)
-                or _BRANCH.search(bundles[j].text)
-            ):
-                break
-            n += 1
-            if "End region" in bundles[j].text:
-                break
-        counts.append(n)
-    return max(set(counts), key=counts.count) if counts else 0
-
-
-def parse_dump(text: str, name: str = "") -> Dump:
-    """Parse bundles and build the loop tree and the forward-branch regions."""
-    bundles = parse_bundles(text)
-    starts: dict[int, int] = {}
-    for i, b in enumerate(bundles):
-        for r in _START.findall(b.text):
-            starts.setdefault(int(r), i)
-    branches = [
-        (i, int(m.group(1))) for i, b in enumerate(bundles) for m in _BRANCH.finditer(b.text)
-    ]
-    delay = _delay_slots(bundles, [i for i, _ in branches])
-    loops, regions = [], []
-    for i, region in branches:
-        t = starts.get(region)
-        if t is None:
-            continue
-        if t <= i:
-            loops.append(Loop(t, min(i + delay, len(bundles) - 1)))
-        elif t > i + delay + 1:
-            regions.append(Region(i + delay + 1, t))
-    loops.sort(key=lambda lp: (lp.start, -lp.end))
-    roots: list[Loop] = []
-    stack: list[Loop] = []
-    for lp in loops:
-        while stack and not (stack[-1].start <= lp.start and lp.end <= stack[-1].end):
-            stack.pop()
-        (stack[-1].children if stack else roots).append(lp)
-        stack.append(lp)
-
-    def mark(lp: Loop) -> bool:
-        own = any(_MXU.search(bundles[j].text) for j in range(lp.start, lp.end + 1))
-        lp.mxu = own
-        for c in lp.children:
-            mark(c)
-        return own
-
-    for lp in roots:
-        mark(lp)
-    top: list[Region] = []
-    for rg in regions:
-        rg.dma_start = any(_DMA_START.search(bundles[j].text) for j in range(rg.start, rg.end))
-        rg.dma_wait = any(_DMA_WAIT.search(bundles[j].text) for j in range(rg.start, rg.end))
-        owner = _innermost(roots, rg.start, rg.end - 1)
-        rg.loops = [
-            c
-            for c in (owner.children if owner else roots)
-            if rg.start <= c.start and c.end < rg.end
-        ]
-        siblings = owner.regions if owner else top
-        # keep outermost regions only (a region inside another region of the same loop is
-        # part of it)
-        if any(o.start <= rg.start and rg.end <= o.end for o in siblings):
-            continue
-        for o in [o for o in siblings if rg.start <= o.start and o.end <= rg.end]:
-            siblings.remove(o)
-        siblings.append(rg)
-    for holder in [*_all_loops(roots)]:
-        holder.regions.sort(key=lambda r: r.start)
-    top.sort(key=lambda r: r.start)
-    return Dump(name, bundles, roots, top, delay)
-
-
-def _all_loops(loops: Sequence[Loop]) -> list[Loop]:
-    out = []
-    for lp in loops:
-        out.append(lp)
-        out.extend(_all_loops(lp.children))
-    return out
-
-
-def _innermost(loops: Sequence[Loop], a: int, b: int) -> Loop | None:
-    """Innermost loop holding bundles ``[a, b]`` in its body (a region that covers a whole
-    loop, its guard, belongs to the loop's parent)."""
-    for lp in loops:
-        if lp.start <= a and b <= lp.end and not (a <= lp.start and lp.end <= b):
-            return _innermost(lp.children, a, b) or lp
-    return None
-
-
-def iteration_cycles(
-    loop: Loop,
-    nested: Callable[[Loop], float | None],
-    weight: Callable[[Loop, Region], float] = lambda _lp, _rg: 1.0,
-) -> float:
-    """Bundles one iteration of ``loop`` issues.
-
-    Args:
-      loop: the loop.
-      nested: the cycles a nested loop takes per iteration of ``loop`` (its trips times its
-        iteration cost), or None when it runs zero trips.
-      weight: fraction of iterations that execute a region of this loop; a region holding
-        nested loops that all run zero trips is skipped whatever the weight says.
-    """
-    totals = {id(c): nested(c) for c in loop.children}
-    cost = float(loop.span)
-    for c in loop.children:
-        cost += (totals[id(c)] or 0.0) - c.span
-    for rg in loop.regions:
-        w = (
-            0.0
-            if rg.loops and all(totals.get(id(c)) is None for c in rg.loops)
-            else weight(loop, rg)
-        )
-        if w == 1.0:
-            continue
-        inner = sum((totals.get(id(c)) or 0.0) - c.span for c in rg.loops)
-        cost -= (1.0 - w) * (rg.span + inner)
-    return cost
-
-
-def straight_cycles(dump: Dump, exclude: Sequence[Region] = ()) -> int:
-    """Bundles outside every top-level loop (regions in ``exclude`` not counted)."""
-    inside = sum(lp.span for lp in dump.loops)
-    skip = sum(r.span - sum(c.span for c in r.loops) for r in exclude)
-    return len(dump.bundles) - inside - skip
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bundle_dump import (  # noqa: E402 - the script's own folder
+    Dump,
+    Loop,
+    Region,
+    iteration_cycles,
+    parse_dump,
+)
 
 # --------------------------------------------------------------------------------------------
 # Work and ceilings
@@ -512,7 +288,7 @@ def rpa_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float
                 )
         inner = bq_loop or bkv_loop
         total += iteration_cycles(
-            seq, lambda c, t=sum(bq_costs): t if c is inner else None, seq_weight
+            seq, lambda c, t=sum(bq_costs), x=inner: t if c is x else None, seq_weight
         )
     root = _unit_loop(dump)  # code outside the sequence loop runs once per call
     return iteration_cycles(root, lambda c: total if c is seq else None)
@@ -684,7 +460,8 @@ def _compile_rpa(case: str, a: argparse.Namespace, device: Any, generation: int)
                 dtype, dtype, a.heads, a.kv_heads, _cdiv(a.head_dim, 128) * 128, a.page, t,
                 nseq, pps, case=getattr(rpa.RpaCase, kind),
             )  # fmt: skip
-            name = f"RPA{sym}-p_{a.page}-bq_{bs['bq_sz']}_{bs['bq_csz']}-bkv_{bs['bkv_sz']}_{bs['bkv_csz']}"
+            blocks = f"bq_{bs['bq_sz']}_{bs['bq_csz']}-bkv_{bs['bkv_sz']}_{bs['bkv_csz']}"
+            name = f"RPA{sym}-p_{a.page}-{blocks}"
             out.append(dict(bs, variant=kind.lower(), name=name, page=a.page, q_lens=lens,
                             static_q_len=1 if kind == "DECODE" else a.chunk))  # fmt: skip
     return out
