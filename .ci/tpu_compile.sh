@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI step: the real TPU compiler, no TPU. Installs jax[tpu] (libtpu) at the jax version already
 # installed and runs tests/test_tpu_compile.py: the fast kernel grid on v5e and v6e, the
-# dispatch / swap / compile_check tests, and the whole engine step of a Llama-3-8B-shaped
-# config at tp=1 and tp=4 on v5e:2x2. Called from .ci/run inside its virtual environment.
+# dispatch / swap / compile_check tests, the whole engine step of a Llama-3-8B-shaped
+# config at tp=1 and tp=4 on v5e:2x2, and scripts/kernel_cycles.py end to end. Called from
+# .ci/run inside its virtual environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JAX_VERSION="$(python -c 'import jax; print(jax.__version__)')"
@@ -11,3 +12,5 @@ export JAX_PLATFORMS=cpu  # compile for abstract TPU devices; never bring up a T
 # Fast grid + everything not marked slow in the file, then the two Llama-3-8B engine checks.
 pytest tests/test_tpu_compile.py -q -m "not slow"
 pytest tests/test_tpu_compile.py -q -m slow -k "llama3_8b_whole_step"
+# The static kernel report (scripts/kernel_cycles.py) end to end on one small v5e shape.
+pytest tests/test_kernel_cycles.py -q -m slow -k "kernel_cycles_end_to_end"

@@ -57,8 +57,11 @@ visible key) pair; ``ratio_to_rpa`` divides paxcache's cycles per KiB (decode) o
 useful flop (prefill, mixed) by RPA v3's. Cycles are summed over every program on one
 TensorCore and compared with per-TensorCore clock, bandwidth and peak.
 
-Verified: compiling at ctx 2048 and 4096 gives the same static code (same bundle counts per
-loop) while the derived cycles scale with the trip counts (``--check-scaling``).
+Checked by compiling the same kernel at two sizes with the same block sizes (paxcache decode
+at ctx 2048 and 4096; RPA v3 prefill of a 512-token chunk at ctx 2048 and 4096): the static
+code (``static_code`` in the JSON: the loop tree's spans) is identical and the cycles scale as
+the trip counts say (``bench/results/kernel_cycles_20261201.md``). RPA's default KV block of a
+decode is ``min(16384 keys, ctx)``, so its decode code itself changes with ``ctx``.
 """
 
 from __future__ import annotations
@@ -524,6 +527,7 @@ def compile_family(family: str, target: str, case: str, a: argparse.Namespace) -
         env["LIBTPU_INIT_ARGS"] = (
             env.get("LIBTPU_INIT_ARGS", "")
             + f" --xla_jf_dump_to={d} --xla_jf_dump_llo_text=true --xla_jf_dump_to_filter={filt}"
+            " --xla_jf_dump_llo_pass_label_regex=final_bundles"
         ).strip()
         env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
