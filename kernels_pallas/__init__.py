@@ -4,8 +4,10 @@ Depends on JAX only; never imports ``paxcache``. Supported JAX releases and ever
 difference between them: :mod:`kernels_pallas.compat` (paxcache uses it too).
 
 Public API (README "Kernels"; the package's place in the repository: ARCHITECTURE.md):
-  ``paged_attention``, ``ragged_paged_attention`` (``kernels_pallas.attention``),
-  ``write_kv``, ``copy_blocks``, ``swap_blocks`` (``kernels_pallas.kv_ops``),
+  the cache value ``PagedKVCache`` and ``init_kv_cache``, its sizes and 8-bit scales
+  (``kernels_pallas.cache``); ``write_kv``, ``read_kv``, ``copy_blocks``, ``swap_blocks``
+  on a cache (``kernels_pallas.cache``, over the array-level ``kernels_pallas.kv_ops``);
+  ``paged_attention``, ``ragged_paged_attention`` on a cache (``kernels_pallas.attention``),
   the pure-jnp oracles in ``kernels_pallas.reference``, and the padding rule in
   ``kernels_pallas.buckets``.
 
@@ -25,16 +27,46 @@ kernel family, e.g. in interpret mode on CPU).
 from kernels_pallas import reference
 from kernels_pallas._dispatch import compile_probes, kernel_info, recording
 from kernels_pallas.attention import paged_attention, ragged_paged_attention
-from kernels_pallas.kv_ops import copy_blocks, swap_blocks, write_kv
+from kernels_pallas.cache import (
+    KV_CACHE_DTYPES,
+    PagedKVCache,
+    copy_blocks,
+    dequantize,
+    init_kv_cache,
+    kv_cache_bytes_per_block,
+    kv_cache_shape,
+    kv_cache_specs,
+    kv_cache_vmem_bytes,
+    quantize,
+    read_kv,
+    set_kv_scales,
+    swap_blocks,
+    swap_operands,
+    swap_program,
+    write_kv,
+)
 
 __all__ = [
+    "KV_CACHE_DTYPES",
+    "PagedKVCache",
     "compile_probes",
     "copy_blocks",
+    "dequantize",
+    "init_kv_cache",
     "kernel_info",
+    "kv_cache_bytes_per_block",
+    "kv_cache_shape",
+    "kv_cache_specs",
+    "kv_cache_vmem_bytes",
     "paged_attention",
+    "quantize",
     "ragged_paged_attention",
+    "read_kv",
     "recording",
     "reference",
+    "set_kv_scales",
     "swap_blocks",
+    "swap_operands",
+    "swap_program",
     "write_kv",
 ]

@@ -39,8 +39,21 @@ import numpy as np
 
 from kernels_pallas import _dispatch, reference
 from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
+from kernels_pallas.cache import (
+    PagedKVCache,
+    check_cache,
+    is_quantized_dtype,
+    resolve_layer,
+    write_kv,
+)
 
-__all__ = ["IMPLS", "paged_attention", "ragged_paged_attention"]
+__all__ = [
+    "IMPLS",
+    "paged_attention",
+    "paged_attention_pages",
+    "ragged_paged_attention",
+    "ragged_paged_attention_pages",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +96,10 @@ def _check_common(
         )
     if d != dk:
         raise ValueError(f"{name}: head_dim mismatch: q has D={d}, pages have D={dk}")
-    if q.dtype != k_pages.dtype:
+    if is_quantized_dtype(k_pages.dtype):
+        if not jnp.issubdtype(q.dtype, jnp.floating):
+            raise ValueError(f"{name}: q must be floating point, got {q.dtype}")
+    elif q.dtype != k_pages.dtype:
         raise ValueError(f"{name}: dtype mismatch: q is {q.dtype}, pages are {k_pages.dtype}")
     if block_tables.ndim != 2:
         raise ValueError(
@@ -150,8 +166,16 @@ def _layer_array(layer: Any) -> jax.Array:
     return jnp.asarray(0 if layer is None else layer, jnp.int32)
 
 
+_QUANTIZED_REASON = (
+    "8-bit KV pages: the Pallas attention kernels read float pages only (dequantizing "
+    "kernels are not written yet)"
+)
+
+
 def _reasons(q: jax.Array, k_pages: jax.Array) -> tuple[str | None, str | None]:
     """Why the TPU / GPU kernels cannot take these operands (None: they can)."""
+    if is_quantized_dtype(k_pages.dtype):
+        return _QUANTIZED_REASON, _QUANTIZED_REASON
     kh, _, s, d = k_pages.shape[-4:]
     gpu = _dispatch.gpu_attention_unsupported_reason(
         head_dim=d, num_q_per_kv=q.shape[1] // kh, block_size=s, dtype=q.dtype
@@ -162,18 +186,47 @@ def _reasons(q: jax.Array, k_pages: jax.Array) -> tuple[str | None, str | None]:
 _STATIC = ("sm_scale", "soft_cap", "sliding_window")
 
 
+def _scale_kw(k_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> dict:
+    """The oracles' dequantization scales: only for 8-bit pages."""
+    if not is_quantized_dtype(k_pages.dtype):
+        return {}
+    return dict(k_scale=k_scale, v_scale=v_scale)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, **kw):
+def _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, k_scale, v_scale, **kw):
+    scales = _scale_kw(k_pages, k_scale, v_scale)
     k_pages, v_pages = _select_layer(k_pages, layer), _select_layer(v_pages, layer)
-    return reference.paged_attention_reference(q, k_pages, v_pages, lengths, block_tables, **kw)
+    return reference.paged_attention_reference(
+        q, k_pages, v_pages, lengths, block_tables, **scales, **kw
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _ragged_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, **kw):
+def _ragged_reference(
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scale, v_scale, **kw
+):
     # Stacked pages go in whole: the XLA path gathers (layer, block) rows directly, where
     # slicing pages[layer] first would copy the layer's whole cache every call.
     return reference.ragged_paged_attention_xla(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer=layer, **kw
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        layer=layer,
+        **_scale_kw(k_pages, k_scale, v_scale),
+        **kw,
+    )
+
+
+def _scale_args(k_scale: Any, v_scale: Any) -> tuple[jax.Array, jax.Array]:
+    one = 1.0
+    return (
+        jnp.asarray(one if k_scale is None else k_scale, jnp.float32).reshape(()),
+        jnp.asarray(one if v_scale is None else v_scale, jnp.float32).reshape(()),
     )
 
 
@@ -185,7 +238,7 @@ def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) 
     return fn(q, k_pages, v_pages, *rest, **kwargs)
 
 
-def paged_attention(
+def paged_attention_pages(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -198,6 +251,8 @@ def paged_attention(
     impl: str = "auto",
     interpret: bool = False,
     layer: int | jax.Array | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """Decode attention over paged KV: one query token per sequence, at ``lengths[b] - 1``.
 
@@ -213,6 +268,7 @@ def paged_attention(
       impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"``.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       layer: layer index into stacked ``[L, ...]`` pages (int or traced i32 scalar).
+      k_scale, v_scale: the layer's dequantization scales (8-bit pages; ignored otherwise).
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -248,17 +304,18 @@ def paged_attention(
         jnp.asarray(lengths, jnp.int32),
         jnp.asarray(block_tables, jnp.int32),
         _layer_array(layer),
+        *_scale_args(k_scale, v_scale),
     )
 
-    def xla(q, k, v, lengths, tables, layer):
-        return _paged_reference(q, k, v, lengths, tables, layer, **kw)
+    def xla(q, k, v, lengths, tables, layer, ks, vs):
+        return _paged_reference(q, k, v, lengths, tables, layer, ks, vs, **kw)
 
-    def tpu(q, k, v, lengths, tables, layer):
+    def tpu(q, k, v, lengths, tables, layer, ks, vs):
         from kernels_pallas.tpu.paged_attention import paged_attention_tpu
 
         return paged_attention_tpu(q, k, v, lengths, tables, layer=layer, interpret=interpret, **kw)
 
-    def gpu(q, k, v, lengths, tables, layer):
+    def gpu(q, k, v, lengths, tables, layer, ks, vs):
         return _call_gpu(
             "paged_attention_gpu", (q, lengths, tables), k, v, layer, dict(kw, interpret=interpret)
         )
@@ -278,7 +335,7 @@ def paged_attention(
     )
 
 
-def ragged_paged_attention(
+def ragged_paged_attention_pages(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -293,6 +350,8 @@ def ragged_paged_attention(
     impl: str = "auto",
     interpret: bool = False,
     layer: int | jax.Array | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """Ragged causal attention over paged KV (decode, prefill, chunked prefill, prefix hits).
 
@@ -309,8 +368,8 @@ def ragged_paged_attention(
       block_tables: ``i32[B, M]`` block ids; negative ids mean "no block".
       cu_q_lens: ``i32[B + 1]`` cumulative query lengths, ``cu_q_lens[0] == 0``.
       num_seqs: scalar (or shape ``(1,)``) number of sequences that count.
-      sm_scale, soft_cap, sliding_window, impl, interpret, layer: as in
-        :func:`paged_attention`.
+      sm_scale, soft_cap, sliding_window, impl, interpret, layer, k_scale, v_scale: as in
+        :func:`paged_attention_pages`.
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -346,19 +405,20 @@ def ragged_paged_attention(
         jnp.asarray(cu_q_lens, jnp.int32),
         jnp.asarray(num_seqs, jnp.int32).reshape(()),
         _layer_array(layer),
+        *_scale_args(k_scale, v_scale),
     )
 
-    def xla(q, k, v, kv_lens, tables, cu, n, layer):
-        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, **kw)
+    def xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
+        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, **kw)
 
-    def tpu(q, k, v, kv_lens, tables, cu, n, layer):
+    def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(
             q, k, v, kv_lens, tables, cu, n, layer=layer, interpret=interpret, **kw
         )
 
-    def gpu(q, k, v, kv_lens, tables, cu, n, layer):
+    def gpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         return _call_gpu(
             "ragged_paged_attention_gpu",
             (q, kv_lens, tables, cu, n),
@@ -381,3 +441,121 @@ def ragged_paged_attention(
         gpu_reason=gpu_reason,
         static_key=tuple(sorted(kw.items())),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The public ops: on a PagedKVCache
+# --------------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: jax.Array,
+    cache: PagedKVCache,
+    lengths: jax.Array,
+    block_tables: jax.Array,
+    *,
+    layer: int | jax.Array | None = None,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention over a paged cache: one query token per sequence, at ``lengths - 1``.
+
+    Args:
+      q: ``[B, H, D]`` queries (the cache dtype for float caches; any float dtype for 8-bit
+        caches, which are dequantized with the layer's scales).
+      cache: the :class:`~kernels_pallas.cache.PagedKVCache`.
+      lengths: ``i32[B]`` tokens of each sequence; 0 marks a padding row (zeros out).
+      block_tables: ``i32[B, M]`` block ids; negative = no block. Entries past a sequence's
+        length are never read.
+      layer: the layer (int or traced i32 scalar; optional for a one-layer cache).
+      sm_scale, soft_cap, sliding_window, impl, interpret: as in
+        :func:`paged_attention_pages`.
+
+    Returns:
+      ``[B, H, D]`` in ``q.dtype``.
+    """
+    name = "paged_attention"
+    check_cache(name, cache)
+    layer = resolve_layer(name, cache, layer)
+    return paged_attention_pages(
+        q,
+        cache.k,
+        cache.v,
+        lengths,
+        block_tables,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        impl=impl,
+        interpret=interpret,
+        layer=layer,
+        k_scale=cache.k_scale[layer],
+        v_scale=cache.v_scale[layer],
+    )
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    cache: PagedKVCache,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    layer: int | jax.Array | None = None,
+    new_kv: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, PagedKVCache]:
+    """Ragged causal attention over a paged cache (decode, prefill, chunks, prefix hits).
+
+    Sequence ``s < num_seqs`` owns query rows ``cu_q_lens[s]:cu_q_lens[s + 1]``, the LAST
+    ``q_len`` of its ``kv_lens[s]`` tokens, in any order of decode and prefill sequences.
+
+    Args:
+      q: ``[T, H, D]`` token-packed queries.
+      cache: the :class:`~kernels_pallas.cache.PagedKVCache`.
+      kv_lens, block_tables, cu_q_lens, num_seqs: as in :func:`ragged_paged_attention_pages`.
+      layer: the layer (int or traced i32 scalar; optional for a one-layer cache).
+      new_kv: ``(k [T', K, D], v [T', K, D], slot_mapping i32[T'])``: the step's new tokens,
+        already counted in ``kv_lens``; they are written to ``layer`` (slots < 0 skipped)
+        before anything attends, and the updated cache is returned too. (Today the write is
+        the ``write_kv`` op inside the same program; the in-kernel fused write is to come.)
+      sm_scale, soft_cap, sliding_window, impl, interpret: as in
+        :func:`paged_attention_pages`.
+
+    Returns:
+      ``out [T, H, D]`` in ``q.dtype``; ``(out, cache)`` when ``new_kv`` is given.
+    """
+    name = "ragged_paged_attention"
+    check_cache(name, cache)
+    layer = resolve_layer(name, cache, layer)
+    if new_kv is not None:
+        if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 3:
+            raise ValueError(f"{name}: new_kv must be a tuple (k, v, slot_mapping)")
+        k, v, slots = new_kv
+        cache = write_kv(cache, k, v, slots, layer=layer, impl=impl, interpret=interpret)
+    out = ragged_paged_attention_pages(
+        q,
+        cache.k,
+        cache.v,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        impl=impl,
+        interpret=interpret,
+        layer=layer,
+        k_scale=cache.k_scale[layer],
+        v_scale=cache.v_scale[layer],
+    )
+    return out if new_kv is None else (out, cache)

@@ -1,12 +1,14 @@
-"""KV movement: write new tokens' K/V, copy blocks (copy-on-write, fork), swap blocks.
+"""KV movement on page arrays: write new tokens' K/V, copy blocks, swap blocks.
 
-Three public ops, semantics defined by the oracles in :mod:`kernels_pallas.reference`:
+The array-level implementations behind the cache ops of :mod:`kernels_pallas.cache`
+(``write_kv``, ``copy_blocks``, ``swap_blocks`` take a ``PagedKVCache`` and call these on its
+pages), with semantics defined by the oracles in :mod:`kernels_pallas.reference`:
 
-* :func:`write_kv`: scatter T tokens' K/V into their slots (``block * S + offset``); slots
+* :func:`write_pages`: scatter T tokens' K/V into their slots (``block * S + offset``); slots
   < 0 are padding and skipped.
-* :func:`copy_blocks`: copy whole blocks ``src[i] -> dst[i]``; pairs with a negative id are
+* :func:`copy_pages`: copy whole blocks ``src[i] -> dst[i]``; pairs with a negative id are
   skipped.
-* :func:`swap_blocks`: move blocks between two page arrays that may live in different memory
+* :func:`swap_pages`: move blocks between two page arrays that may live in different memory
   kinds (device HBM and ``pinned_host``), in either direction.
 
 Pages are ``[K, N, S, D]`` (one layer) or stacked ``[L, K, N, S, D]`` (the whole model, as
@@ -75,10 +77,10 @@ __all__ = [
     "IMPLS",
     "XLA_MOVES",
     "bucket_size",
-    "copy_blocks",
-    "swap_blocks",
+    "copy_pages",
+    "swap_pages",
     "swap_program",
-    "write_kv",
+    "write_pages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -293,7 +295,7 @@ def _write_xla(pages: jax.Array, new: jax.Array, slots: jax.Array, layer: Any) -
     return flat.reshape(pages.shape)
 
 
-def write_kv(
+def write_pages(
     k_pages: jax.Array,
     v_pages: jax.Array,
     k: jax.Array,
@@ -382,7 +384,7 @@ def write_kv(
 # --------------------------------------------------------------------------------------------
 
 
-def copy_blocks(
+def copy_pages(
     k_pages: jax.Array,
     v_pages: jax.Array,
     src: jax.Array,
@@ -604,7 +606,7 @@ def swap_program(
     return _swap_program(src_host, dst_host, shardings, False, donate, direct, loops), size
 
 
-def swap_blocks(
+def swap_pages(
     src_pages: jax.Array | Sequence[jax.Array],
     dst_pages: jax.Array | Sequence[jax.Array],
     src_ids: Any,

@@ -44,6 +44,12 @@ def _as_arrays(*xs):
     return tuple(jnp.asarray(x) for x in xs)
 
 
+def _real(pages: jax.Array, scale: jax.Array | float | None) -> jax.Array:
+    """Gathered pages in float32 real units: ``x * scale`` for 8-bit caches (scale given)."""
+    x = pages.astype(jnp.float32)
+    return x if scale is None else x * jnp.asarray(scale, jnp.float32)
+
+
 def _scale_and_cap(logits: jax.Array, sm_scale: float, soft_cap: float | None) -> jax.Array:
     logits = logits * sm_scale
     if soft_cap is not None:
@@ -72,6 +78,8 @@ def paged_attention_reference(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """Decode attention: one query token per sequence, at position ``lengths[b] - 1``.
 
@@ -83,6 +91,8 @@ def paged_attention_reference(
       sm_scale: logit scale, default ``D ** -0.5``.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: if set, only the last ``sliding_window`` keys are seen.
+      k_scale, v_scale: dequantization scales of 8-bit pages (real value = stored * scale);
+        None for float pages.
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -96,8 +106,8 @@ def paged_attention_reference(
     m = block_tables.shape[1]
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     tables = jnp.maximum(block_tables, 0)
-    k = k_pages[:, tables].reshape(k_heads, b, m * s, d).astype(jnp.float32)  # [K, B, MS, D]
-    v = v_pages[:, tables].reshape(k_heads, b, m * s, d).astype(jnp.float32)
+    k = _real(k_pages[:, tables].reshape(k_heads, b, m * s, d), k_scale)  # [K, B, MS, D]
+    v = _real(v_pages[:, tables].reshape(k_heads, b, m * s, d), v_scale)
     qg = q.reshape(b, k_heads, g, d).astype(jnp.float32)
     pos = jnp.arange(m * s)[None, :]  # [1, MS]
     lengths = lengths.astype(jnp.int32)[:, None]
@@ -155,6 +165,8 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """Ragged causal attention over paged KV: decode, prefill, chunked prefill, prefix hits.
 
@@ -172,6 +184,8 @@ def ragged_paged_attention_reference(
       block_tables: ``i32[B, M]``.
       cu_q_lens: ``i32[B + 1]``.
       num_seqs: scalar ``i32``.
+      sm_scale, soft_cap, sliding_window, k_scale, v_scale: as in
+        :func:`paged_attention_reference`.
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -186,8 +200,8 @@ def ragged_paged_attention_reference(
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     seq, pos, valid = ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)
     tables = jnp.maximum(block_tables[seq], 0)  # [T, M]
-    k = k_pages[:, tables].reshape(k_heads, t, m * s, d).astype(jnp.float32)
-    v = v_pages[:, tables].reshape(k_heads, t, m * s, d).astype(jnp.float32)
+    k = _real(k_pages[:, tables].reshape(k_heads, t, m * s, d), k_scale)
+    v = _real(v_pages[:, tables].reshape(k_heads, t, m * s, d), v_scale)
     kpos = jnp.arange(m * s)[None, :]
     mask = (kpos <= pos[:, None]) & valid[:, None]  # [T, MS]
     if sliding_window is not None:
@@ -224,6 +238,8 @@ def ragged_paged_attention_xla(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Same math as :func:`ragged_paged_attention_reference`, fast and memory-light on XLA.
@@ -238,8 +254,8 @@ def ragged_paged_attention_xla(
     hits, not memory traffic.
 
     Args:
-      q, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, soft_cap, sliding_window: as
-        in :func:`ragged_paged_attention_reference`.
+      q, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, soft_cap, sliding_window,
+        k_scale, v_scale: as in :func:`ragged_paged_attention_reference`.
       k_pages, v_pages: ``[K, N, S, D]``, or stacked ``[L, K, N, S, D]`` with ``layer``: the
         gathers index the stacked pages directly (no copy of the layer's pages is made).
       layer: layer index (int or traced ``i32`` scalar) into stacked pages.
@@ -279,8 +295,8 @@ def ragged_paged_attention_xla(
         seen = (cols[None, :] >= first_col[:, None]) & (cols[None, :] <= last_col[:, None])
         blk = jnp.where(seen & valid[:, None], jax.lax.dynamic_slice_in_dim(tables, i * c, c, 1), 0)
         # [T, C, K, S, D] -> [T, K, C*S, D]
-        kb = k_pages[layer, :, blk].astype(jnp.float32)
-        vb = v_pages[layer, :, blk].astype(jnp.float32)
+        kb = _real(k_pages[layer, :, blk], k_scale)
+        vb = _real(v_pages[layer, :, blk], v_scale)
         kb = jnp.swapaxes(kb, 1, 2).reshape(t, k_heads, c * s, d)
         vb = jnp.swapaxes(vb, 1, 2).reshape(t, k_heads, c * s, d)
         kpos = i * c * s + offs[None, :]  # [1, C*S]

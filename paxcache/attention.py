@@ -169,8 +169,7 @@ def paged_attention_op(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_cache: kp.PagedKVCache,
     metadata: AttentionMetadata,
     *,
     layer: int | jax.Array | None = None,
@@ -180,28 +179,31 @@ def paged_attention_op(
     impl: str | None = None,
     interpret: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Write this step's K/V into the paged cache, then attend over it (causal, ragged).
+) -> tuple[jax.Array, kp.PagedKVCache]:
+    """Write this step's K/V into the paged cache and attend over it (causal, ragged).
+
+    One call of :func:`kernels_pallas.ragged_paged_attention` in its fused form
+    (``new_kv=(k, v, metadata.slot_mapping)``).
 
     Args:
       q: ``[T, H, D]`` queries of the step's rows.
       k, v: ``[T, K, D]`` keys and values of the step's rows.
-      k_pages, v_pages: ``[K, N, S, D]``, or ``[L, K, N, S, D]`` with ``layer``.
+      kv_cache: the whole model's :class:`kernels_pallas.PagedKVCache`.
       metadata: the step's :class:`AttentionMetadata`.
-      layer: layer index into stacked pages (int or traced scalar, e.g. inside ``lax.scan``).
+      layer: the layer (int or traced scalar, e.g. inside ``lax.scan``).
       sm_scale, soft_cap, sliding_window: as in :func:`kernels_pallas.ragged_paged_attention`.
       impl, interpret: as in :func:`kernels_pallas.ragged_paged_attention`; None (default)
         takes the metadata's.
       mesh: default the metadata's. A mesh with a ``"tp"`` axis (see
         :mod:`paxcache.sharding`): the write and the attention run per device under
-        ``jax.shard_map``, on ``H / tp`` query heads and ``Kc / tp`` kv heads of the pages,
-        which must be split over heads (``P(None, "tp")``); metadata is replicated. With
-        ``Kc > K`` (kv heads replicated for ``tp > K``), ``k``/``v`` are repeated to ``Kc``
-        heads first (``Kc % K == 0``).
+        ``jax.shard_map``, on ``H / tp`` query heads and ``Kc / tp`` kv heads of the cache,
+        which must be split over heads (:func:`kernels_pallas.kv_cache_specs`); metadata is
+        replicated. With ``Kc > K`` (kv heads replicated for ``tp > K``), ``k``/``v`` are
+        repeated to ``Kc`` heads first (``Kc % K == 0``).
 
     Returns:
-      ``(out [T, H, D], (k_pages, v_pages))`` with the new K/V written. Padding rows of
-      ``out`` are zeros.
+      ``(out [T, H, D], kv_cache)`` with the new K/V written. Padding rows of ``out`` are
+      zeros.
 
     Raises:
       ValueError: with ``mesh``, head counts that do not split over its ``tp`` axis.
@@ -211,50 +213,38 @@ def paged_attention_op(
     mesh = metadata.mesh if mesh is None else mesh
     static_layer = layer is None or isinstance(layer, int)
 
-    def local(q, k, v, k_pages, v_pages, metadata, layer_arr):
+    def local(q, k, v, kv_cache, metadata, layer_arr):
         lyr = layer if static_layer else layer_arr
-        kv_kwargs: dict[str, Any] = {} if lyr is None else {"layer": lyr}
-        k_pages, v_pages = kp.write_kv(
-            k_pages,
-            v_pages,
-            k,
-            v,
-            metadata.slot_mapping,
-            impl=impl,
-            interpret=interpret,
-            **kv_kwargs,
-        )
-        out = kp.ragged_paged_attention(
+        return kp.ragged_paged_attention(
             q,
-            k_pages,
-            v_pages,
+            kv_cache,
             metadata.kv_lens,
             metadata.block_tables,
             metadata.cu_q_lens,
             metadata.num_seqs,
+            layer=lyr,
+            new_kv=(k, v, metadata.slot_mapping),
             sm_scale=sm_scale,
             soft_cap=soft_cap,
             sliding_window=sliding_window,
             impl=impl,
             interpret=interpret,
-            **kv_kwargs,
         )
-        return out, (k_pages, v_pages)
 
     layer_arr = None if static_layer else jnp.asarray(layer, jnp.int32)
     if mesh is None:
-        return local(q, k, v, k_pages, v_pages, metadata, layer_arr)
-    return _shard_over_heads(local, mesh, q, k, v, k_pages, v_pages, metadata, layer_arr)
+        return local(q, k, v, kv_cache, metadata, layer_arr)
+    return _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr)
 
 
-def _shard_over_heads(local, mesh, q, k, v, k_pages, v_pages, metadata, layer_arr):
+def _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr):
     """Runs ``local`` per device of ``mesh``'s ``tp`` axis, split over query and kv heads."""
     from paxcache.sharding import TP_AXIS
 
     if TP_AXIS not in mesh.shape:
         raise ValueError(f"paged_attention_op: mesh has no {TP_AXIS!r} axis: {mesh}")
     tp = mesh.shape[TP_AXIS]
-    h, kh, kc = q.shape[-2], k.shape[-2], k_pages.shape[-4]
+    h, kh, kc = q.shape[-2], k.shape[-2], kv_cache.num_kv_heads
     if h % tp or kc % tp:
         raise ValueError(
             f"paged_attention_op: tp={tp} must divide the query heads ({h}) and the cache's kv "
@@ -271,13 +261,13 @@ def _shard_over_heads(local, mesh, q, k, v, k_pages, v_pages, metadata, layer_ar
         k = jnp.repeat(k, kc // kh, axis=-2)
         v = jnp.repeat(v, kc // kh, axis=-2)
     heads = P(None, TP_AXIS, None)
-    pages = P(None, TP_AXIS) if k_pages.ndim == 5 else P(TP_AXIS)
+    cache_specs = kp.kv_cache_specs(TP_AXIS)
     md_specs = jax.tree.map(lambda _: P(), metadata)
     fn = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, heads, heads, pages, pages, md_specs, P()),
-        out_specs=(heads, (pages, pages)),
+        in_specs=(heads, heads, heads, cache_specs, md_specs, P()),
+        out_specs=(heads, cache_specs),
         check_vma=False,
     )
-    return fn(q, k, v, k_pages, v_pages, metadata, layer_arr)
+    return fn(q, k, v, kv_cache, metadata, layer_arr)

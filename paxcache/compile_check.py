@@ -155,27 +155,31 @@ class AbstractEngine(Engine):
         return jax.tree.map(lambda x: _abstract(x, where), state)
 
     def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
-        where = (
-            SingleDeviceSharding(self._devices[0])
-            if self.mesh is None
-            else sharding.kv_sharding(self.mesh)
-        )
-        shape = (
-            dims["num_layers"],
-            dims["num_kv_heads"],
-            dims["num_blocks"],
-            dims["block_size"],
-            dims["head_dim"],
-        )
-        dt = jnp.dtype(dims["dtype"])
-        k = jax.ShapeDtypeStruct(shape, dt, sharding=where)
-        host_k = None
-        if dims.get("num_host_blocks"):
-            hshape = (*shape[:2], dims["num_host_blocks"], *shape[3:])
-            host_k = jax.ShapeDtypeStruct(
-                hshape, dt, sharding=where.with_memory_kind("pinned_host")
+        def place(num_blocks: int, memory_kind: str | None) -> kernels_pallas.PagedKVCache:
+            shape = kernels_pallas.kv_cache_shape(
+                dims["num_layers"],
+                num_blocks,
+                dims["block_size"],
+                dims["num_kv_heads"],
+                dims["head_dim"],
+                dims["dtype"],
             )
-        return kv_cache.KVCache(k=k, v=k, host_k=host_k, host_v=host_k)
+            if self.mesh is None:
+                where = SingleDeviceSharding(self._devices[0], memory_kind=memory_kind)
+                return jax.tree.map(lambda x: _abstract(x, where), shape)
+            specs = kernels_pallas.kv_cache_specs(sharding.TP_AXIS)
+            return jax.tree.map(
+                lambda x, spec: _abstract(
+                    x, NamedSharding(self.mesh, spec, memory_kind=memory_kind)
+                ),
+                shape,
+                specs,
+            )
+
+        host = None
+        if dims.get("num_host_blocks"):
+            host = place(dims["num_host_blocks"], "pinned_host")
+        return kv_cache.KVCache(device=place(dims["num_blocks"], None), host=host)
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +316,7 @@ def check_engine(
             report["ok"] = False
             return report
         cfg = engine.cache_config
-        kv_per_device = _bytes_per_device((engine._kv.k, engine._kv.v))
+        kv_per_device = _bytes_per_device(jax.tree.leaves(engine._kv.device))
         report["engine"] = {
             "num_blocks": cfg.num_blocks,
             "block_size": cfg.block_size,
@@ -384,7 +388,7 @@ def _suggest_num_blocks(report: dict, build: Any, engine: AbstractEngine, hbm: i
             f"even a {probe_blocks}-block KV cache does not fit: {probe['error']}"
         )
         return
-    per_block = _bytes_per_device((small._kv.k, small._kv.v)) / probe_blocks
+    per_block = _bytes_per_device(jax.tree.leaves(small._kv.device)) / probe_blocks
     base = probe["memory"]["total_hbm"] - per_block * probe_blocks
     fit = int((hbm * 0.98 - base) // per_block)
     report["engine"]["step_bytes_besides_kv_per_chip"] = int(base)

@@ -76,7 +76,7 @@ class Engine:
 
     Args:
       model: a :class:`~paxcache.models.LlamaForCausalLM`, or any NNX module with the same
-        ``config`` / ``dtype`` / ``forward_paged(token_ids, kv_pages, metadata,
+        ``config`` / ``dtype`` / ``forward_paged(token_ids, kv_cache, metadata,
         logits_indices)`` interface whose attention is :class:`paxcache.nn.PagedAttention`.
         The engine's kernel choice and mesh reach that layer through the step's
         :class:`~paxcache.attention.AttentionMetadata`.
@@ -333,10 +333,10 @@ class Engine:
         """The cache the fused step takes: device pages only. The host pool stays out of the
         step (passed through it, XLA:TPU refuses the program: "HostOffloadOutputLocation
         Mismatch"); :meth:`_with_host_pool` puts it back on the step's result."""
-        return self._kv.replace(host_k=None, host_v=None)
+        return self._kv.replace(host=None)
 
     def _with_host_pool(self, kv: kv_cache.KVCache) -> kv_cache.KVCache:
-        return kv.replace(host_k=self._kv.host_k, host_v=self._kv.host_v)
+        return kv.replace(host=self._kv.host)
 
     def _max_swap_pairs(self) -> int:
         """Most blocks one swap program moves (a plan's pairs are moved in chunks of this):

@@ -1,20 +1,16 @@
 """KVCache: the whole model's paged K/V on the device, plus a host pool for swapping.
 
-Layout. K and V pages are each ONE stacked array ``[L, K, N, S, D]`` (layers, kv heads,
-device blocks, block size, head dim) rather than a list of per-layer arrays, because:
+The pages are a :class:`kernels_pallas.PagedKVCache`, an opaque value in the kernels' own
+layout (``kernels_pallas.cache``): this module never indexes them, it calls the kernels' ops
+(``write_kv``, ``copy_blocks``, ``swap_blocks``) and sizes blocks with
+``kv_cache_bytes_per_block``. All layers live in one value, so the model runs its layers under
+``lax.scan`` with the cache in the carry, the engine donates it across steps, and
+copy-on-write, fork and swap move a block in every layer with one gather/scatter or DMA.
 
-* the model runs its layers under ``lax.scan`` (compile time independent of depth); a scan
-  carries one array, and layer ``i`` is written in place with ``write_kv(..., layer=i)``
-  (a dynamic index into the stacked buffer, no per-layer copy) and read the same way by the
-  attention kernels (``layer=``);
-* the engine donates the cache across steps: two buffers to donate and alias, not ``2L``;
-* copy-on-write, fork and swap move a block in *every* layer: with stacked pages that is one
-  gather/scatter (or one DMA per block) over ``[L, K, S, D]`` instead of ``L`` of them.
-
-The host pool ``host_k``, ``host_v`` is ``[L, K, NH, S, D]`` with ``memory_kind="pinned_host"``
-(``None`` when ``num_host_blocks == 0``). Swapping uses :func:`kernels_pallas.swap_blocks`:
-gather on the source side, one transfer, scatter on the destination side (a Pallas DMA kernel
-on TPU).
+The host pool ``host`` is a second ``PagedKVCache`` of ``num_host_blocks`` blocks with
+``memory_kind="pinned_host"`` (``None`` when ``num_host_blocks == 0``), with the device's
+8-bit scales. Swapping uses :func:`kernels_pallas.swap_blocks`: gather on the source side,
+one transfer, scatter on the destination side.
 
 Every function returns a new ``KVCache``; the arrays they update are donated where the call
 runs its own program (``swap_out`` donates the host pool, ``swap_in`` the device pages), so
@@ -32,11 +28,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from kernels_pallas import kv_ops as kp
-from kernels_pallas.buckets import power_of_two_buckets
+import kernels_pallas as kp
+from kernels_pallas.buckets import next_power_of_two, power_of_two_buckets
 
 __all__ = [
     "KVCache",
@@ -72,45 +67,42 @@ class KVCache:
     """Paged K/V for every layer, on the device, plus an optional host pool.
 
     Attributes:
-      k: ``[L, K, N, S, D]`` key pages on the device.
-      v: ``[L, K, N, S, D]`` value pages on the device.
-      host_k: ``[L, K, NH, S, D]`` key blocks in ``pinned_host`` memory, or None (NH = 0).
-      host_v: ``[L, K, NH, S, D]`` value blocks in ``pinned_host`` memory, or None.
+      device: the device pages, a :class:`kernels_pallas.PagedKVCache` (L layers, N blocks).
+      host: the host pool (``NH`` blocks in ``pinned_host`` memory, same layout and scales),
+        or None (NH = 0).
     """
 
-    k: jax.Array
-    v: jax.Array
-    host_k: jax.Array | None = None
-    host_v: jax.Array | None = None
+    device: kp.PagedKVCache
+    host: kp.PagedKVCache | None = None
 
     # ---- shape accessors -----------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
+        return self.device.num_layers
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k.shape[1]
+        return self.device.num_kv_heads
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[2]
+        return self.device.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[3]
+        return self.device.block_size
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[4]
+        return self.device.head_dim
 
     @property
     def num_host_blocks(self) -> int:
-        return 0 if self.host_k is None else self.host_k.shape[2]
+        return 0 if self.host is None else self.host.num_blocks
 
     @property
     def dtype(self) -> jnp.dtype:
-        return self.k.dtype
+        return self.device.dtype
 
     @property
     def bytes_per_block(self) -> int:
@@ -133,32 +125,26 @@ class KVCache:
         sharding: Sharding | None = None,
         *,
         fill_value: float = 0.0,
+        k_scale: Any = 1.0,
+        v_scale: Any = 1.0,
     ) -> KVCache:
         """Allocate the cache.
 
         Args:
           num_layers, num_kv_heads, head_dim, num_blocks, block_size: L, K, D, N, S.
-          dtype: page dtype (e.g. ``jnp.bfloat16``).
+          dtype: cache dtype (e.g. ``jnp.bfloat16``; ``int8`` / ``float8_e4m3fn`` for 8-bit).
           num_host_blocks: NH blocks in the host pool (0 = no pool, no swapping).
-          sharding: sharding of the device pages (rank 5; e.g. a ``NamedSharding`` splitting
-            kv heads over a ``tp`` axis). The host pool uses the same sharding with the host
-            memory kind. Default: the first device.
+          sharding: sharding of the device pages (e.g. a ``NamedSharding`` splitting kv heads
+            over a ``tp`` axis, ``paxcache.sharding.kv_sharding``). The host pool uses the
+            same sharding with the host memory kind. Default: the first device.
           fill_value: initial value of every page; tests use ``float("nan")`` to prove nothing
             unwritten is ever read.
+          k_scale, v_scale: 8-bit caches' per-layer scales (scalar or ``f32[L]``).
 
         Raises:
-          ValueError: a non-positive dimension or negative ``num_host_blocks``.
+          ValueError: a non-positive dimension, negative ``num_host_blocks``, a bad dtype or
+            scale.
         """
-        dims = dict(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            num_blocks=num_blocks,
-            block_size=block_size,
-        )
-        for name, val in dims.items():
-            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
-                raise ValueError(f"KVCache.create: {name} must be a positive int, got {val!r}")
         if (
             isinstance(num_host_blocks, bool)
             or not isinstance(num_host_blocks, (int, np.integer))
@@ -167,27 +153,29 @@ class KVCache:
             raise ValueError(
                 f"KVCache.create: num_host_blocks must be an int >= 0, got {num_host_blocks!r}"
             )
-        if num_blocks * block_size >= 2**31:
-            raise ValueError("KVCache.create: num_blocks * block_size must fit in int32")
-        dtype = jnp.dtype(dtype)
         if sharding is None:
             sharding = SingleDeviceSharding(jax.devices()[0])
-        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+        dims = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        kw = dict(dtype=dtype, k_scale=k_scale, v_scale=v_scale, fill_value=fill_value)
+        try:
+            device = kp.init_kv_cache(*dims, sharding=sharding, **kw)
+            host = None
+            if num_host_blocks:
+                dev = next(iter(sharding.device_set))
+                host_sharding = sharding.with_memory_kind(host_memory_kind(dev))
+                host_dims = (num_layers, num_host_blocks, block_size, num_kv_heads, head_dim)
+                host = kp.init_kv_cache(*host_dims, sharding=host_sharding, **kw)
+        except ValueError as e:
+            raise ValueError(f"KVCache.create: {e}") from None
+        return cls(device=device, host=host)
 
-        def fill() -> jax.Array:
-            return jnp.full(shape, fill_value, dtype)
-
-        make = jax.jit(fill, out_shardings=sharding)
-        k, v = make(), make()
-        host_k = host_v = None
-        if num_host_blocks:
-            device = next(iter(sharding.device_set))
-            host_sharding = sharding.with_memory_kind(host_memory_kind(device))
-            hshape = (num_layers, num_kv_heads, num_host_blocks, block_size, head_dim)
-            # Built from numpy on the host: the pool never has to fit in device memory.
-            host_k = jax.device_put(np.full(hshape, fill_value, dtype), host_sharding)
-            host_v = jax.device_put(np.full(hshape, fill_value, dtype), host_sharding)
-        return cls(k=k, v=v, host_k=host_k, host_v=host_v)
+    def with_scales(self, *, k_scale: Any = None, v_scale: Any = None) -> KVCache:
+        """The same cache with new 8-bit scales on the device pages and the host pool."""
+        device = kp.set_kv_scales(self.device, k_scale=k_scale, v_scale=v_scale)
+        host = self.host
+        if host is not None:
+            host = kp.set_kv_scales(host, k_scale=k_scale, v_scale=v_scale)
+        return self.replace(device=device, host=host)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,14 +198,14 @@ def write_layer(
     Args:
       cache: the cache.
       layer: layer index (Python int or traced ``i32`` scalar, e.g. inside ``lax.scan``).
-      k, v: ``[T, K, D]`` in the cache dtype.
+      k, v: ``[T, K, D]`` (any float dtype; cast or quantized to the cache's).
       slot_mapping: ``i32[T]``, ``block * S + offset``; negative = padding, skipped.
       impl, interpret: see :func:`kernels_pallas.write_kv`.
     """
-    new_k, new_v = kp.write_kv(
-        cache.k, cache.v, k, v, slot_mapping, layer=layer, impl=impl, interpret=interpret
+    device = kp.write_kv(
+        cache.device, k, v, slot_mapping, layer=layer, impl=impl, interpret=interpret
     )
-    return cache.replace(k=new_k, v=new_v)
+    return cache.replace(device=device)
 
 
 def apply_copies(
@@ -243,24 +231,22 @@ def apply_copies(
       xla_moves: see :data:`kernels_pallas.kv_ops.XLA_MOVES`.
     """
 
-    def copy(k: jax.Array, v: jax.Array, s: jax.Array, d: jax.Array) -> tuple:
-        return kp.copy_blocks(k, v, s, d, impl=impl, interpret=interpret, xla_moves=xla_moves)
+    def copy(pages: kp.PagedKVCache, s: jax.Array, d: jax.Array) -> kp.PagedKVCache:
+        return kp.copy_blocks(pages, s, d, impl=impl, interpret=interpret, xla_moves=xla_moves)
 
     if mesh is None:
-        new_k, new_v = copy(cache.k, cache.v, src, dst)
+        device = copy(cache.device, src, dst)
     else:
+        from jax.sharding import PartitionSpec as P
+
         from paxcache.sharding import TP_AXIS
 
-        pages = P(None, TP_AXIS) if cache.k.ndim == 5 else P(TP_AXIS)
+        specs = kp.kv_cache_specs(TP_AXIS)
         copy = jax.shard_map(
-            copy,
-            mesh=mesh,
-            in_specs=(pages, pages, P(), P()),
-            out_specs=(pages, pages),
-            check_vma=False,
+            copy, mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs, check_vma=False
         )
-        new_k, new_v = copy(cache.k, cache.v, jnp.asarray(src), jnp.asarray(dst))
-    return cache.replace(k=new_k, v=new_v)
+        device = copy(cache.device, jnp.asarray(src), jnp.asarray(dst))
+    return cache.replace(device=device)
 
 
 def _plan_ids(src: Any, dst: Any, num: Any) -> tuple[Any, Any]:
@@ -275,7 +261,7 @@ def _plan_ids(src: Any, dst: Any, num: Any) -> tuple[Any, Any]:
 
 
 def _need_host(cache: KVCache, name: str) -> None:
-    if cache.host_k is None:
+    if cache.host is None:
         raise ValueError(f"{name}: the cache has no host pool (num_host_blocks=0)")
 
 
@@ -303,10 +289,8 @@ def swap_out(
     """
     _need_host(cache, "swap_out")
     src, dst = _plan_ids(plan_src, plan_dst, num)
-    host_k, host_v = kp.swap_blocks(
-        (cache.k, cache.v), (cache.host_k, cache.host_v), src, dst, impl=impl, xla_moves=xla_moves
-    )
-    return cache.replace(host_k=host_k, host_v=host_v)
+    host = kp.swap_blocks(cache.device, cache.host, src, dst, impl=impl, xla_moves=xla_moves)
+    return cache.replace(host=host)
 
 
 def swap_in(
@@ -332,15 +316,13 @@ def swap_in(
     """
     _need_host(cache, "swap_in")
     src, dst = _plan_ids(plan_src, plan_dst, num)
-    new_k, new_v = kp.swap_blocks(
-        (cache.host_k, cache.host_v), (cache.k, cache.v), src, dst, impl=impl, xla_moves=xla_moves
-    )
-    return cache.replace(k=new_k, v=new_v)
+    device = kp.swap_blocks(cache.host, cache.device, src, dst, impl=impl, xla_moves=xla_moves)
+    return cache.replace(device=device)
 
 
 def swap_buckets(max_pairs: int) -> tuple[int, ...]:
     """The padded pair counts a swap of up to ``max_pairs`` blocks can use (powers of two)."""
-    return power_of_two_buckets(kp.bucket_size(max(1, int(max_pairs))))
+    return power_of_two_buckets(next_power_of_two(max(1, int(max_pairs))))
 
 
 def warmup_swaps(cache: KVCache, max_pairs: int, *, impl: str = "auto") -> KVCache:
@@ -366,13 +348,14 @@ def swap_programs(cache: KVCache, max_pairs: int, *, impl: str = "auto") -> list
     ``swap_out[P]`` / ``swap_in[P]`` for the padded pair count ``P``.
     """
     _need_host(cache, "swap_programs")
-    dev, host = (cache.k, cache.v), (cache.host_k, cache.host_v)
+    dev, host = cache.device, cache.host
     out = []
     for p in swap_buckets(max_pairs):
         for name, src, dst in (("swap_out", dev, host), ("swap_in", host, dev)):
             fn, size = kp.swap_program(src, dst, p, impl=impl)
             ids = jax.ShapeDtypeStruct((size,), jnp.int32)
-            out.append((f"{name}[{size}]", fn, (src, dst, ids, ids)))
+            args = (kp.swap_operands(src), kp.swap_operands(dst), ids, ids)
+            out.append((f"{name}[{size}]", fn, args))
     return out
 
 
@@ -384,8 +367,8 @@ def swap_programs(cache: KVCache, max_pairs: int, *, impl: str = "auto") -> list
 def bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: Any
 ) -> int:
-    """Bytes of one block: K and V, every layer: ``2 * L * K * S * D * itemsize``."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
+    """Bytes of one block, K and V of every layer (``kp.kv_cache_bytes_per_block``)."""
+    return kp.kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
 
 def num_blocks_for_budget(

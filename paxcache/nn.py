@@ -1,7 +1,7 @@
 """Flax NNX layers on the paged KV cache.
 
 :class:`PagedAttention` is the one call a Flax model swaps in for its attention: given the
-step's projected ``q, k, v`` and the layer's KV pages, it writes the new keys and values into
+step's projected ``q, k, v`` and the model's KV cache, it writes the new keys and values into
 the pages and attends over each sequence's whole context (ragged batch: prefill, decode,
 chunked prefill and prefix hits together). It holds no parameters; the cache is passed in and
 returned, so it stays a pure value the caller can donate across steps.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+import kernels_pallas as kp
 from paxcache.attention import AttentionMetadata, paged_attention_op
 
 __all__ = ["PagedAttention"]
@@ -69,30 +70,30 @@ class PagedAttention(nnx.Module):
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,
-        kv_pages: tuple[jax.Array, jax.Array],
+        kv_cache: kp.PagedKVCache,
         metadata: AttentionMetadata,
         *,
         layer: int | jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, kp.PagedKVCache]:
         """Attend and update the cache.
 
         Args:
           q: ``[T, H, D]``; k, v: ``[T, K, D]`` (rotary embeddings already applied).
-          kv_pages: ``(k_pages, v_pages)``, each ``[K, N, S, D]`` or ``[L, K, N, S, D]``.
+          kv_cache: the model's :class:`kernels_pallas.PagedKVCache` (all layers; from
+            ``kp.init_kv_cache``).
           metadata: the step's :class:`~paxcache.attention.AttentionMetadata` (also says how
             the op runs: ``impl``, ``interpret``, ``mesh``).
-          layer: index into stacked pages (int, or a traced scalar inside ``lax.scan``).
+          layer: the layer (int, or a traced scalar inside ``lax.scan``; optional for a
+            one-layer cache).
 
         Returns:
-          ``(out [T, H, D], (k_pages, v_pages))``.
+          ``(out [T, H, D], kv_cache)`` with this step's K/V written.
         """
-        k_pages, v_pages = kv_pages
         return paged_attention_op(
             q,
             k,
             v,
-            k_pages,
-            v_pages,
+            kv_cache,
             metadata,
             layer=layer,
             sm_scale=self.sm_scale,

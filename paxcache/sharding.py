@@ -58,6 +58,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import kernels_pallas as kp
+
 __all__ = [
     "MAX_BROADCAST_BYTES",
     "TP_AXIS",
@@ -162,8 +164,9 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of stacked KV pages ``[L, Kc, N, S, D]``: split over kv heads."""
-    return NamedSharding(mesh, P(None, TP_AXIS))
+    """Sharding of the KV cache's pages: split over kv heads, as the kernels' layout says
+    (:func:`kernels_pallas.kv_cache_specs`; its scales are replicated)."""
+    return NamedSharding(mesh, kp.kv_cache_specs(TP_AXIS).k)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -534,10 +534,8 @@ def step(
     s = inputs.sampling
     pl = inputs.prompt_logprobs
     rows = s.logits_rows if pl is None else jnp.concatenate([s.logits_rows, pl.rows])
-    logits, (k_pages, v_pages) = model.forward_paged(
-        inputs.token_ids, (kv.k, kv.v), md, logits_indices=rows
-    )
-    kv = kv.replace(k=k_pages, v=v_pages)
+    logits, pages = model.forward_paged(inputs.token_ids, kv.device, md, logits_indices=rows)
+    kv = kv.replace(device=pages)
     prompt_out = prompt_rank = None
     if pl is not None:  # one forward: the samples' rows, then the prompt-logprob rows
         ns = s.logits_rows.shape[0]

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels_pallas as kp
+from kernels_pallas import attention as kpa
 
 log = logging.getLogger("bench_kernels")
 
@@ -130,11 +130,13 @@ def kv_bytes(kv_lens: np.ndarray, dtype) -> int:
 def decode_impls(backend: str, ref_ok: bool) -> dict[str, Callable]:
     scale = D**-0.5
     impls: dict[str, Callable] = {
-        "ours": jax.jit(lambda q, k, v, ln, bt: kp.paged_attention(q, k, v, ln, bt, impl="auto")),
+        "ours": jax.jit(
+            lambda q, k, v, ln, bt: kpa.paged_attention_pages(q, k, v, ln, bt, impl="auto")
+        ),
     }
     if ref_ok:
         impls["xla_reference"] = jax.jit(
-            lambda q, k, v, ln, bt: kp.paged_attention(q, k, v, ln, bt, impl="reference")
+            lambda q, k, v, ln, bt: kpa.paged_attention_pages(q, k, v, ln, bt, impl="reference")
         )
     if backend == "tpu":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_pa
@@ -158,7 +160,7 @@ def decode_impls(backend: str, ref_ok: bool) -> dict[str, Callable]:
 def ragged_impls(backend: str, ref_ok: bool) -> dict[str, Callable]:
     def ours(impl):
         return jax.jit(
-            lambda q, k, v, kl, bt, cu, ns: kp.ragged_paged_attention(
+            lambda q, k, v, kl, bt, cu, ns: kpa.ragged_paged_attention_pages(
                 q, k, v, kl, bt, cu, ns, impl=impl
             )
         )

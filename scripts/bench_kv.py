@@ -97,7 +97,7 @@ def main() -> None:
     host_sh = SingleDeviceSharding(dev, memory_kind=hkind)
     rng = np.random.default_rng(0)
     rows = []
-    state = {"k": cache.k, "v": cache.v, "hk": cache.host_k, "hv": cache.host_v}
+    state = {"k": cache.device.k, "v": cache.device.v, "hk": cache.host.k, "hv": cache.host.v}
 
     for p in args.counts:
         src = rng.permutation(n)[:p].astype(np.int32)  # device blocks
@@ -105,13 +105,13 @@ def main() -> None:
         nbytes = p * per_block
 
         def swap_out(src=src, dst=dst, moves="auto"):
-            state["hk"], state["hv"] = kv_ops.swap_blocks(
+            state["hk"], state["hv"] = kv_ops.swap_pages(
                 (state["k"], state["v"]), (state["hk"], state["hv"]), src, dst, xla_moves=moves
             )
             jax.block_until_ready((state["hk"], state["hv"]))
 
         def swap_in(src=src, dst=dst, moves="auto"):
-            state["k"], state["v"] = kv_ops.swap_blocks(
+            state["k"], state["v"] = kv_ops.swap_pages(
                 (state["hk"], state["hv"]), (state["k"], state["v"]), dst, src, xla_moves=moves
             )
             jax.block_until_ready((state["k"], state["v"]))
@@ -126,7 +126,7 @@ def main() -> None:
         def put_h2d(x=on_host):
             jax.device_put(x, dev_sh).block_until_ready()
 
-        copy_fn = jax.jit(lambda k, v, s, d: kv_ops.copy_blocks(k, v, s, d), donate_argnums=(0, 1))
+        copy_fn = jax.jit(lambda k, v, s, d: kv_ops.copy_pages(k, v, s, d), donate_argnums=(0, 1))
         pairs = rng.permutation(n)[: 2 * p].reshape(2, p).astype(np.int32)
         cs_j, cd_j = jnp.asarray(pairs[0]), jnp.asarray(pairs[1])
 

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tokens = [final[i].outputs[0].token_ids for i in ids]
         elapsed, n_steps = best
         out_tokens = sum(len(t) for t in tokens)
-        kv = eng._kv
+        kv = eng._kv.device
         row = {
             "tp": tp,
             "kv_heads_in_cache": int(kv.k.shape[1]),

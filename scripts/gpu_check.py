@@ -59,8 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels_pallas as kp
-from kernels_pallas import reference
+from kernels_pallas import kv_ops, reference
 from kernels_pallas.gpu import attention as ga
 
 EXIT_FAILED, EXIT_NOT_HOPPER, EXIT_HANG = 1, 2, 3
@@ -289,7 +288,7 @@ def kv_ops_case(*, dtype, seed=0) -> dict:
     slots = rng.permutation(16 * 16)[:10].astype(np.int32)
     slots[3] = -1
     kp_, vp_ = jnp.asarray(pages, dtype), jnp.asarray(pages, dtype)
-    k_out, _ = kp.write_kv(kp_, vp_, jnp.asarray(new, dtype), jnp.asarray(new, dtype),
+    k_out, _ = kv_ops.write_pages(kp_, vp_, jnp.asarray(new, dtype), jnp.asarray(new, dtype),
                            jnp.asarray(slots), layer=jnp.int32(1))  # fmt: skip
     want = np.array(jnp.asarray(pages, dtype), np.float32)
     for t, slot in enumerate(slots):
@@ -297,7 +296,7 @@ def kv_ops_case(*, dtype, seed=0) -> dict:
             want[1, :, slot // 16, slot % 16] = np.asarray(jnp.asarray(new[t], dtype), np.float32)
     ok_write = np.array_equal(np.asarray(k_out, np.float32), want)
     src, dst = np.array([0, 5, -1], np.int32), np.array([7, 9, 2], np.int32)
-    c_out, _ = kp.copy_blocks(kp_, vp_, jnp.asarray(src), jnp.asarray(dst))
+    c_out, _ = kv_ops.copy_pages(kp_, vp_, jnp.asarray(src), jnp.asarray(dst))
     want = np.array(jnp.asarray(pages, dtype), np.float32)
     want[..., [7, 9], :, :] = want[..., [0, 5], :, :]
     ok_copy = np.array_equal(np.asarray(c_out, np.float32), want)
@@ -502,7 +501,7 @@ def kv_ops_timing(bw, *, interpret=False) -> dict:
     t_tok = 256
     new = _device_normal(key, (t_tok, shape[1], shape[4]), dtype)
     slots = jax.random.permutation(key, shape[2] * shape[3])[:t_tok].astype(jnp.int32)
-    write = jax.jit(lambda p, n, sl: kp.write_kv(p, p, n, n, sl, layer=jnp.int32(3))[0],
+    write = jax.jit(lambda p, n, sl: kv_ops.write_pages(p, p, n, n, sl, layer=jnp.int32(3))[0],
                     donate_argnums=0)  # fmt: skip
     iters = 2 if interpret else 10
     pages = write(pages, new, slots)
@@ -514,7 +513,7 @@ def kv_ops_timing(bw, *, interpret=False) -> dict:
     pairs = 64
     src = jnp.arange(pairs, dtype=jnp.int32)
     dst = src + pairs
-    copy = jax.jit(lambda p, a, b: kp.copy_blocks(p, p, a, b)[0], donate_argnums=0)
+    copy = jax.jit(lambda p, a, b: kv_ops.copy_pages(p, p, a, b)[0], donate_argnums=0)
     pages = copy(pages, src, dst)
     t0 = time.perf_counter()
     for _ in range(iters):

@@ -104,25 +104,25 @@ def profile(eng: Engine, t: int, iters: int) -> dict[str, float]:
     layer = jnp.int32(cfg.num_hidden_layers - 1)
 
     @jax.jit
-    def attention(q, kp_, vp_, md, layer):
+    def attention(q, cache, md, layer):
         return kp.ragged_paged_attention(
-            q, kp_, vp_, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs, layer=layer
+            q, cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs, layer=layer
         )
 
-    out["attention_per_layer_ms"] = bench(attention, q, kv.k, kv.v, md, layer, iters=iters)
+    out["attention_per_layer_ms"] = bench(attention, q, kv.device, md, layer, iters=iters)
 
-    def write(kp_, vp_, k, md, layer):
-        return kp.write_kv(kp_, vp_, k, k, md.slot_mapping, layer=layer)
+    def write(cache, k, md, layer):
+        return kp.write_kv(cache, k, k, md.slot_mapping, layer=layer)
 
-    # Donated, as in the engine's step (in place); the pages thread through the calls.
-    write = jax.jit(write, donate_argnums=(0, 1))
-    pages = (kv.k, kv.v)
+    # Donated, as in the engine's step (in place); the cache threads through the calls.
+    write = jax.jit(write, donate_argnums=0)
+    pages = kv.device
     ts = []
     for _ in range(iters + 2):
         t0 = time.perf_counter()
-        pages = jax.block_until_ready(write(*pages, knew, md, layer))
+        pages = jax.block_until_ready(write(pages, knew, md, layer))
         ts.append(time.perf_counter() - t0)
-    eng._kv = kv.replace(k=pages[0], v=pages[1])
+    eng._kv = kv.replace(device=pages)
     out["write_kv_per_layer_ms"] = statistics.median(ts[2:])
 
     graphdef = eng._step_config.graphdef

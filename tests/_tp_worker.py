@@ -68,7 +68,7 @@ def step_args(eng: Engine, t: int) -> tuple:
 def forbidden_shapes(eng: Engine) -> set[tuple[int, ...]]:
     """Shapes a gathered KV cache or weight would have: whole, per layer, per layer-slice."""
     shapes = set()
-    for x in (eng._kv.k, eng._kv.v):
+    for x in (eng._kv.device.k, eng._kv.device.v):
         shapes.add(tuple(x.shape))
         shapes.add(tuple(x.shape[1:]))
     for leaf in jax.tree.leaves(eng._params):
@@ -110,17 +110,17 @@ def engine_report(model, tp: int, ps, **kw) -> tuple[Engine, dict]:
     t0 = time.perf_counter()
     eng = engine(model, tp, **kw)
     outs = eng.generate(ps, GREEDY)
-    kv = eng._kv
+    kv, host = eng._kv.device, eng._kv.host
     rep = {
         "tokens": [o.outputs[0].token_ids for o in outs],
         "kv_spec": str(kv.k.sharding.spec) if isinstance(kv.k.sharding, NamedSharding) else "",
         "kv_shape": list(kv.k.shape),
         "kv_shard_shape": list(kv.k.addressable_shards[0].data.shape),
         "kv_devices": len(kv.k.sharding.device_set),
-        "host_spec": str(kv.host_k.sharding.spec)
-        if isinstance(getattr(kv.host_k, "sharding", None), NamedSharding)
+        "host_spec": str(host.k.sharding.spec)
+        if host is not None and isinstance(host.k.sharding, NamedSharding)
         else "",
-        "host_memory_kind": getattr(getattr(kv.host_k, "sharding", None), "memory_kind", None),
+        "host_memory_kind": None if host is None else host.k.sharding.memory_kind,
         "state_replicated": all(
             x.sharding.is_fully_replicated and len(x.sharding.device_set) == tp
             for x in jax.tree.leaves(eng.block_manager.state)
@@ -226,7 +226,8 @@ def main() -> None:
         ps = sharding.broadcast_from_leader(ps if jax.process_index() == 0 else None)
         outs = eng.generate(ps, GREEDY)
         report["tokens"] = [o.outputs[0].token_ids for o in outs]
-        report["kv_spans_processes"] = len({d.process_index for d in eng._kv.k.sharding.device_set})
+        kv_devices = eng._kv.device.k.sharding.device_set
+        report["kv_spans_processes"] = len({d.process_index for d in kv_devices})
     elif suite == "k4":
         m4 = make_model(4)
         for tp in (1, 2, 4):

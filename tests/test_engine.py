@@ -259,7 +259,7 @@ def test_accelerator_sizing_reserves_the_largest_steps_buffers(model, dense_ref)
     )
     per_block = eng.bytes_per_block
     assert eng.cache_config.num_blocks == (int(0.9 * free) - reserve) // per_block
-    assert eng._kv.k.shape[2] == eng.cache_config.num_blocks
+    assert eng._kv.num_blocks == eng.cache_config.num_blocks
     # Without the reserve it would have been more blocks: the reserve is really taken off.
     plain, _ = kv_cache.num_blocks_for_budget(
         0.9, 2, 2, 16, BS, model.dtype, memory_stats=_FakeAcceleratorEngine.STATS

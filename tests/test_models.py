@@ -286,7 +286,7 @@ def test_paged_forward_with_its_own_attention_layer_equals_dense(model_type: str
     s, n = 4, 12
     seqs = [np.asarray(ids(1, 14, seed=13)[0]), np.asarray(ids(1, 9, seed=14)[0])]
     tables = jnp.asarray([[7, 2, 10, 0, -1], [5, 11, 3, -1, -1]], jnp.int32)
-    k_pages, v_pages = (jnp.full(p.shape, jnp.nan) for p in model.init_kv_pages(n, s))
+    cache = model.init_kv_cache(n, s, fill_value=float("nan"))
     dense = [np.asarray(model(jnp.asarray(x[None]))[0]) for x in seqs]
 
     # Steps: (seq, start, stop) chunks processed together in one flat batch per step.
@@ -300,9 +300,9 @@ def test_paged_forward_with_its_own_attention_layer_equals_dense(model_type: str
     ]
 
     @jax.jit
-    def run(state, toks, rows, q_lens, kv_lens, num_seqs, kp, vp):
+    def run(state, toks, rows, q_lens, kv_lens, num_seqs, cache):
         md = build_metadata(tables[rows], kv_lens, q_lens, num_seqs, 16, s, impl="reference")
-        return nnx.merge(graphdef, state).forward_paged(toks, (kp, vp), md)
+        return nnx.merge(graphdef, state).forward_paged(toks, cache, md)
 
     graphdef, state = nnx.split(model)
     for step in steps:
@@ -313,11 +313,10 @@ def test_paged_forward_with_its_own_attention_layer_equals_dense(model_type: str
             want += [dense[sid][p] for p in range(a, b)]
             rows[i], q_lens[i], kv_lens[i] = sid, b - a, b
         toks += [0] * (16 - len(toks))  # pad to a fixed bucket; padded rows write nowhere
-        logits, (k_pages, v_pages) = run(
+        logits, cache = run(
             state,
             *(jnp.asarray(a, jnp.int32) for a in (toks, rows, q_lens, kv_lens, len(step))),
-            k_pages,
-            v_pages,
+            cache,
         )
         chex.assert_shape(logits, (16, cfg.vocab_size))
         chex.assert_trees_all_close(logits[: len(want)], np.stack(want), atol=1e-4)
@@ -329,10 +328,10 @@ def test_forward_paged_logits_indices_selects_rows() -> None:
     toks = ids(1, 6, seed=16)[0]
     six = jnp.asarray([6], jnp.int32)
     md = build_metadata(jnp.asarray([[1, 0]], jnp.int32), six, six, 1, 6, 4, impl="reference")
-    pages = model.init_kv_pages(2, 4)
-    logits, (kp, _) = model.forward_paged(toks, pages, md, logits_indices=jnp.asarray([5, 2]))
+    cache = model.init_kv_cache(2, 4)
+    logits, cache = model.forward_paged(toks, cache, md, logits_indices=jnp.asarray([5, 2]))
     chex.assert_shape(logits, (2, cfg.vocab_size))
-    chex.assert_shape(kp, (2, 2, 2, 4, 8))  # [L, K, N, S, D]
+    assert (cache.num_layers, cache.num_kv_heads, cache.num_blocks) == (2, 2, 2)
     dense = model(toks[None])[0]
     chex.assert_trees_all_close(logits, dense[jnp.asarray([5, 2])], atol=1e-4)
 
@@ -351,4 +350,4 @@ def test_paged_forward_refuses_layers_with_different_windows() -> None:
     one = jnp.ones(1, jnp.int32)
     md = build_metadata(jnp.zeros((1, 2), jnp.int32), one, one, 1, 1, 4)
     with pytest.raises(ValueError, match="one sliding window"):
-        model.forward_paged(jnp.zeros(1, jnp.int32), model.init_kv_pages(2, 4), md)
+        model.forward_paged(jnp.zeros(1, jnp.int32), model.init_kv_cache(2, 4), md)

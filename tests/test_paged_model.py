@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import kernels_pallas as kp
 from paxcache import allocator
 from paxcache.attention import build_metadata, metadata_from_state
 from paxcache.config import CacheConfig
@@ -38,8 +39,7 @@ def _model(window=None, seed=0):
 
 
 def _nan_pages(model):
-    k, v = model.init_kv_pages(N, S)
-    return jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)
+    return model.init_kv_cache(N, S, fill_value=float("nan"))
 
 
 _JITTED: dict = {}
@@ -255,7 +255,7 @@ def test_paged_attention_layer_in_a_custom_model_matches_dense_attention():
 
     m = TinyAttn(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (11, 32))
-    pages = (jnp.full((4, 8, S, 8), jnp.nan), jnp.full((4, 8, S, 8), jnp.nan))
+    pages = kp.init_kv_cache(1, 8, S, 4, 8, jnp.float32, fill_value=float("nan"))  # one layer
     md = build_metadata(jnp.asarray([[3, 5, -1]]), jnp.asarray([11]), jnp.asarray([11]), 1, 16, S)
     xp = jnp.concatenate([x, jnp.zeros((5, 32))])
     out, _ = m(xp, pages, md)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels_pallas as kp
 from paxcache.attention import AttentionMetadata
 from paxcache.models.llama_config import (  # re-exported: the model's configuration
     NO_WINDOW,
@@ -433,20 +434,25 @@ class LlamaForCausalLM(nnx.Module):
             hidden = jnp.take(hidden, logits_indices, axis=0)
         return self.compute_logits(hidden), kv_cache
 
-    def init_kv_pages(
-        self, num_blocks: int, block_size: int, dtype: Any | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """Zero KV pages (k, v), each [L, K, N, S, D] in ``dtype`` (default compute dtype)."""
+    def init_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: Any | None = None,
+        *,
+        fill_value: float = 0.0,
+    ) -> kp.PagedKVCache:
+        """A KV cache for every layer (``kp.init_kv_cache``), in ``dtype`` (default: compute)."""
         cfg = self.config
-        shape = (
+        return kp.init_kv_cache(
             cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
             num_blocks,
             block_size,
+            cfg.num_key_value_heads,
             cfg.head_dim,
+            self.dtype if dtype is None else dtype,
+            fill_value=fill_value,
         )
-        dt = self.dtype if dtype is None else dtype
-        return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
 
 
 _NEXT_TOKEN_FNS: dict[Any, Callable[..., jax.Array]] = {}

@@ -1,0 +1,639 @@
+"""The paged KV cache: one opaque value in the kernels' layout, its sizes and its 8-bit scales.
+
+Every op of :mod:`kernels_pallas` takes and returns a :class:`PagedKVCache`; nothing outside
+this package indexes its arrays. Callers create it with :func:`init_kv_cache`, write it with
+``write_kv`` (or the fused ``ragged_paged_attention(..., new_kv=...)``), read it with
+``read_kv`` and the attention ops, and move blocks with ``copy_blocks`` / ``swap_blocks``.
+Sizes derive from here too: :func:`kv_cache_bytes_per_block` (sizing), :func:`kv_cache_specs`
+(the partition specs that split it over kv heads), :func:`kv_cache_vmem_bytes` (what the TPU
+attention kernels' KV buffers take in VMEM).
+
+Layout (private to this package; a slot is ``block * S + offset`` in every layout): K and V
+are each one stacked array ``[L, K, N, S, D]`` (layers, kv heads, blocks, block size, head
+dim) in the cache dtype. Stacking the layers lets a model run them under ``lax.scan`` with the
+cache in the carry (layer ``i`` is written and read in place through ``layer=``), lets the
+engine donate two buffers instead of ``2L``, and moves a block in every layer with one
+gather/scatter or DMA.
+
+8-bit caches (``int8``, ``float8_e4m3fn``) hold ``round(x / scale)`` (int8, clipped to
+[-127, 127]) or ``x / scale`` saturated to the e4m3 range (fp8), with per-layer scales
+``k_scale, v_scale: f32[L]``; reads dequantize to ``x_q * scale`` in float32. For
+``float32`` / ``bfloat16`` / ``float16`` caches the scales are stored as 1.0 and unused.
+
+Shape letters: L layers, N blocks, S block size, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "PagedKVCache",
+    "dequantize",
+    "init_kv_cache",
+    "is_quantized_dtype",
+    "kv_cache_bytes_per_block",
+    "kv_cache_shape",
+    "kv_cache_specs",
+    "kv_cache_vmem_bytes",
+    "quantize",
+    "set_kv_scales",
+]
+
+#: The cache dtypes every op takes.
+KV_CACHE_DTYPES = (
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float16),
+    jnp.dtype(jnp.int8),
+    jnp.dtype(jnp.float8_e4m3fn),
+)
+_QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+_INT8_MAX = 127.0
+_FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def is_quantized_dtype(dtype: Any) -> bool:
+    """Whether a cache of ``dtype`` stores scaled 8-bit values."""
+    return jnp.dtype(dtype) in _QUANTIZED
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """Paged K/V of every layer (opaque: use the ops of :mod:`kernels_pallas`).
+
+    Attributes:
+      k: ``[L, K, N, S, D]`` key pages, cache dtype.
+      v: ``[L, K, N, S, D]`` value pages, cache dtype.
+      k_scale: ``f32[L]`` per-layer key scale (8-bit dtypes; 1.0 otherwise).
+      v_scale: ``f32[L]`` per-layer value scale.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[4]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.k.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages hold scaled 8-bit values."""
+        return is_quantized_dtype(self.dtype)
+
+    @property
+    def memory_kind(self) -> str | None:
+        """The pages' memory kind (``"device"``, ``"pinned_host"``; None when unknown)."""
+        return getattr(getattr(self.k, "sharding", None), "memory_kind", None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages (K and V, all layers)."""
+        return 2 * math.prod(self.k.shape) * self.dtype.itemsize
+
+    def replace(self, **changes: Any) -> PagedKVCache:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_dims(name: str, **dims: Any) -> None:
+    for what, val in dims.items():
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name}: {what} must be a positive int, got {val!r}")
+
+
+def _check_dtype(name: str, dtype: Any) -> jnp.dtype:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{name}: unknown dtype {dtype!r}") from None
+    if dt not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"{name}: dtype must be one of {[str(d) for d in KV_CACHE_DTYPES]}, got {dt}"
+        )
+    return dt
+
+
+def _scale_array(name: str, what: str, value: Any, num_layers: int) -> jax.Array:
+    """A scalar or ``f32[L]`` scale as ``f32[L]``; concrete values must be finite and > 0."""
+    shape = np.shape(value)
+    if shape not in ((), (num_layers,)):
+        raise ValueError(
+            f"{name}: {what} must be a scalar or f32[{num_layers}] (one per layer), got shape "
+            f"{shape}"
+        )
+    if not isinstance(value, jax.core.Tracer):
+        host = np.asarray(value, np.float64)
+        if not np.all(np.isfinite(host)) or not np.all(host > 0):
+            raise ValueError(f"{name}: {what} must be finite and positive, got {host.tolist()}")
+    return jnp.broadcast_to(jnp.asarray(value, jnp.float32), (num_layers,))
+
+
+def kv_cache_shape(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.bfloat16,
+) -> PagedKVCache:
+    """The cache's abstract value: a :class:`PagedKVCache` of ``jax.ShapeDtypeStruct``s.
+
+    For ahead-of-time compilation and sizing (``jax.eval_shape`` of :func:`init_kv_cache`).
+    """
+    name = "kv_cache_shape"
+    _check_dims(
+        name,
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    dt = _check_dtype(name, dtype)
+    pages = jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_blocks, block_size, head_dim), dt)
+    scale = jax.ShapeDtypeStruct((num_layers,), jnp.float32)
+    return PagedKVCache(k=pages, v=pages, k_scale=scale, v_scale=scale)
+
+
+def kv_cache_specs(head_axis: str | None = None) -> PagedKVCache:
+    """Partition specs of a cache split over kv heads on mesh axis ``head_axis``.
+
+    A :class:`PagedKVCache` of ``PartitionSpec``s (pages split on their kv-head axis, scales
+    replicated), usable as ``shard_map`` in/out specs or to build ``NamedSharding``s.
+    """
+    pages = PartitionSpec(None, head_axis) if head_axis else PartitionSpec()
+    return PagedKVCache(k=pages, v=pages, k_scale=PartitionSpec(), v_scale=PartitionSpec())
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: Any
+) -> int:
+    """Bytes of one block, K and V of every layer: ``2 * L * K * S * D * itemsize``."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def kv_cache_vmem_bytes(
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    *,
+    max_blocks_per_seq: int,
+) -> int:
+    """VMEM the TPU attention kernels' KV double buffers take for this cache geometry."""
+    from kernels_pallas.tpu._attention_common import default_pages_per_compute_block
+
+    itemsize = jnp.dtype(dtype).itemsize
+    pages = default_pages_per_compute_block(
+        block_size,
+        max_blocks_per_seq,
+        128,
+        kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        itemsize=itemsize,
+    )
+    return 4 * pages * num_kv_heads * block_size * head_dim * itemsize
+
+
+def _scale_sharding(sharding: Sharding) -> Sharding:
+    """Replicated placement for the scales, on the pages' devices and memory kind."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
+    device = next(iter(sharding.device_set))
+    return SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+
+
+def init_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.bfloat16,
+    *,
+    k_scale: Any = 1.0,
+    v_scale: Any = 1.0,
+    fill_value: float = 0.0,
+    sharding: Sharding | None = None,
+) -> PagedKVCache:
+    """Allocate a cache of ``num_blocks`` blocks for every layer.
+
+    Args:
+      num_layers, num_blocks, block_size, num_kv_heads, head_dim: L, N, S, K, D.
+      dtype: ``float32``, ``bfloat16``, ``float16``, ``int8`` or ``float8_e4m3fn``.
+      k_scale, v_scale: 8-bit dtypes' dequantization scales, a scalar or ``f32[L]`` (finite,
+        positive); replace them later with :func:`set_kv_scales`. Must be 1.0 for the other
+        dtypes.
+      fill_value: initial value of every page slot (in real units: quantized like a write);
+        tests use NaN to prove nothing unwritten is read (int8 has no NaN: use e.g. 127).
+      sharding: placement of the page arrays (rank-5 sharding, e.g. a ``NamedSharding`` with
+        :func:`kv_cache_specs` pages spec, possibly with a host memory kind for a swap pool;
+        a host pool is built from host memory, never staged through the device). Default: the
+        first device.
+
+    Returns:
+      The cache.
+
+    Raises:
+      ValueError: a non-positive dimension, an unknown dtype, a bad scale, a NaN fill for an
+        int8 cache, or more slots than int32 addresses.
+    """
+    name = "init_kv_cache"
+    _check_dims(
+        name,
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    dt = _check_dtype(name, dtype)
+    if num_blocks * block_size >= 2**31:
+        raise ValueError(f"{name}: num_blocks * block_size must fit in int32")
+    ks = _scale_array(name, "k_scale", k_scale, num_layers)
+    vs = _scale_array(name, "v_scale", v_scale, num_layers)
+    if not is_quantized_dtype(dt):
+        for what, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(val, jax.core.Tracer) and not np.all(np.asarray(val) == 1.0):
+                raise ValueError(f"{name}: {what} applies to 8-bit caches only ({dt} has none)")
+    if dt == jnp.int8 and not math.isfinite(float(fill_value)):
+        raise ValueError(f"{name}: an int8 cache cannot hold fill_value={fill_value}")
+    if sharding is None:
+        sharding = SingleDeviceSharding(jax.devices()[0])
+    shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+    fill = _fill_bits(fill_value, dt, ks, vs)
+    if sharding.memory_kind in _HOST_KINDS:
+        # Built from numpy on the host: a swap pool never has to fit in device memory.
+        k = jax.device_put(np.full(shape, fill[0], dt), sharding)
+        v = jax.device_put(np.full(shape, fill[1], dt), sharding)
+    else:
+        k = jax.jit(lambda: jnp.full(shape, fill[0], dt), out_shardings=sharding)()
+        v = jax.jit(lambda: jnp.full(shape, fill[1], dt), out_shardings=sharding)()
+    scale_sharding = _scale_sharding(sharding)
+    return PagedKVCache(
+        k=k,
+        v=v,
+        k_scale=jax.device_put(ks, scale_sharding),
+        v_scale=jax.device_put(vs, scale_sharding),
+    )
+
+
+def _fill_bits(fill_value: float, dt: jnp.dtype, ks: jax.Array, vs: jax.Array) -> tuple:
+    """The stored fill for K and V: ``fill_value`` quantized with layer 0's scale (8-bit)."""
+    if not is_quantized_dtype(dt) or not math.isfinite(float(fill_value)):
+        return fill_value, fill_value
+    k0 = float(np.asarray(ks)[0])
+    v0 = float(np.asarray(vs)[0])
+    kq = np.asarray(quantize(jnp.float32(fill_value), k0, dt))
+    vq = np.asarray(quantize(jnp.float32(fill_value), v0, dt))
+    return kq.item(), vq.item()
+
+
+def set_kv_scales(cache: PagedKVCache, *, k_scale: Any = None, v_scale: Any = None) -> PagedKVCache:
+    """The same pages with new per-layer scales (scalar or ``f32[L]``; None keeps one).
+
+    The stored 8-bit values are not rescaled: set scales before the data they describe is
+    written (e.g. after calibrating on the first prefills, before serving).
+
+    Raises:
+      ValueError: a bad scale, or scales for a cache that is not 8-bit.
+    """
+    name = "set_kv_scales"
+    if not cache.quantized and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{name}: a {cache.dtype} cache has no scales (8-bit caches only)")
+    out = cache
+    sharding = getattr(cache.k_scale, "sharding", None)
+    for field, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if val is None:
+            continue
+        arr = _scale_array(name, field, val, cache.num_layers)
+        if sharding is not None and not isinstance(val, jax.core.Tracer):
+            arr = jax.device_put(arr, sharding)
+        out = out.replace(**{field: arr})
+    return out
+
+
+def quantize(x: jax.Array, scale: Any, dtype: Any) -> jax.Array:
+    """``x`` in real units -> the cache's stored values (``dtype``), with ``scale``.
+
+    For 8-bit dtypes: int8 ``clip(round(x / scale), -127, 127)``, fp8 ``clip(x / scale,
+    -448, 448)`` (e4m3 has no infinity: saturate instead of overflowing to NaN). Other
+    dtypes: a plain cast (``scale`` unused).
+    """
+    dt = jnp.dtype(dtype)
+    if not is_quantized_dtype(dt):
+        return x.astype(dt)
+    y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    if dt == jnp.int8:
+        return jnp.clip(jnp.round(y), -_INT8_MAX, _INT8_MAX).astype(dt)
+    return jnp.clip(y, -_FP8_MAX, _FP8_MAX).astype(dt)
+
+
+def dequantize(x: jax.Array, scale: Any, dtype: Any = jnp.float32) -> jax.Array:
+    """Stored values -> real units in ``dtype``: ``x * scale`` for 8-bit, else a cast."""
+    if not is_quantized_dtype(x.dtype):
+        return x.astype(dtype)
+    return (x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The ops on a cache (the array-level implementations: kernels_pallas.kv_ops)
+# --------------------------------------------------------------------------------------------
+
+
+def check_cache(name: str, cache: Any) -> PagedKVCache:
+    """``cache`` is a :class:`PagedKVCache` (raises ``ValueError`` naming the op otherwise)."""
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(
+            f"{name}: expected a kernels_pallas.PagedKVCache (from kp.init_kv_cache), got "
+            f"{type(cache).__name__}"
+        )
+    return cache
+
+
+def resolve_layer(name: str, cache: PagedKVCache, layer: Any) -> Any:
+    """``layer`` checked against the cache; a one-layer cache defaults to layer 0."""
+    if layer is None:
+        if cache.num_layers == 1:
+            return 0
+        raise ValueError(
+            f"{name}: the cache has {cache.num_layers} layers; pass layer= (int or i32 scalar)"
+        )
+    if isinstance(layer, (bool, np.bool_)):
+        raise ValueError(f"{name}: layer must be an integer, got {layer!r}")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= int(layer) < cache.num_layers:
+            raise ValueError(
+                f"{name}: layer={int(layer)} out of range for {cache.num_layers} layers"
+            )
+        return int(layer)
+    if np.ndim(layer) != 0 or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+        raise ValueError(f"{name}: layer must be an integer scalar, got {layer!r}")
+    return layer
+
+
+def _check_new_kv(name: str, cache: PagedKVCache, k: Any, v: Any) -> None:
+    if np.ndim(k) != 3 or np.shape(k) != np.shape(v):
+        raise ValueError(
+            f"{name}: k and v must both be [T, K, D] with the same shape, got {np.shape(k)} "
+            f"and {np.shape(v)}"
+        )
+    if tuple(np.shape(k)[1:]) != (cache.num_kv_heads, cache.head_dim):
+        raise ValueError(
+            f"{name}: k/v are [T, K, D] = {tuple(np.shape(k))} but the cache has "
+            f"K={cache.num_kv_heads}, D={cache.head_dim}"
+        )
+    for what, x in (("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}: {what} must be floating point, got {x.dtype}")
+
+
+def write_kv(
+    cache: PagedKVCache,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: Any,
+    *,
+    layer: int | jax.Array | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> PagedKVCache:
+    """Write T new tokens' K and V of one layer into their slots (in place under donation).
+
+    Args:
+      cache: the cache.
+      k, v: ``[T, K, D]`` in any float dtype; cast (8-bit: quantized with the layer's scale)
+        to the cache dtype.
+      slot_mapping: ``i32[T]``, ``block * S + offset``; negative = padding, skipped. Live
+        slots must be distinct.
+      layer: the layer to write (int or traced ``i32`` scalar; optional for one layer).
+      impl, interpret: see :mod:`kernels_pallas` (``"auto"``: the Mosaic TPU kernel on TPU,
+        XLA's in-place scatter elsewhere).
+
+    Returns:
+      The updated cache.
+
+    Raises:
+      ValueError: a bad cache, shapes, dtypes, layer, impl, or (host values) out-of-range or
+        duplicate slots.
+    """
+    from kernels_pallas import kv_ops
+
+    name = "write_kv"
+    check_cache(name, cache)
+    layer = resolve_layer(name, cache, layer)
+    _check_new_kv(name, cache, k, v)
+    kq = quantize(k, cache.k_scale[layer], cache.dtype)
+    vq = quantize(v, cache.v_scale[layer], cache.dtype)
+    new_k, new_v = kv_ops.write_pages(
+        cache.k, cache.v, kq, vq, slot_mapping, layer=layer, impl=impl, interpret=interpret
+    )
+    return cache.replace(k=new_k, v=new_v)
+
+
+def read_kv(
+    cache: PagedKVCache,
+    slot_mapping: Any,
+    *,
+    layer: int | jax.Array | None = None,
+    dtype: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The K and V stored at ``slot_mapping`` in one layer, in real units.
+
+    Args:
+      cache: the cache.
+      slot_mapping: ``i32[T]`` slots (``block * S + offset``); a negative slot reads zeros.
+      layer: the layer (int or traced scalar; optional for one layer).
+      dtype: the result dtype; default float32 for 8-bit caches, else the cache dtype.
+
+    Returns:
+      ``(k [T, K, D], v [T, K, D])``, dequantized.
+
+    Raises:
+      ValueError: a bad cache, layer or slot array, or (host values) slots out of range.
+    """
+    name = "read_kv"
+    check_cache(name, cache)
+    layer = resolve_layer(name, cache, layer)
+    if np.ndim(slot_mapping) != 1 or not jnp.issubdtype(
+        jnp.asarray(slot_mapping).dtype, jnp.integer
+    ):
+        raise ValueError(f"{name}: slot_mapping must be a 1-D integer array")
+    limit = cache.num_blocks * cache.block_size
+    host = isinstance(slot_mapping, (np.ndarray, list, tuple)) and np.size(slot_mapping)
+    if host and int(np.max(slot_mapping)) >= limit:
+        raise ValueError(
+            f"{name}: slot_mapping contains {int(np.max(slot_mapping))}, out of range for "
+            f"N * S={limit}"
+        )
+    out_dtype = (
+        jnp.dtype(dtype)
+        if dtype is not None
+        else (jnp.dtype(jnp.float32) if cache.quantized else cache.dtype)
+    )
+    slots = jnp.asarray(slot_mapping, jnp.int32)
+    live = slots >= 0
+    safe = jnp.where(live, slots, 0)
+    blk, off = safe // cache.block_size, safe % cache.block_size
+
+    def one(pages: jax.Array, scale: jax.Array) -> jax.Array:
+        x = pages[layer, :, blk, off]  # [T, K, D]
+        x = dequantize(x, scale[layer], out_dtype)
+        return jnp.where(live[:, None, None], x, jnp.zeros((), out_dtype))
+
+    return one(cache.k, cache.k_scale), one(cache.v, cache.v_scale)
+
+
+def copy_blocks(
+    cache: PagedKVCache,
+    src: Any,
+    dst: Any,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    xla_moves: str = "auto",
+) -> PagedKVCache:
+    """Copy whole blocks ``src[i] -> dst[i]`` in every layer's K and V (copy-on-write, fork).
+
+    Args:
+      cache: the cache.
+      src, dst: ``i32[P]`` block ids; a pair with a negative id is skipped. Destinations must
+        be distinct and must not be sources; all reads see the cache as before the call.
+      impl, interpret: see :func:`write_kv`.
+      xla_moves: how the XLA path copies (:data:`kernels_pallas.kv_ops.XLA_MOVES`).
+
+    Returns:
+      The updated cache (8-bit values are copied as stored: same scales on both sides).
+    """
+    from kernels_pallas import kv_ops
+
+    check_cache("copy_blocks", cache)
+    new_k, new_v = kv_ops.copy_pages(
+        cache.k, cache.v, src, dst, impl=impl, interpret=interpret, xla_moves=xla_moves
+    )
+    return cache.replace(k=new_k, v=new_v)
+
+
+def _check_swap_pair(name: str, src: Any, dst: Any) -> None:
+    check_cache(name, src)
+    check_cache(name, dst)
+    if src.dtype != dst.dtype:
+        raise ValueError(f"{name}: dtype mismatch: src cache {src.dtype} vs dst {dst.dtype}")
+    a, b = src.k.shape, dst.k.shape
+    if a[:2] != b[:2] or a[3:] != b[3:]:
+        raise ValueError(
+            f"{name}: the caches differ outside the block count: L, K, S, D = "
+            f"{(a[0], a[1], a[3], a[4])} vs {(b[0], b[1], b[3], b[4])}"
+        )
+
+
+def swap_blocks(
+    src_cache: PagedKVCache,
+    dst_cache: PagedKVCache,
+    src_ids: Any,
+    dst_ids: Any,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    donate: bool = True,
+    xla_moves: str = "auto",
+) -> PagedKVCache:
+    """Copy blocks ``src_ids[i]`` of ``src_cache`` to ``dst_ids[i]`` of ``dst_cache``.
+
+    The caches may live in different memory kinds (device HBM and ``pinned_host``): one
+    program gathers on the source side, makes one transfer and scatters on the destination
+    side (:func:`kernels_pallas.kv_ops.swap_pages`). Stored values move as they are (8-bit
+    stays 8-bit; the destination keeps its scales, which should equal the source's).
+
+    Args:
+      src_cache, dst_cache: caches with equal L, K, S, D and dtype.
+      src_ids, dst_ids: ``i32[P]``; a pair with a negative id is skipped. Destinations must
+        be distinct.
+      impl, interpret, donate, xla_moves: see :func:`kernels_pallas.kv_ops.swap_pages`
+        (``donate``: the destination's pages are consumed; use the returned cache).
+
+    Returns:
+      ``dst_cache`` with the blocks written.
+    """
+    from kernels_pallas import kv_ops
+
+    name = "swap_blocks"
+    _check_swap_pair(name, src_cache, dst_cache)
+    new_k, new_v = kv_ops.swap_pages(
+        (src_cache.k, src_cache.v),
+        (dst_cache.k, dst_cache.v),
+        src_ids,
+        dst_ids,
+        impl=impl,
+        interpret=interpret,
+        donate=donate,
+        xla_moves=xla_moves,
+    )
+    return dst_cache.replace(k=new_k, v=new_v)
+
+
+def swap_program(
+    src_cache: PagedKVCache,
+    dst_cache: PagedKVCache,
+    num_pairs: int,
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+    donate: bool = True,
+    xla_moves: str = "auto",
+) -> tuple[Any, int]:
+    """The jitted program :func:`swap_blocks` runs for these caches and pair count.
+
+    For warm-up and ahead-of-time compilation (the caches may hold ``ShapeDtypeStruct``s
+    whose shardings carry the memory kinds). Returns ``(fn, padded_pairs)``; call
+    ``fn(src_pages, dst_pages, src_ids, dst_ids)`` with :func:`swap_operands` of the caches.
+    """
+    from kernels_pallas import kv_ops
+
+    _check_swap_pair("swap_blocks", src_cache, dst_cache)
+    return kv_ops.swap_program(
+        swap_operands(src_cache),
+        swap_operands(dst_cache),
+        num_pairs,
+        impl=impl,
+        interpret=interpret,
+        donate=donate,
+        xla_moves=xla_moves,
+    )
+
+
+def swap_operands(cache: PagedKVCache) -> tuple[Any, Any]:
+    """The arrays a :func:`swap_program` moves for ``cache`` (its pages, in program order)."""
+    return (cache.k, cache.v)
