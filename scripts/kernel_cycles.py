@@ -523,7 +523,9 @@ def compile_family(family: str, target: str, case: str, a: argparse.Namespace) -
     """Compile one family in a fresh process; returns ``(meta, {name: Dump})``."""
     with tempfile.TemporaryDirectory(prefix="kernel_cycles_") as d:
         filt = "paxcache" if family == "paxcache" else "RPA"
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        # deviceless compiles never touch a TPU: another libtpu process's lockfile must not
+        # stop this one
+        env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         env["LIBTPU_INIT_ARGS"] = (
             env.get("LIBTPU_INIT_ARGS", "")
             + f" --xla_jf_dump_to={d} --xla_jf_dump_llo_text=true --xla_jf_dump_to_filter={filt}"
