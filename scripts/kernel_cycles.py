@@ -542,8 +542,9 @@ def compile_family(family: str, target: str, case: str, a: argparse.Namespace) -
         line = next((x for x in r.stdout.splitlines() if x.startswith("KERNEL_CYCLES_META ")), None)
         if r.returncode != 0 or line is None:
             tail = "\n".join((r.stderr or "").strip().splitlines()[-15:])
+            why = _compile_verdict(r.stderr or "")
             raise RuntimeError(
-                f"{family} {target} {case}: compile failed (rc {r.returncode}):\n{tail}"
+                f"{family} {target} {case}: compile failed (rc {r.returncode}) {why}\n{tail}"
             )
         meta = json.loads(line.split(" ", 1)[1])
         dumps = {}
@@ -567,8 +568,16 @@ def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
     _, nbytes, flops = case_work(case, a)
     rows = []
     families = ["paxcache"] + (["rpa"] if a.rpa_wheel else [])
+    peer_error = None
     for family in families:
-        meta, dumps = compile_family(family, target, case, a)
+        try:
+            meta, dumps = compile_family(family, target, case, a)
+        except RuntimeError as e:
+            if family == "paxcache":
+                raise
+            peer_error = str(e).splitlines()[0]
+            print(f"RPA v3 {target} {case}: {peer_error}", file=sys.stderr)
+            continue
         clock = chip["clock"]
         bw = meta["info"].get("bw") or chip["bw"]
         peak = meta["info"].get("peak") or chip["peak"]
@@ -598,7 +607,15 @@ def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
     for r in rows:
         if r["kernel"] == "paxcache":
             r["ratio_to_rpa"] = r[key] / peer[key] if peer and peer[key] else None
+            if peer_error:
+                r["rpa_error"] = peer_error
     return rows
+
+
+def _compile_verdict(err: str) -> str:
+    """The compiler's one-line reason in a failed compile's output (e.g. VMEM exceeded)."""
+    m = re.search(r"Ran out of memory in memory space \w+\. Used \S+ of \S+ \w+\.", err)
+    return m.group(0) if m else ""
 
 
 def _row(kernel, name, target, case, cyc, nbytes, flops, clock, bw, peak, dump) -> dict:  # noqa: ANN001
