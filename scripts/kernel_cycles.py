@@ -345,7 +345,9 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     q_lens = _q_lens(case, a)
     nseq, t = len(q_lens), sum(q_lens)
     m = _cdiv(a.ctx, a.page)
-    blocks = nseq * m + 1  # a runtime bound for these kernels: keep the compile small
+    # The page count is a runtime bound for these kernels, but a small cache lets XLA place it
+    # in VMEM, which turns every page DMA into vector copy loops: use a serving-sized cache.
+    blocks = max(nseq * m + 1, RPA_PAGES)
     cache = paxcache_cache(kp, device, blocks, a)
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32
