@@ -186,7 +186,12 @@ class Engine:
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
         )
         self.buckets = step_lib.token_buckets(max_num_batched_tokens)
-        self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size)
+        self._shapes = step_lib.StepShapes(
+            self.buckets,
+            max_num_seqs,
+            cfg.vocab_size,
+            decode_variant=self._wants_decode_variant(impl),
+        )
         graphdef, params = nnx.split(model)
         self.mesh, self._params = self._place_params(model, params, tp)
         self._step_config = step_lib.StepConfig(
@@ -635,11 +640,32 @@ class Engine:
                     if out.finished:
                         return
 
-    def _empty_step_args(self, t: int, masked: bool = False) -> tuple:
+    def _wants_decode_variant(self, impl: str) -> bool:
+        """Decode-only steps get their own program where the TPU kernels run (a TPU target
+        with ``impl="auto"``/``"pallas"``, or the TPU kernels forced, in interpret mode
+        too): the decode kernel is several times faster there than the ragged one. The
+        XLA and GPU paths run one attention for every batch, so one program is enough."""
+        if impl == "pallas_tpu":
+            return True
+        backend = self._target_backend()
+        return (impl in ("auto", "pallas") and backend == "tpu") or (
+            impl == "pallas" and backend == "cpu"
+        )
+
+    def decode_buckets(self) -> tuple[int, ...]:
+        """The token buckets a decode-only step can use (one token per row): those up to the
+        first bucket holding ``max_num_seqs`` rows; none without a decode variant."""
+        if not self._shapes.decode_variant:
+            return ()
+        fit = [t for t in self.buckets if t >= self._shapes.max_rows]
+        last = fit[0] if fit else self.buckets[-1]
+        return tuple(t for t in self.buckets if t <= last)
+
+    def _empty_step_args(self, t: int, masked: bool = False, decode: bool = False) -> tuple:
         """``(state, kv, params, inputs)`` of a step with T=t that runs nothing (warm-up,
         ahead-of-time compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``:
         the variant with an allowed-token bitmask (constrained decoding)."""
-        inputs = step_lib.empty_inputs(self._shapes, t)
+        inputs = step_lib.empty_inputs(self._shapes, t).replace(decode_only=decode)
         if masked:  # all tokens allowed
             w = grammar.bitmask_words(self._shapes.vocab_size)
             inputs = inputs.replace(allowed=np.full((self._shapes.max_rows, w), -1, np.int32))
@@ -649,7 +675,9 @@ class Engine:
         """Compiles every program serving can run, so serving never compiles.
 
         Every token bucket of the fused step (with ``warmup_structured`` and llguidance, also
-        its masked variant, which constrained requests run), the block manager's allocator
+        its masked variant, which constrained requests run; on TPU also the decode-only
+        variant of the buckets a decode step can use, :meth:`decode_buckets`), the block
+        manager's allocator
         functions and, with a host pool, every swap program (out and in, every pair bucket). A
         Mosaic TPU kernel that fails to compile is replaced by the XLA path here, with one
         warning naming the op and the error (``stats()["kernel_impls"]``: ``"xla (fallback:
@@ -667,11 +695,12 @@ class Engine:
         # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.
         with kernels_pallas.compile_probes():
             masks = (False, True) if self.warmup_structured and grammar.available() else (False,)
-            variants = [(t, m) for m in masks for t in self.buckets]
-            for i, (t, masked) in enumerate(variants):
+            variants = [(t, m, False) for m in masks for t in self.buckets]
+            variants += [(t, m, True) for m in masks for t in self.decode_buckets()]
+            for i, (t, masked, decode) in enumerate(variants):
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()
-                state, kv, out = self._jit_step(*self._empty_step_args(t, masked))
+                state, kv, out = self._jit_step(*self._empty_step_args(t, masked, decode))
                 self._kv = self._with_host_pool(kv)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
@@ -683,7 +712,7 @@ class Engine:
                     i + 1,
                     len(variants),
                     t,
-                    " (constrained)" if masked else "",
+                    " (constrained)" * masked + " (decode only)" * decode,
                     time.perf_counter() - tb,
                     " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
                 )

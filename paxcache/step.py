@@ -153,11 +153,15 @@ class StepShapes:
       buckets: token-count buckets, ascending (a step runs the smallest that fits).
       max_rows: R, rows (and samples) per step.
       vocab_size: V (``top_k`` is clamped to it).
+      decode_variant: decode-only plans get their own program (``StepInputs.decode_only``):
+        on TPU, where the decode kernel beats the ragged one; elsewhere the attention is the
+        same for both and one program serves every plan.
     """
 
     buckets: tuple[int, ...]
     max_rows: int
     vocab_size: int
+    decode_variant: bool = False
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding ``num_tokens``."""
@@ -233,6 +237,9 @@ class StepInputs:
       allowed: ``i32[R, ceil(V/32)]`` per-sample allowed-token bitmask (bit ``t % 32`` of
         word ``t // 32``: token ``t`` may be sampled), or None when no sample of the plan is
         constrained (:func:`prepare_allowed`). Unconstrained samples' rows are all ones.
+      decode_only: static; every row feeds one token and row ``i`` is the ``i``-th token
+        (set by :func:`prepare_tokens` when ``StepShapes.decode_variant`` asks for it): the
+        step runs the attention's decode kernel (``max_q_len=1``), a program of its own.
     """
 
     token_ids: jax.Array
@@ -244,6 +251,7 @@ class StepInputs:
     sampling: SamplingInputs
     prompt_logprobs: PromptLogprobInputs | None = None
     allowed: jax.Array | None = None
+    decode_only: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
@@ -306,6 +314,11 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
         grows=grows,
     )
     return arrays, row_ends
+
+
+def is_decode_only(plan: StepPlan, shapes: StepShapes) -> bool:
+    """Whether ``plan`` runs the decode variant: every row feeds exactly one token."""
+    return shapes.decode_variant and bool(plan.rows) and all(q == 1 for _, q in plan.rows)
 
 
 def prepare_sampling(
@@ -414,7 +427,13 @@ def prepare_inputs(plan: StepPlan, shapes: StepShapes) -> tuple[StepInputs, set[
     sampling, failed = prepare_sampling(plan, row_ends, shapes)
     prompt = prepare_prompt_logprobs(plan, row_ends, tokens["token_ids"].shape[0])
     allowed, failed_masks = prepare_allowed(plan, shapes)
-    inputs = StepInputs(**tokens, sampling=sampling, prompt_logprobs=prompt, allowed=allowed)
+    inputs = StepInputs(
+        **tokens,
+        sampling=sampling,
+        prompt_logprobs=prompt,
+        allowed=allowed,
+        decode_only=is_decode_only(plan, shapes),
+    )
     return inputs, failed | failed_masks
 
 
@@ -530,6 +549,8 @@ def step(
     )
     # A refused row writes nothing (its blocks are not there).
     md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
+    if inputs.decode_only:  # one token per row: the attention's decode kernel
+        md = md.replace(max_q_len=1)
     model = nnx.merge(config.graphdef, params)
     s = inputs.sampling
     pl = inputs.prompt_logprobs
