@@ -1,32 +1,39 @@
 """Mosaic TPU Pallas kernel: paged decode attention (one query token per sequence).
 
-Design:
+Decode reads every KV byte once and does little math per byte, so the kernel is built to keep
+the bundles per KiB of KV below the HBM time (the static schedule of libtpu's final bundles):
 
-* Grid ``(C, B / C)`` with ``C = 2`` (``"parallel"``: the two TensorCores of a v4/v5p
-  megacore chip each take half the sequences; one-core chips run the halves in turn) and the
-  sequences of a half in order (``"arbitrary"``). Program ``(c, i)`` handles sequence
-  ``b = c * B / C + i`` and walks its kv range in steps of ``P`` pages
-  (``pages_per_compute_block``), all ``K`` kv heads at once. The ``G = H // K`` query heads
-  of a kv head are processed together (GQA/MQA), so each KV page is read once per group.
+* Grid ``(C, B / C)`` with ``C = 2`` (``"parallel"``: the two TensorCores of a megacore chip
+  each take half the sequences; one-core chips run the halves in turn), the sequences of a
+  half in order (``"arbitrary"``). Program ``(c, i)`` handles sequence ``b = c * B / C + i``
+  and walks its kv range in steps of ``P`` pages (:func:`decode_pages_per_step`: ~2048 keys
+  within ``DECODE_KV_VMEM_BUDGET``, sizes padded to the VMEM tiles), all ``K`` kv heads at
+  once; the ``G = H // K`` query heads of a kv head are processed together (GQA/MQA).
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``lengths i32[B]``. Block tables stay in HBM;
-  program ``i`` DMAs the *next* sequence's table row into SMEM while it computes
-  (:class:`~kernels_pallas.tpu._attention_common.TableRows`), so tables of any size work and
-  only the first row of each half is waited for.
-* KV pages stay in HBM (``memory_space=ANY``); each step DMAs ``P`` pages, one descriptor per
-  page covering every kv head (``pages.at[layer, :, block]``), into a two-slot VMEM scratch:
-  step ``j + 1`` is started before step ``j`` is computed (double buffering).
-* Only pages holding keys the query may see are copied: ``[first_page, cdiv(length, S))``,
-  where ``first_page`` skips pages wholly outside the sliding window. Slots past the length
-  are masked with ``where`` (never by multiplication), so NaN garbage cannot leak; a length-0
-  row copies nothing and returns zeros. Negative block ids are clamped to 0 for addressing.
-* Matmuls take the pages' dtype (bf16 on the MXU) with float32 accumulation; the online
-  softmax state is float32 (``_attention_common.attend_step``).
-* Stacked caches: pages are addressed as ``[L, K, N, S, D]`` and the layer is a prefetched
-  scalar, so a ``lax.scan`` over layers reads ``pages.at[layer]`` without copying a layer.
+  each program DMAs the *next* sequence's table row into SMEM while it computes
+  (:class:`~kernels_pallas.tpu._attention_common.TableRows`), so tables of any size work.
+* KV pages stay in HBM (``memory_space=ANY``). A step issues one DMA per page for K and one
+  for V (``pages.at[layer, :, block]``, every kv head) into a two-slot, page-major VMEM
+  scratch ``[2, P, K, S, D]``; step ``j + 1`` is started before step ``j`` is computed, and
+  a step waits ONCE per buffer (a descriptor as large as all of its copies: DMA semaphores
+  count bytes). Bounds checks are off when compiled (every address is clamped in range).
+* The heads are unrolled. A step whose keys are all visible (the steady state) runs with no
+  mask at all; only the step holding the length (or the window's first key) masks logits and
+  zeroes the value rows no query may see, so NaN garbage in unwritten slots cannot leak
+  (keys need no such care: their logits are replaced by ``where``). A length-0 row copies
+  nothing and returns zeros; negative block ids are clamped to 0 for addressing, and table
+  entries past a length are never read.
+* Matmuls take the pages' dtype (bf16 on the MXU) with float32 accumulation and a float32
+  online softmax.
 
-Compiled for v5e and v6e in the tests (``tests/test_tpu_compile.py``) for bf16 and f32,
-``D`` in {64, 128, 256}, ``G`` 1..8, ``S`` 8..128, sliding window, soft cap and tables of 256
-sequences x 32K tokens; correctness is checked in TPU interpret mode on CPU.
+Trip counts (for the static schedule, ``scripts/kernel_cycles.py``): per sequence, the grid
+body once, ``ceil(length / (P * S))`` steps (each: the loop head and the unmasked body, or
+the masked body for the edge step) and one next-step DMA issue per step but the last.
+
+Also the TPU path of ``ragged_paged_attention(..., max_q_len=1)`` (a decode-only batch).
+Compiled for v5e, v6e and TPU7x in the tests (``tests/test_tpu_compile.py``) for bf16 and
+f32, ``D`` in {64, 128, 256}, ``G`` 1..8, ``S`` 8..128, sliding window, soft cap and tables of
+256 sequences x 32K tokens; correctness is checked in TPU interpret mode on CPU.
 """
 
 from __future__ import annotations
