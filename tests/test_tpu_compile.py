@@ -94,16 +94,18 @@ def _qwen2_7b_ragged(where: jax.Device | None):
             return jax.ShapeDtypeStruct(shape, dtype)
         return aot.spec(shape, dtype, where)
 
+    cache = jax.tree.map(
+        lambda x: s(x.shape, x.dtype), kp.kv_cache_shape(28, 300, 16, 4, 128, jnp.bfloat16)
+    )
     args = (
-        s((96, 28, 128), jnp.bfloat16), s((28, 4, 300, 16, 128), jnp.bfloat16),
-        s((28, 4, 300, 16, 128), jnp.bfloat16), s((12,), i32), s((12, 40), i32),
+        s((96, 28, 128), jnp.bfloat16), cache, s((12,), i32), s((12, 40), i32),
         s((13,), i32), s((), i32), s((), i32),
     )  # fmt: skip
 
-    def fn(q, k, v, lens, tables, cu, n, layer):
-        out = kp.ragged_paged_attention(q, k, v, lens, tables, cu, n, layer=layer)
-        k, v = kp.write_kv(k, v, q[:, :4], q[:, 4:8], lens[:1].repeat(96), layer=layer)
-        return out, k, v
+    def fn(q, cache, lens, tables, cu, n, layer):
+        out = kp.ragged_paged_attention(q, cache, lens, tables, cu, n, layer=layer)
+        cache = kp.write_kv(cache, q[:, :4], q[:, 4:8], lens[:1].repeat(96), layer=layer)
+        return out, cache
 
     return fn, args
 
@@ -111,7 +113,7 @@ def _qwen2_7b_ragged(where: jax.Device | None):
 def test_auto_under_a_tpu_default_device_compiles_the_mosaic_kernels(chip):
     fn, args = _qwen2_7b_ragged(chip)
     with aot.tpu_target([chip]):
-        compiled = jax.jit(fn, donate_argnums=(1, 2)).trace(*args).lower().compile()
+        compiled = jax.jit(fn, donate_argnums=(1,)).trace(*args).lower().compile()
         assert kp.kernel_info()["ragged_paged_attention"] == "pallas_tpu"
         assert kp.kernel_info()["write_kv"] == "pallas_tpu"
     assert compiled.as_text().count("tpu_custom_call") >= 2
@@ -152,9 +154,12 @@ def test_a_kernel_mosaic_rejects_falls_back_to_xla_with_one_warning(chip, monkey
     monkeypatch.setattr(_dispatch, "_PROBED", {})
     monkeypatch.setattr(_dispatch, "_WARNED", set())
     i32 = jnp.int32
+    cache = jax.tree.map(
+        lambda x: aot.spec(x.shape, x.dtype, chip),
+        kp.kv_cache_shape(1, 64, 16, 2, 128, jnp.float32),
+    )
     args = (
-        aot.spec((8, 8, 128), jnp.float32, chip), aot.spec((2, 64, 16, 128), jnp.float32, chip),
-        aot.spec((2, 64, 16, 128), jnp.float32, chip), aot.spec((8,), i32, chip),
+        aot.spec((8, 8, 128), jnp.float32, chip), cache, aot.spec((8,), i32, chip),
         aot.spec((8, 4), i32, chip),
     )  # fmt: skip
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
