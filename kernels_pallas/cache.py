@@ -572,6 +572,21 @@ def _check_swap_pair(name: str, src: Any, dst: Any) -> None:
             f"{name}: the caches differ outside the block count: L, K, S, D = "
             f"{(a[0], a[1], a[3], a[4])} vs {(b[0], b[1], b[3], b[4])}"
         )
+    if src.quantized:
+        # Stored 8-bit values move as they are: with other scales they would silently mean
+        # other values. Checked when the scales are concrete (not traced, not abstract).
+        for what in ("k_scale", "v_scale"):
+            x, y = getattr(src, what), getattr(dst, what)
+            if not all(isinstance(z, jax.Array) and not isinstance(z, jax.core.Tracer)
+                       for z in (x, y)):  # fmt: skip
+                continue
+            hx, hy = np.asarray(x), np.asarray(y)
+            if not np.array_equal(hx, hy):
+                raise ValueError(
+                    f"{name}: the caches' {what}s differ ({hx.tolist()} vs {hy.tolist()}); "
+                    "8-bit blocks move as stored, so both sides need the same scales "
+                    "(set_kv_scales)"
+                )
 
 
 def swap_blocks(

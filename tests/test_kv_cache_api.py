@@ -518,12 +518,17 @@ def test_swap_blocks_to_pinned_host_and_back_is_exact_and_keeps_scales(dtype):
     chex.assert_trees_all_equal((back.k_scale, back.v_scale), (dev.k_scale, dev.v_scale))
 
 
-def test_swap_blocks_refuses_caches_that_do_not_match():
+def test_swap_blocks_refuses_caches_that_do_not_match_including_8bit_scales():
     a = _new_cache(jnp.int8)
     with pytest.raises(ValueError, match="dtype mismatch"):
         kp.swap_blocks(a, _new_cache(jnp.float8_e4m3fn), [0], [0])
     with pytest.raises(ValueError, match="outside the block count"):
         kp.swap_blocks(a, kp.init_kv_cache(L, N, S, K, 2 * D, jnp.int8), [0], [0])
+    other = kp.set_kv_scales(_new_cache(jnp.int8), v_scale=V_SCALE * 2)
+    with pytest.raises(ValueError, match="v_scales differ"):
+        kp.swap_blocks(a, other, [0], [0])
+    with pytest.raises(ValueError, match="k_scales differ"):
+        kp.swap_blocks(kp.set_kv_scales(a, k_scale=1.0), _new_cache(jnp.int8), [0], [0])
     b = kp.init_kv_cache(L, 2 * N, S, K, D, jnp.int8, k_scale=K_SCALE, v_scale=V_SCALE)
     out = kp.swap_blocks(a, b, [1], [N + 1])  # a different block count is fine
     chex.assert_shape(out.k, b.k.shape)
