@@ -79,6 +79,15 @@ def rope_cos_sin(
     rule is applied per sequence (HF takes the batch's longest), so batching does not change a
     sequence's result.
 
+    Known gap (paged path): :meth:`LlamaForCausalLM.hidden_states_paged` decides per step
+    from the sequence's length after the step, and K/V already in the cache keep the factors
+    they were written with. HF's ``generate`` instead drops the cache at the step that crosses
+    the original length and recomputes the whole sequence with the long factors
+    (``Phi3ForCausalLM.prepare_inputs_for_generation``). A sequence whose first paged step
+    is already past the original length, or that never reaches it, matches HF exactly; one
+    that crosses it later (a long prompt in several prefill chunks, or decoding past it)
+    differs from that step on, until the engine learns to recompute it.
+
     Args:
         cfg: the config.
         positions: i32[...] token positions.
