@@ -315,6 +315,7 @@ def test_family_flags_come_from_the_model_type() -> None:
         ({**PHI3_LONGROPE, "original_max_position_embeddings": 0}, "original_max_position"),
         ({"partial_rotary_factor": 0.2}, "partial_rotary_factor"),  # R = 1
         ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+        ({"rope_parameters": {"partial_rotary_factor": "half"}}, "partial_rotary_factor"),
         ({"model_type": "olmo2", "clip_qkv": 8.0}, "clip_qkv"),
     ],
 )

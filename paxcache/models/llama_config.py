@@ -313,6 +313,12 @@ class LlamaConfig:
                     for k, v in rope_params.items()
                     if k not in ("rope_theta", "partial_rotary_factor")
                 }
+        if partial is not None and (
+            isinstance(partial, bool) or not isinstance(partial, (int, float))
+        ):
+            raise ConfigError(
+                f"config field partial_rotary_factor must be a number, got {partial!r}"
+            )
         max_pos = int(d.get("max_position_embeddings", 2048))
         if isinstance(rope_scaling, Mapping) and _rope_type(rope_scaling) in ("longrope", "su"):
             orig = d.get("original_max_position_embeddings")
