@@ -352,7 +352,7 @@ def check_engine(
             report["programs"].append(
                 _compile_program(f"step[T={t}]", "step", engine._jit_step, args, hbm)
             )
-        decode = engine.decode_buckets()
+        decode = engine.decode_buckets
         if decode:
             # The decode-only variant at its largest bucket (the smaller ones differ only in
             # the decode kernel's grid, and each costs a whole step compile).

@@ -186,12 +186,9 @@ class Engine:
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
         )
         self.buckets = step_lib.token_buckets(max_num_batched_tokens)
-        self._shapes = step_lib.StepShapes(
-            self.buckets,
-            max_num_seqs,
-            cfg.vocab_size,
-            decode_variant=self._wants_decode_variant(impl),
-        )
+        decode = step_lib.wants_decode_variant(impl, self._target_backend())
+        self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size, decode)
+        self.decode_buckets = step_lib.decode_buckets(self._shapes)  # () off TPU kernels
         graphdef, params = nnx.split(model)
         self.mesh, self._params = self._place_params(model, params, tp)
         self._step_config = step_lib.StepConfig(
@@ -328,11 +325,10 @@ class Engine:
 
     def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
         """The KV cache (split over kv heads on the ``tp`` mesh)."""
-        if self.mesh is None:
-            return kv_cache.KVCache.create(**dims)
         from paxcache import sharding
 
-        return kv_cache.KVCache.create(**dims, sharding=sharding.kv_sharding(self.mesh))
+        where = None if self.mesh is None else sharding.kv_sharding(self.mesh)
+        return kv_cache.KVCache.create(**dims, sharding=where)
 
     def _device_kv(self) -> kv_cache.KVCache:
         """The cache the fused step takes: device pages only. The host pool stays out of the
@@ -340,7 +336,7 @@ class Engine:
         Mismatch"); :meth:`_with_host_pool` puts it back on the step's result."""
         return self._kv.replace(host=None)
 
-    def _with_host_pool(self, kv: kv_cache.KVCache) -> kv_cache.KVCache:
+    def _with_host_pool(self, kv: kv_cache.KVCache) -> kv_cache.KVCache:  # see _device_kv
         return kv.replace(host=self._kv.host)
 
     def _max_swap_pairs(self) -> int:
@@ -640,35 +636,11 @@ class Engine:
                     if out.finished:
                         return
 
-    def _wants_decode_variant(self, impl: str) -> bool:
-        """Decode-only steps get their own program where the TPU kernels run (a TPU target
-        with ``impl="auto"``/``"pallas"``, or the TPU kernels forced, in interpret mode
-        too): the decode kernel is several times faster there than the ragged one. The
-        XLA and GPU paths run one attention for every batch, so one program is enough."""
-        if impl == "pallas_tpu":
-            return True
-        backend = self._target_backend()
-        return (impl in ("auto", "pallas") and backend == "tpu") or (
-            impl == "pallas" and backend == "cpu"
-        )
-
-    def decode_buckets(self) -> tuple[int, ...]:
-        """The token buckets a decode-only step can use (one token per row): those up to the
-        first bucket holding ``max_num_seqs`` rows; none without a decode variant."""
-        if not self._shapes.decode_variant:
-            return ()
-        fit = [t for t in self.buckets if t >= self._shapes.max_rows]
-        last = fit[0] if fit else self.buckets[-1]
-        return tuple(t for t in self.buckets if t <= last)
-
     def _empty_step_args(self, t: int, masked: bool = False, decode: bool = False) -> tuple:
         """``(state, kv, params, inputs)`` of a step with T=t that runs nothing (warm-up,
-        ahead-of-time compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``:
-        the variant with an allowed-token bitmask (constrained decoding)."""
-        inputs = step_lib.empty_inputs(self._shapes, t).replace(decode_only=decode)
-        if masked:  # all tokens allowed
-            w = grammar.bitmask_words(self._shapes.vocab_size)
-            inputs = inputs.replace(allowed=np.full((self._shapes.max_rows, w), -1, np.int32))
+        AOT compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``, ``decode``: the
+        constrained / decode-only variants (:func:`step.empty_inputs`)."""
+        inputs = step_lib.empty_inputs(self._shapes, t, masked=masked, decode=decode)
         return self.block_manager.state, self._device_kv(), self._params, inputs
 
     def warmup(self) -> None:
@@ -676,9 +648,8 @@ class Engine:
 
         Every token bucket of the fused step (with ``warmup_structured`` and llguidance, also
         its masked variant, which constrained requests run; on TPU also the decode-only
-        variant of the buckets a decode step can use, :meth:`decode_buckets`), the block
-        manager's allocator
-        functions and, with a host pool, every swap program (out and in, every pair bucket). A
+        variant of ``decode_buckets``), the block manager's allocator functions and, with a
+        host pool, every swap program (out and in, every pair bucket). A
         Mosaic TPU kernel that fails to compile is replaced by the XLA path here, with one
         warning naming the op and the error (``stats()["kernel_impls"]``: ``"xla (fallback:
         ...)"``).
@@ -696,7 +667,7 @@ class Engine:
         with kernels_pallas.compile_probes():
             masks = (False, True) if self.warmup_structured and grammar.available() else (False,)
             variants = [(t, m, False) for m in masks for t in self.buckets]
-            variants += [(t, m, True) for m in masks for t in self.decode_buckets()]
+            variants += [(t, m, True) for m in masks for t in self.decode_buckets]
             for i, (t, masked, decode) in enumerate(variants):
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()

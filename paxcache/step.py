@@ -316,6 +316,28 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
     return arrays, row_ends
 
 
+def wants_decode_variant(impl: str, backend: str) -> bool:
+    """Whether decode-only steps get their own program: where the TPU kernels run (a TPU
+    backend with ``impl="auto"`` / ``"pallas"``, or the TPU kernels forced, interpret mode
+    too), the decode kernel is several times faster than the ragged one. The XLA and GPU
+    paths run one attention for every batch, so one program is enough there."""
+    if impl == "pallas_tpu":
+        return True
+    return (impl in ("auto", "pallas") and backend == "tpu") or (
+        impl == "pallas" and backend == "cpu"
+    )
+
+
+def decode_buckets(shapes: StepShapes) -> tuple[int, ...]:
+    """The token buckets a decode-only step can use (one token per row): those up to the
+    first holding ``max_rows`` rows; none without a decode variant."""
+    if not shapes.decode_variant:
+        return ()
+    fit = [t for t in shapes.buckets if t >= shapes.max_rows]
+    last = fit[0] if fit else shapes.buckets[-1]
+    return tuple(t for t in shapes.buckets if t <= last)
+
+
 def is_decode_only(plan: StepPlan, shapes: StepShapes) -> bool:
     """Whether ``plan`` runs the decode variant: every row feeds exactly one token."""
     return shapes.decode_variant and bool(plan.rows) and all(q == 1 for _, q in plan.rows)
@@ -465,10 +487,19 @@ def read_result(
     return StepResult(state=state, failed_requests=failed, **host)
 
 
-def empty_inputs(shapes: StepShapes, num_tokens: int) -> StepInputs:
+def empty_inputs(
+    shapes: StepShapes, num_tokens: int, *, masked: bool = False, decode: bool = False
+) -> StepInputs:
     """Inputs of a step of ``num_tokens`` (a bucket) that runs nothing: warm-up, ahead-of-time
-    compilation, HLO inspection."""
+    compilation, HLO inspection. ``masked``: the variant with an allowed-token bitmask (all
+    tokens allowed; constrained decoding); ``decode``: the decode-only variant."""
     inputs, _ = prepare_inputs(StepPlan(), dataclasses.replace(shapes, buckets=(num_tokens,)))
+    inputs = inputs.replace(decode_only=decode)
+    if masked:
+        from paxcache import grammar
+
+        words = grammar.bitmask_words(shapes.vocab_size)
+        inputs = inputs.replace(allowed=np.full((shapes.max_rows, words), -1, np.int32))
     return inputs
 
 

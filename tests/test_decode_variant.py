@@ -110,8 +110,8 @@ def test_engine_decode_steps_on_the_decode_kernel_keep_greedy_tokens(model, monk
     rng = np.random.default_rng(7)
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (5, 11)]
     eng, tokens = _generate(model, "pallas", prompts)
-    assert eng.decode_buckets(), "the TPU kernels (interpret mode) get a decode variant"
+    assert eng.decode_buckets, "the TPU kernels (interpret mode) get a decode variant"
     assert traced, "decode-only steps ran the decode kernel"
     ref_eng, ref = _generate(model, "reference", prompts)
-    assert not ref_eng.decode_buckets(), "the XLA path needs no second program"
+    assert not ref_eng.decode_buckets, "the XLA path needs no second program"
     assert tokens == ref
