@@ -162,8 +162,8 @@ class KernelCase:
       max_len: tokens one sequence can hold (M = max_len / S table columns).
       num_tokens: T query tokens (ragged) / new tokens (write_kv).
       sliding_window, soft_cap: attention options.
-      layers: L of stacked ``[L, K, N, S, D]`` pages read with a traced ``layer=`` (0: one
-        layer's ``[K, N, S, D]``).
+      layers: L of an L-layer cache read with a traced ``layer=`` (0: a one-layer cache,
+        called without ``layer=``).
       num_blocks: N.
     """
 
@@ -205,10 +205,9 @@ def _case_fn_and_args(case: KernelCase, device: jax.Device) -> tuple[Callable, t
     i32 = jnp.int32
     dt = jnp.dtype(case.dtype)
     kh, d, s = case.kv_heads, case.head_dim, case.block_size
-    page_shape = (kh, case.num_blocks, s, d)
-    if case.layers:
-        page_shape = (case.layers, *page_shape)
-    pages = spec(page_shape, dt, device)
+    # The cache value the public ops take; layers=0 is a one-layer cache read without layer=.
+    shape = kp.kv_cache_shape(max(case.layers, 1), case.num_blocks, s, kh, d, dt)
+    cache = jax.tree.map(lambda x: spec(x.shape, x.dtype, device), shape)
     m = -(-case.max_len // s)
     b = case.num_seqs
     layer = (spec((), i32, device),) if case.layers else ()
@@ -220,40 +219,40 @@ def _case_fn_and_args(case: KernelCase, device: jax.Device) -> tuple[Callable, t
     if case.op == "ragged_paged_attention":
         t = case.num_tokens
         args = (
-            spec((t, kh * case.q_per_kv, d), dt, device), pages, pages, spec((b,), i32, device),
+            spec((t, kh * case.q_per_kv, d), dt, device), cache, spec((b,), i32, device),
             spec((b, m), i32, device), spec((b + 1,), i32, device), spec((), i32, device), *layer,
         )  # fmt: skip
 
-        def fn(q, k, v, lens, tables, cu, n, *rest):
-            return kp.ragged_paged_attention(q, k, v, lens, tables, cu, n, **opts, **lkw(rest))
+        def fn(q, c, lens, tables, cu, n, *rest):
+            return kp.ragged_paged_attention(q, c, lens, tables, cu, n, **opts, **lkw(rest))
 
         return fn, args, ()
     if case.op == "paged_attention":
         args = (
-            spec((b, kh * case.q_per_kv, d), dt, device), pages, pages, spec((b,), i32, device),
+            spec((b, kh * case.q_per_kv, d), dt, device), cache, spec((b,), i32, device),
             spec((b, m), i32, device), *layer,
         )  # fmt: skip
 
-        def fn(q, k, v, lens, tables, *rest):
-            return kp.paged_attention(q, k, v, lens, tables, **opts, **lkw(rest))
+        def fn(q, c, lens, tables, *rest):
+            return kp.paged_attention(q, c, lens, tables, **opts, **lkw(rest))
 
         return fn, args, ()
     if case.op == "write_kv":
         t = case.num_tokens
         new = spec((t, kh, d), dt, device)
-        args = (pages, pages, new, new, spec((t,), i32, device), *layer)
+        args = (cache, new, new, spec((t,), i32, device), *layer)
 
-        def fn(kp_, vp_, k, v, slots, *rest):
-            return kp.write_kv(kp_, vp_, k, v, slots, **lkw(rest))
+        def fn(c, k, v, slots, *rest):
+            return kp.write_kv(c, k, v, slots, **lkw(rest))
 
-        return fn, args, (0, 1)
+        return fn, args, (0,)
     if case.op == "copy_blocks":
         ids = spec((case.num_seqs,), i32, device)
 
-        def fn(kp_, vp_, src, dst):
-            return kp.copy_blocks(kp_, vp_, src, dst)
+        def fn(c, src, dst):
+            return kp.copy_blocks(c, src, dst)
 
-        return fn, (pages, pages, ids, ids), (0, 1)
+        return fn, (cache, ids, ids), (0,)
     raise ValueError(f"unknown kernel op {case.op!r}; expected one of {KERNEL_OPS}")
 
 

@@ -172,6 +172,19 @@ _QUANTIZED_REASON = (
 )
 
 
+def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array) -> None:
+    """A forced Pallas kernel on 8-bit pages is refused, interpret mode included.
+
+    (The dispatch lets ``interpret=True`` through its geometry reasons, which only concern
+    compiled kernels; the kernels would read the raw 8-bit values without their scales.)
+    """
+    if is_quantized_dtype(k_pages.dtype) and impl in ("pallas", "pallas_tpu", "pallas_gpu"):
+        raise ValueError(
+            f"{name}: impl={impl!r} cannot run these arguments: {_QUANTIZED_REASON}; use "
+            "impl='auto' or 'reference'"
+        )
+
+
 def _reasons(q: jax.Array, k_pages: jax.Array) -> tuple[str | None, str | None]:
     """Why the TPU / GPU kernels cannot take these operands (None: they can)."""
     if is_quantized_dtype(k_pages.dtype):
@@ -290,6 +303,7 @@ def paged_attention_pages(
         impl=impl,
         layer=layer,
     )
+    _check_forced_kernel(name, impl, k_pages)
     b = q.shape[0]
     _check_vector(name, "lengths", lengths, b, "B = q.shape[0]")
     if block_tables.shape[0] != b:
@@ -352,6 +366,7 @@ def ragged_paged_attention_pages(
     layer: int | jax.Array | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Ragged causal attention over paged KV (decode, prefill, chunked prefill, prefix hits).
 
@@ -370,6 +385,11 @@ def ragged_paged_attention_pages(
       num_seqs: scalar (or shape ``(1,)``) number of sequences that count.
       sm_scale, soft_cap, sliding_window, impl, interpret, layer, k_scale, v_scale: as in
         :func:`paged_attention_pages`.
+      max_q_len: optional static hint, a promise about the batch: no sequence has more than
+        this many query rows. ``1`` (a decode-only batch: every sequence ``s < num_seqs``
+        owns exactly row ``s``) runs the TPU decode kernel, which takes one query row group
+        per sequence and big KV steps instead of the ragged kernel's query blocks. The other
+        implementations are exact for any batch and ignore it.
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -387,6 +407,7 @@ def ragged_paged_attention_pages(
         impl=impl,
         layer=layer,
     )
+    _check_forced_kernel(name, impl, k_pages)
     b = block_tables.shape[0]
     _check_vector(name, "kv_lens", kv_lens, b, "B = block_tables.shape[0]")
     _check_vector(name, "cu_q_lens", cu_q_lens, b + 1, "B + 1")
@@ -396,6 +417,10 @@ def ragged_paged_attention_pages(
         )
     if isinstance(num_seqs, (int, np.integer)) and not 0 <= int(num_seqs) <= b:
         raise ValueError(f"{name}: num_seqs={int(num_seqs)} out of range [0, {b}]")
+    if max_q_len is not None and (
+        isinstance(max_q_len, bool) or not isinstance(max_q_len, (int, np.integer)) or max_q_len < 1
+    ):
+        raise ValueError(f"{name}: max_q_len must be a positive int or None, got {max_q_len!r}")
     args = (
         q,
         k_pages,
@@ -412,6 +437,8 @@ def ragged_paged_attention_pages(
         return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, **kw)
 
     def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
+        if max_q_len == 1:
+            return _decode_rows_tpu(q, k, v, kv_lens, tables, n, layer, interpret, kw)
         from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
 
         return ragged_paged_attention_tpu(
@@ -439,8 +466,24 @@ def ragged_paged_attention_pages(
         gpu=gpu if _has_gpu_module() else None,
         tpu_reason=tpu_reason,
         gpu_reason=gpu_reason,
-        static_key=tuple(sorted(kw.items())),
+        static_key=(*sorted(kw.items()), ("max_q_len", max_q_len)),
     )
+
+
+def _decode_rows_tpu(q, k_pages, v_pages, kv_lens, tables, num_seqs, layer, interpret, kw):
+    """A decode-only ragged batch on the TPU decode kernel: row ``s`` is sequence ``s``.
+
+    Rows past ``num_seqs`` (and past the table's B rows) are padding and return zeros.
+    """
+    from kernels_pallas.tpu.paged_attention import paged_attention_tpu
+
+    t, b = q.shape[0], tables.shape[0]
+    rows = min(t, b)
+    lengths = jnp.where(jnp.arange(rows) < num_seqs, kv_lens[:rows], 0)
+    out = paged_attention_tpu(
+        q[:rows], k_pages, v_pages, lengths, tables[:rows], layer=layer, interpret=interpret, **kw
+    )
+    return out if rows == t else jnp.pad(out, ((0, t - rows), (0, 0), (0, 0)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,6 +555,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     impl: str = "auto",
     interpret: bool = False,
+    max_q_len: int | None = None,
 ) -> jax.Array | tuple[jax.Array, PagedKVCache]:
     """Ragged causal attention over a paged cache (decode, prefill, chunks, prefix hits).
 
@@ -529,6 +573,8 @@ def ragged_paged_attention(
         the ``write_kv`` op inside the same program; the in-kernel fused write is to come.)
       sm_scale, soft_cap, sliding_window, impl, interpret: as in
         :func:`paged_attention_pages`.
+      max_q_len: optional hint (``1``: a decode-only batch, each sequence owning the row of
+        its index), see :func:`ragged_paged_attention_pages`; never needed for correctness.
 
     Returns:
       ``out [T, H, D]`` in ``q.dtype``; ``(out, cache)`` when ``new_kv`` is given.
@@ -557,5 +603,6 @@ def ragged_paged_attention(
         layer=layer,
         k_scale=cache.k_scale[layer],
         v_scale=cache.v_scale[layer],
+        max_q_len=max_q_len,
     )
     return out if new_kv is None else (out, cache)

@@ -296,11 +296,11 @@ def init_kv_cache(
     fill = _fill_bits(fill_value, dt, ks, vs)
     if sharding.memory_kind in _HOST_KINDS:
         # Built from numpy on the host: a swap pool never has to fit in device memory.
-        k = jax.device_put(np.full(shape, fill[0], dt), sharding)
-        v = jax.device_put(np.full(shape, fill[1], dt), sharding)
+        k = jax.device_put(_full_host(shape, fill[0], dt), sharding)
+        v = jax.device_put(_full_host(shape, fill[1], dt), sharding)
     else:
-        k = jax.jit(lambda: jnp.full(shape, fill[0], dt), out_shardings=sharding)()
-        v = jax.jit(lambda: jnp.full(shape, fill[1], dt), out_shardings=sharding)()
+        k = jax.jit(lambda: _full(shape, fill[0], dt), out_shardings=sharding)()
+        v = jax.jit(lambda: _full(shape, fill[1], dt), out_shardings=sharding)()
     scale_sharding = _scale_sharding(sharding)
     return PagedKVCache(
         k=k,
@@ -311,14 +311,29 @@ def init_kv_cache(
 
 
 def _fill_bits(fill_value: float, dt: jnp.dtype, ks: jax.Array, vs: jax.Array) -> tuple:
-    """The stored fill for K and V: ``fill_value`` quantized with layer 0's scale (8-bit)."""
+    """The stored fill for K and V: a scalar, or (8-bit) ``fill_value`` quantized with each
+    layer's scale, a ``[L]`` numpy array (so every layer reads back ``fill_value``, as if
+    written)."""
     if not is_quantized_dtype(dt) or not math.isfinite(float(fill_value)):
         return fill_value, fill_value
-    k0 = float(np.asarray(ks)[0])
-    v0 = float(np.asarray(vs)[0])
-    kq = np.asarray(quantize(jnp.float32(fill_value), k0, dt))
-    vq = np.asarray(quantize(jnp.float32(fill_value), v0, dt))
-    return kq.item(), vq.item()
+    kq = np.asarray(quantize(jnp.full(np.shape(ks), fill_value, jnp.float32), ks, dt))
+    vq = np.asarray(quantize(jnp.full(np.shape(vs), fill_value, jnp.float32), vs, dt))
+    return kq, vq
+
+
+def _full(shape: tuple, fill: Any, dt: jnp.dtype) -> jax.Array:
+    """``shape`` filled with ``fill`` (a scalar, or one value per layer: ``[L]``)."""
+    if np.ndim(fill) == 0:
+        return jnp.full(shape, fill, dt)
+    return jnp.broadcast_to(jnp.asarray(fill, dt).reshape(-1, 1, 1, 1, 1), shape)
+
+
+def _full_host(shape: tuple, fill: Any, dt: jnp.dtype) -> np.ndarray:
+    if np.ndim(fill) == 0:
+        return np.full(shape, fill, dt)
+    return np.ascontiguousarray(
+        np.broadcast_to(np.asarray(fill, dt).reshape(-1, 1, 1, 1, 1), shape)
+    )
 
 
 def set_kv_scales(cache: PagedKVCache, *, k_scale: Any = None, v_scale: Any = None) -> PagedKVCache:
@@ -557,6 +572,21 @@ def _check_swap_pair(name: str, src: Any, dst: Any) -> None:
             f"{name}: the caches differ outside the block count: L, K, S, D = "
             f"{(a[0], a[1], a[3], a[4])} vs {(b[0], b[1], b[3], b[4])}"
         )
+    if src.quantized:
+        # Stored 8-bit values move as they are: with other scales they would silently mean
+        # other values. Checked when the scales are concrete (not traced, not abstract).
+        for what in ("k_scale", "v_scale"):
+            x, y = getattr(src, what), getattr(dst, what)
+            if not all(isinstance(z, jax.Array) and not isinstance(z, jax.core.Tracer)
+                       for z in (x, y)):  # fmt: skip
+                continue
+            hx, hy = np.asarray(x), np.asarray(y)
+            if not np.array_equal(hx, hy):
+                raise ValueError(
+                    f"{name}: the caches' {what}s differ ({hx.tolist()} vs {hy.tolist()}); "
+                    "8-bit blocks move as stored, so both sides need the same scales "
+                    "(set_kv_scales)"
+                )
 
 
 def swap_blocks(

@@ -50,6 +50,8 @@ class AttentionMetadata:
       interpret: static; run Pallas kernels in interpret mode (CPU tests).
       mesh: static mesh with a ``"tp"`` axis, or None: the op then runs per device, split
         over heads (see :func:`paged_attention_op`).
+      max_q_len: static hint that no sequence feeds more than this many rows this step
+        (``1``: a decode-only step, which runs the TPU decode kernel); None: any batch.
     """
 
     block_tables: jax.Array
@@ -63,6 +65,7 @@ class AttentionMetadata:
     impl: str = flax.struct.field(pytree_node=False, default="auto")
     interpret: bool = flax.struct.field(pytree_node=False, default=False)
     mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False, default=None)
+    max_q_len: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def num_tokens(self) -> int:
@@ -229,6 +232,7 @@ def paged_attention_op(
             sliding_window=sliding_window,
             impl=impl,
             interpret=interpret,
+            max_q_len=metadata.max_q_len,
         )
 
     layer_arr = None if static_layer else jnp.asarray(layer, jnp.int32)

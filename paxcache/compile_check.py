@@ -352,6 +352,15 @@ def check_engine(
             report["programs"].append(
                 _compile_program(f"step[T={t}]", "step", engine._jit_step, args, hbm)
             )
+        decode = engine.decode_buckets
+        if decode:
+            # The decode-only variant at its largest bucket (the smaller ones differ only in
+            # the decode kernel's grid, and each costs a whole step compile).
+            t = decode[-1]
+            args = engine._empty_step_args(t, decode=True)
+            report["programs"].append(
+                _compile_program(f"step+decode[T={t}]", "step", engine._jit_step, args, hbm)
+            )
         if cfg.num_host_blocks:
             for name, fn, args in kv_cache.swap_programs(engine._kv, engine._max_swap_pairs()):
                 kind = name.split("[")[0]

@@ -186,7 +186,9 @@ class Engine:
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
         )
         self.buckets = step_lib.token_buckets(max_num_batched_tokens)
-        self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size)
+        decode = step_lib.wants_decode_variant(impl, self._target_backend())
+        self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size, decode)
+        self.decode_buckets = step_lib.decode_buckets(self._shapes)  # () off TPU kernels
         graphdef, params = nnx.split(model)
         self.mesh, self._params = self._place_params(model, params, tp)
         self._step_config = step_lib.StepConfig(
@@ -323,11 +325,10 @@ class Engine:
 
     def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
         """The KV cache (split over kv heads on the ``tp`` mesh)."""
-        if self.mesh is None:
-            return kv_cache.KVCache.create(**dims)
         from paxcache import sharding
 
-        return kv_cache.KVCache.create(**dims, sharding=sharding.kv_sharding(self.mesh))
+        where = None if self.mesh is None else sharding.kv_sharding(self.mesh)
+        return kv_cache.KVCache.create(**dims, sharding=where)
 
     def _device_kv(self) -> kv_cache.KVCache:
         """The cache the fused step takes: device pages only. The host pool stays out of the
@@ -335,7 +336,7 @@ class Engine:
         Mismatch"); :meth:`_with_host_pool` puts it back on the step's result."""
         return self._kv.replace(host=None)
 
-    def _with_host_pool(self, kv: kv_cache.KVCache) -> kv_cache.KVCache:
+    def _with_host_pool(self, kv: kv_cache.KVCache) -> kv_cache.KVCache:  # see _device_kv
         return kv.replace(host=self._kv.host)
 
     def _max_swap_pairs(self) -> int:
@@ -635,22 +636,20 @@ class Engine:
                     if out.finished:
                         return
 
-    def _empty_step_args(self, t: int, masked: bool = False) -> tuple:
+    def _empty_step_args(self, t: int, masked: bool = False, decode: bool = False) -> tuple:
         """``(state, kv, params, inputs)`` of a step with T=t that runs nothing (warm-up,
-        ahead-of-time compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``:
-        the variant with an allowed-token bitmask (constrained decoding)."""
-        inputs = step_lib.empty_inputs(self._shapes, t)
-        if masked:  # all tokens allowed
-            w = grammar.bitmask_words(self._shapes.vocab_size)
-            inputs = inputs.replace(allowed=np.full((self._shapes.max_rows, w), -1, np.int32))
+        AOT compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``, ``decode``: the
+        constrained / decode-only variants (:func:`step.empty_inputs`)."""
+        inputs = step_lib.empty_inputs(self._shapes, t, masked=masked, decode=decode)
         return self.block_manager.state, self._device_kv(), self._params, inputs
 
     def warmup(self) -> None:
         """Compiles every program serving can run, so serving never compiles.
 
         Every token bucket of the fused step (with ``warmup_structured`` and llguidance, also
-        its masked variant, which constrained requests run), the block manager's allocator
-        functions and, with a host pool, every swap program (out and in, every pair bucket). A
+        its masked variant, which constrained requests run; on TPU also the decode-only
+        variant of ``decode_buckets``), the block manager's allocator functions and, with a
+        host pool, every swap program (out and in, every pair bucket). A
         Mosaic TPU kernel that fails to compile is replaced by the XLA path here, with one
         warning naming the op and the error (``stats()["kernel_impls"]``: ``"xla (fallback:
         ...)"``).
@@ -667,11 +666,12 @@ class Engine:
         # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.
         with kernels_pallas.compile_probes():
             masks = (False, True) if self.warmup_structured and grammar.available() else (False,)
-            variants = [(t, m) for m in masks for t in self.buckets]
-            for i, (t, masked) in enumerate(variants):
+            variants = [(t, m, False) for m in masks for t in self.buckets]
+            variants += [(t, m, True) for m in masks for t in self.decode_buckets]
+            for i, (t, masked, decode) in enumerate(variants):
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()
-                state, kv, out = self._jit_step(*self._empty_step_args(t, masked))
+                state, kv, out = self._jit_step(*self._empty_step_args(t, masked, decode))
                 self._kv = self._with_host_pool(kv)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
@@ -683,7 +683,7 @@ class Engine:
                     i + 1,
                     len(variants),
                     t,
-                    " (constrained)" if masked else "",
+                    " (constrained)" * masked + " (decode only)" * decode,
                     time.perf_counter() - tb,
                     " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
                 )

@@ -153,11 +153,15 @@ class StepShapes:
       buckets: token-count buckets, ascending (a step runs the smallest that fits).
       max_rows: R, rows (and samples) per step.
       vocab_size: V (``top_k`` is clamped to it).
+      decode_variant: decode-only plans get their own program (``StepInputs.decode_only``):
+        on TPU, where the decode kernel beats the ragged one; elsewhere the attention is the
+        same for both and one program serves every plan.
     """
 
     buckets: tuple[int, ...]
     max_rows: int
     vocab_size: int
+    decode_variant: bool = False
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding ``num_tokens``."""
@@ -233,6 +237,9 @@ class StepInputs:
       allowed: ``i32[R, ceil(V/32)]`` per-sample allowed-token bitmask (bit ``t % 32`` of
         word ``t // 32``: token ``t`` may be sampled), or None when no sample of the plan is
         constrained (:func:`prepare_allowed`). Unconstrained samples' rows are all ones.
+      decode_only: static; every row feeds one token and row ``i`` is the ``i``-th token
+        (set by :func:`prepare_tokens` when ``StepShapes.decode_variant`` asks for it): the
+        step runs the attention's decode kernel (``max_q_len=1``), a program of its own.
     """
 
     token_ids: jax.Array
@@ -244,6 +251,7 @@ class StepInputs:
     sampling: SamplingInputs
     prompt_logprobs: PromptLogprobInputs | None = None
     allowed: jax.Array | None = None
+    decode_only: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
@@ -306,6 +314,33 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
         grows=grows,
     )
     return arrays, row_ends
+
+
+def wants_decode_variant(impl: str, backend: str) -> bool:
+    """Whether decode-only steps get their own program: where the TPU kernels run (a TPU
+    backend with ``impl="auto"`` / ``"pallas"``, or the TPU kernels forced, interpret mode
+    too), the decode kernel is several times faster than the ragged one. The XLA and GPU
+    paths run one attention for every batch, so one program is enough there."""
+    if impl == "pallas_tpu":
+        return True
+    return (impl in ("auto", "pallas") and backend == "tpu") or (
+        impl == "pallas" and backend == "cpu"
+    )
+
+
+def decode_buckets(shapes: StepShapes) -> tuple[int, ...]:
+    """The token buckets a decode-only step can use (one token per row): those up to the
+    first holding ``max_rows`` rows; none without a decode variant."""
+    if not shapes.decode_variant:
+        return ()
+    fit = [t for t in shapes.buckets if t >= shapes.max_rows]
+    last = fit[0] if fit else shapes.buckets[-1]
+    return tuple(t for t in shapes.buckets if t <= last)
+
+
+def is_decode_only(plan: StepPlan, shapes: StepShapes) -> bool:
+    """Whether ``plan`` runs the decode variant: every row feeds exactly one token."""
+    return shapes.decode_variant and bool(plan.rows) and all(q == 1 for _, q in plan.rows)
 
 
 def prepare_sampling(
@@ -414,7 +449,13 @@ def prepare_inputs(plan: StepPlan, shapes: StepShapes) -> tuple[StepInputs, set[
     sampling, failed = prepare_sampling(plan, row_ends, shapes)
     prompt = prepare_prompt_logprobs(plan, row_ends, tokens["token_ids"].shape[0])
     allowed, failed_masks = prepare_allowed(plan, shapes)
-    inputs = StepInputs(**tokens, sampling=sampling, prompt_logprobs=prompt, allowed=allowed)
+    inputs = StepInputs(
+        **tokens,
+        sampling=sampling,
+        prompt_logprobs=prompt,
+        allowed=allowed,
+        decode_only=is_decode_only(plan, shapes),
+    )
     return inputs, failed | failed_masks
 
 
@@ -446,10 +487,19 @@ def read_result(
     return StepResult(state=state, failed_requests=failed, **host)
 
 
-def empty_inputs(shapes: StepShapes, num_tokens: int) -> StepInputs:
+def empty_inputs(
+    shapes: StepShapes, num_tokens: int, *, masked: bool = False, decode: bool = False
+) -> StepInputs:
     """Inputs of a step of ``num_tokens`` (a bucket) that runs nothing: warm-up, ahead-of-time
-    compilation, HLO inspection."""
+    compilation, HLO inspection. ``masked``: the variant with an allowed-token bitmask (all
+    tokens allowed; constrained decoding); ``decode``: the decode-only variant."""
     inputs, _ = prepare_inputs(StepPlan(), dataclasses.replace(shapes, buckets=(num_tokens,)))
+    inputs = inputs.replace(decode_only=decode)
+    if masked:
+        from paxcache import grammar
+
+        words = grammar.bitmask_words(shapes.vocab_size)
+        inputs = inputs.replace(allowed=np.full((shapes.max_rows, words), -1, np.int32))
     return inputs
 
 
@@ -530,6 +580,8 @@ def step(
     )
     # A refused row writes nothing (its blocks are not there).
     md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
+    if inputs.decode_only:  # one token per row: the attention's decode kernel
+        md = md.replace(max_q_len=1)
     model = nnx.merge(config.graphdef, params)
     s = inputs.sampling
     pl = inputs.prompt_logprobs

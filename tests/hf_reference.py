@@ -1,5 +1,6 @@
 """Test helpers: random HF-format checkpoints and a float64 numpy forward written from HF's
-modeling code (Llama / Mistral / Qwen2), independent of paxcache's model code.
+modeling code (Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Phi-3), independent of paxcache's
+model code (transformers 5.x semantics, checked once against transformers itself).
 
 Used by tests/test_models.py and tests/test_loading.py.
 """
@@ -32,8 +33,12 @@ def base_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         d["sliding_window"] = None
+    if model_type == "qwen3":
+        d["head_dim"] = 16  # Qwen3 sets head_dim apart from hidden_size / heads
+    if model_type == "phi3":
+        d["pad_token_id"] = 0  # Phi3Config's default (32000) is outside this vocabulary
     d.update(overrides)
     return d
 
@@ -49,7 +54,7 @@ def _biases(cfg: dict[str, Any]) -> tuple[bool, bool]:
     if cfg["model_type"] == "qwen2":
         return True, False
     ab = bool(cfg.get("attention_bias", False))
-    return (ab, ab) if cfg["model_type"] == "llama" else (False, False)
+    return (ab, ab) if cfg["model_type"] in ("llama", "qwen3", "olmo2") else (False, False)
 
 
 def random_tensors(cfg: dict[str, Any], seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
@@ -61,23 +66,39 @@ def random_tensors(cfg: dict[str, Any], seed: int = 0, scale: float = 0.2) -> di
     def r(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
+    mt = cfg["model_type"]
     t = {"model.embed_tokens.weight": r(v, e), "model.norm.weight": 1 + r(e)}
     for i in range(n_layers):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = 1 + r(e)
+        if mt != "olmo2":
+            t[p + "input_layernorm.weight"] = 1 + r(e)
         t[p + "post_attention_layernorm.weight"] = 1 + r(e)
-        t[p + "self_attn.q_proj.weight"] = r(h * d, e)
-        t[p + "self_attn.k_proj.weight"] = r(k * d, e)
-        t[p + "self_attn.v_proj.weight"] = r(k * d, e)
+        if mt == "olmo2":
+            t[p + "post_feedforward_layernorm.weight"] = 1 + r(e)
+        if mt == "phi3":
+            t[p + "self_attn.qkv_proj.weight"] = r((h + 2 * k) * d, e)
+        else:
+            t[p + "self_attn.q_proj.weight"] = r(h * d, e)
+            t[p + "self_attn.k_proj.weight"] = r(k * d, e)
+            t[p + "self_attn.v_proj.weight"] = r(k * d, e)
         t[p + "self_attn.o_proj.weight"] = r(e, h * d)
+        if mt == "qwen3":
+            t[p + "self_attn.q_norm.weight"] = 1 + r(d)
+            t[p + "self_attn.k_norm.weight"] = 1 + r(d)
+        if mt == "olmo2":
+            t[p + "self_attn.q_norm.weight"] = 1 + r(h * d)
+            t[p + "self_attn.k_norm.weight"] = 1 + r(k * d)
         if qkv_bias:
             t[p + "self_attn.q_proj.bias"] = r(h * d)
             t[p + "self_attn.k_proj.bias"] = r(k * d)
             t[p + "self_attn.v_proj.bias"] = r(k * d)
         if o_bias:
             t[p + "self_attn.o_proj.bias"] = r(e)
-        t[p + "mlp.gate_proj.weight"] = r(f, e)
-        t[p + "mlp.up_proj.weight"] = r(f, e)
+        if mt == "phi3":
+            t[p + "mlp.gate_up_proj.weight"] = r(2 * f, e)
+        else:
+            t[p + "mlp.gate_proj.weight"] = r(f, e)
+            t[p + "mlp.up_proj.weight"] = r(f, e)
         t[p + "mlp.down_proj.weight"] = r(e, f)
     if not cfg.get("tie_word_embeddings", False):
         t["lm_head.weight"] = r(v, e)
@@ -108,10 +129,48 @@ def write_checkpoint(
     return path
 
 
+def _rope_dict(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope settings from either config form (top level + rope_scaling, rope_parameters)."""
+    rp = dict(cfg.get("rope_parameters") or {})
+    rs = dict(cfg.get("rope_scaling") or {})
+    out = {**rp, **rs}
+    out["rope_theta"] = cfg.get("rope_theta", rp.get("rope_theta", 10000.0))
+    prf = cfg.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))
+    out["partial_rotary_factor"] = prf
+    out["rope_type"] = out.get("rope_type", out.get("type", "default"))
+    return out
+
+
+def rotary_dim_np(cfg: dict[str, Any]) -> int:
+    """int(head_dim * partial_rotary_factor), as HF's rope init computes it."""
+    return int(_dims(cfg)[6] * _rope_dict(cfg)["partial_rotary_factor"])
+
+
+def longrope_np(cfg: dict[str, Any], seq_len: int) -> tuple[np.ndarray, float]:
+    """HF's ``_compute_longrope_parameters`` + ``longrope_frequency_update`` (transformers 5):
+    (inverse frequencies for a forward over ``seq_len`` tokens, attention factor)."""
+    rd = _rope_dict(cfg)
+    d = rotary_dim_np(cfg)
+    max_pos = cfg["max_position_embeddings"]
+    # Phi3Config always carries original_max_position_embeddings (default 4096); it wins.
+    orig = cfg.get("original_max_position_embeddings")
+    if orig is None:
+        orig = rd.get("original_max_position_embeddings")
+    if orig is None:
+        orig = 4096 if cfg["model_type"] == "phi3" else max_pos
+    factor = rd.get("factor") or max_pos / orig
+    att = rd.get("attention_factor")
+    if att is None:
+        att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = np.asarray(rd["long_factor" if seq_len > orig else "short_factor"], np.float64)
+    return 1.0 / (ext * rd["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d)), att
+
+
 def inv_freq_np(cfg: dict[str, Any]) -> np.ndarray:
     """HF rotary inverse frequencies incl. 'linear' and 'llama3' rope_scaling (float64)."""
-    d = _dims(cfg)[6]
-    inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    d = rotary_dim_np(cfg)
+    rd = _rope_dict(cfg)
+    inv = 1.0 / (rd["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d))
     rs = cfg.get("rope_scaling")
     if not rs:
         return inv
@@ -136,31 +195,41 @@ def inv_freq_np(cfg: dict[str, Any]) -> np.ndarray:
 
 def layer_windows_np(cfg: dict[str, Any]) -> list[int | None]:
     n = cfg["num_hidden_layers"]
-    if cfg["model_type"] == "mistral":
+    if cfg["model_type"] in ("mistral", "phi3"):
         return [cfg.get("sliding_window")] * n
-    if cfg["model_type"] == "qwen2" and cfg.get("use_sliding_window"):
+    if cfg["model_type"] in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         mwl = cfg.get("max_window_layers", n)
         return [cfg["sliding_window"] if i >= mwl else None for i in range(n)]
     return [None] * n
 
 
 def forward_np(cfg: dict[str, Any], t: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
-    """float64 logits [T, V] of one sequence, following HF's Llama/Mistral/Qwen2 code."""
-    _, e, _, n_layers, h, k, d = _dims(cfg)
+    """float64 logits [T, V] of one sequence (no cache), following HF's Llama / Mistral / Qwen2
+    / Qwen3 / OLMo 2 / Phi-3 code."""
+    _, e, f, n_layers, h, k, d = _dims(cfg)
+    mt = cfg["model_type"]
     eps = cfg["rms_norm_eps"]
     t = {name: np.asarray(a, np.float64) for name, a in t.items()}
 
     def rms(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
 
-    def rot_half(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    rd = rotary_dim_np(cfg)
+
+    def rope(x: np.ndarray) -> np.ndarray:  # HF apply_rotary_pos_emb, partial: first rd dims
+        xr, xp = x[..., :rd], x[..., rd:]
+        rot = np.concatenate([-xr[..., rd // 2 :], xr[..., : rd // 2]], -1)
+        return np.concatenate([xr * cos + rot * sin, xp], -1)
 
     n = len(ids)
     pos = np.arange(n)
-    ang = pos[:, None] * inv_freq_np(cfg)[None]
+    if _rope_dict(cfg)["rope_type"] in ("longrope", "su"):
+        inv, att = longrope_np(cfg, n)  # the whole forward: seq_len = max(position) + 1 = n
+    else:
+        inv, att = inv_freq_np(cfg), 1.0
+    ang = pos[:, None] * inv[None]
     ang = np.concatenate([ang, ang], -1)
-    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    cos, sin = np.cos(ang)[:, None] * att, np.sin(ang)[:, None] * att
     x = t["model.embed_tokens.weight"][np.asarray(ids)]
     windows = layer_windows_np(cfg)
     for i in range(n_layers):
@@ -171,12 +240,26 @@ def forward_np(cfg: dict[str, Any], t: dict[str, np.ndarray], ids: list[int]) ->
             b = t.get(p + name + ".bias")
             return y if b is None else y + b
 
-        hs = rms(x, t[p + "input_layernorm.weight"])
-        q = lin(hs, "self_attn.q_proj").reshape(n, h, d)
-        kk = lin(hs, "self_attn.k_proj").reshape(n, k, d)
-        vv = lin(hs, "self_attn.v_proj").reshape(n, k, d)
-        q = q * cos + rot_half(q) * sin
-        kk = kk * cos + rot_half(kk) * sin
+        hs = x if mt == "olmo2" else rms(x, t[p + "input_layernorm.weight"])
+        if mt == "phi3":  # qkv = qkv_proj(x); q, k, v = consecutive column blocks
+            qkv = lin(hs, "self_attn.qkv_proj")
+            q, kk, vv = np.split(qkv, [h * d, h * d + k * d], axis=-1)
+        else:
+            q = lin(hs, "self_attn.q_proj")
+            kk = lin(hs, "self_attn.k_proj")
+            vv = lin(hs, "self_attn.v_proj")
+        if mt == "olmo2":  # q_norm / k_norm over the whole projection, before the head view
+            q, kk = (
+                rms(q, t[p + "self_attn.q_norm.weight"]),
+                rms(kk, t[p + "self_attn.k_norm.weight"]),
+            )
+        q, kk, vv = q.reshape(n, h, d), kk.reshape(n, k, d), vv.reshape(n, k, d)
+        if mt == "qwen3":  # per head, over head_dim
+            q, kk = (
+                rms(q, t[p + "self_attn.q_norm.weight"]),
+                rms(kk, t[p + "self_attn.k_norm.weight"]),
+            )
+        q, kk = rope(q), rope(kk)
         kk = np.repeat(kk, h // k, axis=1)  # HF repeat_kv: head j serves queries j*G..j*G+G-1
         vv = np.repeat(vv, h // k, axis=1)
         s = np.einsum("qhd,khd->hqk", q, kk) / math.sqrt(d)
@@ -187,10 +270,19 @@ def forward_np(cfg: dict[str, Any], t: dict[str, np.ndarray], ids: list[int]) ->
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         o = np.einsum("hqk,khd->qhd", s, vv).reshape(n, h * d)
+        if mt == "olmo2":  # x + norm(attn(x)); x + norm(mlp(x))
+            x = x + rms(lin(o, "self_attn.o_proj"), t[p + "post_attention_layernorm.weight"])
+            g, u = lin(x, "mlp.gate_proj"), lin(x, "mlp.up_proj")
+            mlp = lin(g / (1 + np.exp(-g)) * u, "mlp.down_proj")
+            x = x + rms(mlp, t[p + "post_feedforward_layernorm.weight"])
+            continue
         x = x + lin(o, "self_attn.o_proj")
         hs = rms(x, t[p + "post_attention_layernorm.weight"])
-        g = lin(hs, "mlp.gate_proj")
-        x = x + lin(g / (1 + np.exp(-g)) * lin(hs, "mlp.up_proj"), "mlp.down_proj")
+        if mt == "phi3":  # gate, up = gate_up_proj(x).chunk(2)
+            g, u = np.split(lin(hs, "mlp.gate_up_proj"), [f], axis=-1)
+        else:
+            g, u = lin(hs, "mlp.gate_proj"), lin(hs, "mlp.up_proj")
+        x = x + lin(g / (1 + np.exp(-g)) * u, "mlp.down_proj")
     x = rms(x, t["model.norm.weight"])
     head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
     return x @ head.T

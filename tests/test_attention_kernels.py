@@ -1,6 +1,7 @@
 """Paged attention (decode and ragged) against the oracles in ``kernels_pallas.reference``.
 
-Every case runs through the public API with ``impl="reference"``, ``impl="auto"``, the TPU
+Every case runs through the public API (a ``PagedKVCache`` from ``init_kv_cache`` filled with
+NaN, the tokens written with ``write_kv``) with ``impl="reference"``, ``impl="auto"``, the TPU
 Pallas kernel in interpret mode and, when ``kernels_pallas.gpu.attention`` is installed, the
 GPU Pallas kernel in interpret mode. Pages are filled with NaN everywhere no token was written,
 block tables are random permutations (never the identity) and table entries past a sequence's
@@ -25,6 +26,7 @@ import pytest
 
 import kernels_pallas as kp
 from kernels_pallas import reference
+from kernels_pallas.attention import paged_attention_pages, ragged_paged_attention_pages
 
 HAS_GPU_KERNELS = importlib.util.find_spec("kernels_pallas.gpu.attention") is not None
 
@@ -132,11 +134,32 @@ def ragged_case(rng, q_lens, kv_lens, num_seqs, t, h, k_heads, d, s, m, dtype) -
     return Case(q, kpg, vpg, junk, tables, cu, num_seqs)
 
 
+def as_cache(k_pages, v_pages) -> kp.PagedKVCache:
+    """The public cache holding these pages (``[K, N, S, D]``, or ``[L, K, N, S, D]`` for L
+    layers): NaN-filled by ``init_kv_cache``, every written (non-NaN) slot of every layer
+    written with ``write_kv``; unwritten slots stay NaN."""
+    k_pages, v_pages = np.asarray(k_pages), np.asarray(v_pages)
+    if k_pages.ndim == 4:
+        k_pages, v_pages = k_pages[None], v_pages[None]
+    layers, k_heads, n, s, d = k_pages.shape
+    cache = kp.init_kv_cache(layers, n, s, k_heads, d, k_pages.dtype, fill_value=float("nan"))
+    for layer in range(layers):
+        written = ~np.isnan(np.asarray(k_pages[layer, 0, :, :, 0], np.float32))  # [N, S]
+        blk, off = np.nonzero(written)
+        slots = (blk * s + off).astype(np.int32)
+        k = np.moveaxis(k_pages[layer][:, blk, off], 0, 1)  # [T, K, D]
+        v = np.moveaxis(v_pages[layer][:, blk, off], 0, 1)
+        cache = kp.write_kv(cache, jnp.asarray(k), jnp.asarray(v), slots, layer=layer)
+    np.testing.assert_array_equal(  # the cache holds exactly these pages (NaN where unwritten)
+        np.asarray(cache.k, np.float32), np.asarray(k_pages, np.float32)
+    )
+    return cache
+
+
 def _run_decode(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
     return kp.paged_attention(
         jnp.asarray(case.q),
-        jnp.asarray(case.k_pages),
-        jnp.asarray(case.v_pages),
+        as_cache(case.k_pages, case.v_pages),
         jnp.asarray(case.kv_lens),
         jnp.asarray(case.block_tables),
         impl=impl,
@@ -148,8 +171,7 @@ def _run_decode(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
 def _run_ragged(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
     return kp.ragged_paged_attention(
         jnp.asarray(case.q),
-        jnp.asarray(case.k_pages),
-        jnp.asarray(case.v_pages),
+        as_cache(case.k_pages, case.v_pages),
         jnp.asarray(case.kv_lens),
         jnp.asarray(case.block_tables),
         jnp.asarray(case.cu_q_lens),
@@ -254,10 +276,11 @@ def test_ragged_with_one_token_per_sequence_equals_decode():
     rng = np.random.default_rng(3)
     case = decode_case(rng, [1, 8, 13, 0], 8, 2, 64, 8, 2, np.float32)
     cu = np.arange(5, dtype=np.int32)
+    cache = as_cache(case.k_pages, case.v_pages)
     # impl="pallas" on CPU is the TPU kernel in interpret mode
     for impl, interpret in (("reference", False), ("pallas", True)):
         out = kp.ragged_paged_attention(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, cu, 4,
+            jnp.asarray(case.q), cache, case.kv_lens, case.block_tables, cu, 4,
             impl=impl, interpret=interpret,
         )  # fmt: skip
         _check(out, _decode_oracle(case), np.float32)
@@ -283,7 +306,7 @@ def test_tpu_kernels_never_copy_pages_past_length_or_before_window():
 
     cu = np.arange(5, dtype=np.int32)
     out = kp.ragged_paged_attention(
-        case.q, case.k_pages, case.v_pages, case.kv_lens, tables, cu, 4,
+        jnp.asarray(case.q), as_cache(case.k_pages, case.v_pages), case.kv_lens, tables, cu, 4,
         sliding_window=window, impl="pallas_tpu", interpret=True,
     )  # fmt: skip
     _check(out, _decode_oracle(case, sliding_window=window), np.float32)
@@ -291,7 +314,7 @@ def test_tpu_kernels_never_copy_pages_past_length_or_before_window():
 
 @pytest.mark.parametrize("impl,interpret", IMPLS[:3])
 def test_stacked_layer_pages_select_layer_under_scan(impl, interpret):
-    """Pages ``[L, K, N, S, D]`` + a traced ``layer``: each scan step sees its own layer."""
+    """A multi-layer cache + a traced ``layer``: each scan step sees its own layer."""
     rng = np.random.default_rng(5)
     layers = 2
     base = decode_case(rng, [5, 12], 4, 2, 64, 8, 2, np.float32)
@@ -302,18 +325,17 @@ def test_stacked_layer_pages_select_layer_under_scan(impl, interpret):
             rng, base.kv_lens, tables, 2, base.k_pages.shape[1], 8, 64, np.float32
         )
         cases.append(dataclasses.replace(base, k_pages=kpg, v_pages=vpg))
-    k_st = jnp.stack([c.k_pages for c in cases])
-    v_st = jnp.stack([c.v_pages for c in cases])
+    cache = as_cache(np.stack([c.k_pages for c in cases]), np.stack([c.v_pages for c in cases]))
     q = jnp.asarray(cases[0].q)
     lens = jnp.asarray(cases[0].kv_lens)
     cu = jnp.arange(3, dtype=jnp.int32)
 
     def step(_, layer):
         dec = kp.paged_attention(
-            q, k_st, v_st, lens, tables, impl=impl, interpret=interpret, layer=layer
+            q, cache, lens, tables, impl=impl, interpret=interpret, layer=layer
         )
         rag = kp.ragged_paged_attention(
-            q, k_st, v_st, lens, tables, cu, 2, impl=impl, interpret=interpret, layer=layer
+            q, cache, lens, tables, cu, 2, impl=impl, interpret=interpret, layer=layer
         )
         return None, (dec, rag)
 
@@ -335,24 +357,43 @@ def _good_args():
     return q, pages, pages, jnp.array([1, 2], jnp.int32), jnp.zeros((2, 3), jnp.int32)
 
 
+def _good_cache_args():
+    q, _, _, lens, tables = _good_args()
+    return q, kp.init_kv_cache(1, 6, 4, 2, 8, jnp.float32), lens, tables
+
+
 @pytest.mark.parametrize(
     "mutate,match",
     [
         (lambda a: (a[0][0],) + a[1:], "q must have rank 3"),
-        (lambda a: (a[0], a[1][0], a[2][0]) + a[3:], "rank 4"),
         (lambda a: (jnp.zeros((2, 3, 8)),) + a[1:], "not divisible"),
         (lambda a: (jnp.zeros((2, 4, 16)),) + a[1:], "head_dim mismatch"),
         (lambda a: (a[0].astype(jnp.bfloat16),) + a[1:], "dtype mismatch"),
-        (lambda a: a[:2] + (a[2][:, :, :2],) + a[3:], "shapes differ"),
-        (lambda a: a[:3] + (jnp.array([1, 2, 3], jnp.int32), a[4]), "lengths"),
-        (lambda a: a[:4] + (jnp.zeros((3, 3), jnp.int32),), "batch"),
-        (lambda a: a[:4] + (jnp.zeros((2,), jnp.int32),), "rank 2"),
-        (lambda a: a[:4] + (jnp.zeros((2, 3), jnp.float32),), "integer"),
+        (lambda a: a[:2] + (jnp.array([1, 2, 3], jnp.int32), a[3]), "lengths"),
+        (lambda a: a[:3] + (jnp.zeros((3, 3), jnp.int32),), "batch"),
+        (lambda a: a[:3] + (jnp.zeros((2,), jnp.int32),), "rank 2"),
+        (lambda a: a[:3] + (jnp.zeros((2, 3), jnp.float32),), "integer"),
+        (lambda a: (a[0], (a[1].k, a[1].v)) + a[2:], "expected a kernels_pallas.PagedKVCache"),
     ],
 )
 def test_decode_bad_arguments_raise_value_error(mutate, match):
     with pytest.raises(ValueError, match=match):
-        kp.paged_attention(*mutate(_good_args()))
+        kp.paged_attention(*mutate(_good_cache_args()))
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda a: (a[0], a[1][0], a[2][0]) + a[3:], "rank 4"),
+        (lambda a: a[:2] + (a[2][:, :, :2],) + a[3:], "shapes differ"),
+        (lambda a: (a[0].astype(jnp.bfloat16),) + a[1:], "dtype mismatch"),
+        (lambda a: (jnp.zeros((2, 3, 8)),) + a[1:], "not divisible"),
+    ],
+)
+def test_decode_on_page_arrays_bad_arguments_raise_value_error(mutate, match):
+    """The array-level form (``paged_attention_pages``) checks its pages itself."""
+    with pytest.raises(ValueError, match=match):
+        paged_attention_pages(*mutate(_good_args()))
 
 
 @pytest.mark.parametrize(
@@ -363,45 +404,61 @@ def test_decode_bad_arguments_raise_value_error(mutate, match):
         (dict(impl="pallas_tpu"), "interpret=True"),
         (dict(sliding_window=0), "sliding_window"),
         (dict(soft_cap=-1.0), "soft_cap"),
-        (dict(layer=0), "layer= given"),
+        (dict(layer=1), "out of range"),
     ],
 )
 def test_decode_bad_options_raise_value_error(kwargs, match):
     if jax.default_backend() == "tpu" and "interpret" in match:
         pytest.skip("the TPU kernel needs no interpret mode on a TPU")
     with pytest.raises(ValueError, match=match):
-        kp.paged_attention(*_good_args(), **kwargs)
+        kp.paged_attention(*_good_cache_args(), **kwargs)
 
 
-def test_stacked_pages_need_a_valid_layer():
+def test_page_arrays_of_one_layer_refuse_layer():
+    with pytest.raises(ValueError, match="layer= given"):
+        paged_attention_pages(*_good_args(), layer=0)
+
+
+def test_multi_layer_cache_needs_a_valid_layer():
+    q, _, lens, tables = _good_cache_args()
+    cache = kp.init_kv_cache(2, 6, 4, 2, 8, jnp.float32)
+    with pytest.raises(ValueError, match="2 layers; pass layer="):
+        kp.paged_attention(q, cache, lens, tables)
+    with pytest.raises(ValueError, match="out of range"):
+        kp.paged_attention(q, cache, lens, tables, layer=2)
     q, pages, _, lens, tables = _good_args()
     stacked = jnp.stack([pages, pages])
     with pytest.raises(ValueError, match="need layer="):
-        kp.paged_attention(q, stacked, stacked, lens, tables)
+        paged_attention_pages(q, stacked, stacked, lens, tables)
     with pytest.raises(ValueError, match="out of range"):
-        kp.paged_attention(q, stacked, stacked, lens, tables, layer=2)
+        paged_attention_pages(q, stacked, stacked, lens, tables, layer=2)
 
 
 def test_ragged_bad_arguments_raise_value_error():
-    q, pages, _, lens, tables = _good_args()
+    q, cache, lens, tables = _good_cache_args()
     cu = jnp.array([0, 1, 2], jnp.int32)
     with pytest.raises(ValueError, match="cu_q_lens"):
-        kp.ragged_paged_attention(q, pages, pages, lens, tables, cu[:2], 2)
+        kp.ragged_paged_attention(q, cache, lens, tables, cu[:2], 2)
     with pytest.raises(ValueError, match="kv_lens"):
-        kp.ragged_paged_attention(q, pages, pages, lens[:1], tables, cu, 2)
+        kp.ragged_paged_attention(q, cache, lens[:1], tables, cu, 2)
     with pytest.raises(ValueError, match="num_seqs"):
-        kp.ragged_paged_attention(q, pages, pages, lens, tables, cu, 3)
+        kp.ragged_paged_attention(q, cache, lens, tables, cu, 3)
     with pytest.raises(ValueError, match="num_seqs"):
-        kp.ragged_paged_attention(q, pages, pages, lens, tables, cu, jnp.zeros((2,), jnp.int32))
+        kp.ragged_paged_attention(q, cache, lens, tables, cu, jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="not divisible"):
-        kp.ragged_paged_attention(jnp.zeros((2, 3, 8)), pages, pages, lens, tables, cu, 2)
+        kp.ragged_paged_attention(jnp.zeros((2, 3, 8)), cache, lens, tables, cu, 2)
+    with pytest.raises(ValueError, match="new_kv must be a tuple"):
+        kp.ragged_paged_attention(q, cache, lens, tables, cu, 2, new_kv=(q, q))
+    _, pages, _, _, _ = _good_args()
+    with pytest.raises(ValueError, match="not divisible"):
+        ragged_paged_attention_pages(jnp.zeros((2, 3, 8)), pages, pages, lens, tables, cu, 2)
 
 
 def test_pallas_gpu_without_gpu_module_raises_not_implemented():
     if HAS_GPU_KERNELS:
         pytest.skip("GPU kernels are installed")
     with pytest.raises(NotImplementedError):
-        kp.paged_attention(*_good_args(), impl="pallas_gpu", interpret=True)
+        kp.paged_attention(*_good_cache_args(), impl="pallas_gpu", interpret=True)
 
 
 @pytest.mark.parametrize(

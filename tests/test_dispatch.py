@@ -33,8 +33,8 @@ def _ragged_args(g: int, d: int = 128, s: int = 16, dtype=jnp.bfloat16):
     kh, b, m, t = 2, 4, 8, 32
     spec = jax.ShapeDtypeStruct
     return (
-        spec((t, kh * g, d), dtype), spec((3, kh, 64, s, d), dtype),
-        spec((3, kh, 64, s, d), dtype), spec((b,), jnp.int32), spec((b, m), jnp.int32),
+        spec((t, kh * g, d), dtype), kp.kv_cache_shape(3, 64, s, kh, d, dtype),
+        spec((b,), jnp.int32), spec((b, m), jnp.int32),
         spec((b + 1,), jnp.int32), spec((), jnp.int32), spec((), jnp.int32),
     )  # fmt: skip
 
@@ -42,8 +42,8 @@ def _ragged_args(g: int, d: int = 128, s: int = 16, dtype=jnp.bfloat16):
 def _ragged_fn():
     """A new function each call, so jit traces again (dispatch decides at trace time)."""
 
-    def ragged(q, k, v, lens, tables, cu, n, layer):
-        return kp.ragged_paged_attention(q, k, v, lens, tables, cu, n, layer=layer)
+    def ragged(q, cache, lens, tables, cu, n, layer):
+        return kp.ragged_paged_attention(q, cache, lens, tables, cu, n, layer=layer)
 
     return jax.jit(ragged)
 
@@ -109,29 +109,31 @@ def test_gpu_unsupported_reason(geometry, why):
 
 def test_forced_tpu_kernel_off_tpu_needs_interpret():
     q = jnp.zeros((2, 4, 16))
-    pages = jnp.zeros((2, 8, 4, 16))
+    cache = kp.init_kv_cache(1, 8, 4, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="needs a TPU target"):
-        kp.paged_attention(q, pages, pages, jnp.ones(2, jnp.int32), jnp.zeros((2, 2), jnp.int32),
+        kp.paged_attention(q, cache, jnp.ones(2, jnp.int32), jnp.zeros((2, 2), jnp.int32),
                            impl="pallas_tpu")  # fmt: skip
     with pytest.raises(ValueError, match="needs a TPU target"):
-        kp.write_kv(pages, pages, q[:, :2], q[:, :2], np.array([0, 1]), impl="pallas")
+        kp.write_kv(cache, q[:, :2], q[:, :2], np.array([0, 1]), impl="pallas")
 
 
 def test_forced_tpu_write_kv_refuses_block_sizes_off_the_tile_unless_interpreted(monkeypatch):
     """Compiled, write_kv moves 8-row HBM tiles, so S must be a multiple of 8."""
-    pages = jnp.zeros((2, 8, 4, 16))
+    cache = kp.init_kv_cache(1, 8, 4, 2, 16, jnp.float32)
     k = jnp.ones((2, 2, 16))
     with monkeypatch.context() as m:
         m.setattr(_dispatch, "target_platform", lambda: "tpu")
         with pytest.raises(ValueError, match="multiple of the 8-row HBM tile"):
-            kp.write_kv(pages, pages, k, k, np.array([0, 5]), impl="pallas_tpu")
-    out, _ = kp.write_kv(pages, pages, k, k, np.array([0, 5]), impl="pallas_tpu", interpret=True)
-    assert float(out[:, 0, 0].sum()) == 32.0 and float(out[:, 1, 1].sum()) == 32.0
+            kp.write_kv(cache, k, k, np.array([0, 5]), impl="pallas_tpu")
+    out = kp.write_kv(cache, k, k, np.array([0, 5]), impl="pallas_tpu", interpret=True)
+    got, _ = kp.read_kv(out, np.array([0, 5, 1]))
+    np.testing.assert_array_equal(np.asarray(got), [np.ones((2, 16))] * 2 + [np.zeros((2, 16))])
+    assert float(out.k[0, :, 0, 0].sum()) == 32.0 and float(out.k[0, :, 1, 1].sum()) == 32.0
 
 
 def test_swap_is_the_memory_kinds_program_everywhere():
-    dev = jnp.zeros((1, 1, 4, 2, 8), jnp.float32)
-    kp.swap_blocks(dev, jnp.zeros_like(dev), np.array([0]), np.array([1]))
+    dev = kp.init_kv_cache(1, 4, 2, 1, 8, jnp.float32)
+    kp.swap_blocks(dev, kp.init_kv_cache(1, 4, 2, 1, 8, jnp.float32), np.array([0]), np.array([1]))
     assert kp.kernel_info("tpu")["swap_blocks"] == "xla"
 
 

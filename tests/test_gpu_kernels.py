@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from test_attention_kernels import as_cache
 
 import kernels_pallas as kp
 from kernels_pallas import compat, reference
@@ -175,7 +176,10 @@ def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window, via_dispa
     kw = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=window)
     args = (q, k, v, kv_lens, tables, cu, nseq)
     if via_dispatch:  # kernels_pallas.ragged_paged_attention(impl="pallas_gpu") -> this kernel
-        out = kp.ragged_paged_attention(*args, impl="pallas_gpu", interpret=INTERPRET, **kw)
+        cache = as_cache(k, v)  # the public cache holding these (NaN-filled) pages
+        out = kp.ragged_paged_attention(
+            q, cache, *args[3:], impl="pallas_gpu", interpret=INTERPRET, **kw
+        )
     else:
         out = ga.ragged_paged_attention_gpu(*args, interpret=INTERPRET, num_splits=2, **kw)
     want = reference.ragged_paged_attention_reference(*args, **kw)

@@ -1,8 +1,11 @@
-"""KV movement ops (write_kv, copy_blocks, swap_blocks) against numpy ground truth.
+"""KV movement on page arrays (``kernels_pallas.kv_ops``: write_pages, copy_pages, swap_pages,
+the implementations behind the cache ops write_kv, copy_blocks, swap_blocks) against numpy.
 
 Every op runs through the XLA/reference path, ``impl="auto"`` and the Pallas TPU kernels in
 interpret mode, in f32 and bf16, for several head
 dims and block sizes, on single-layer ``[K, N, S, D]`` and stacked ``[L, K, N, S, D]`` pages.
+The in-place checks also run on the public ``PagedKVCache`` ops (the cache in a scan carry,
+donated); the public contract itself is tests/test_kv_cache_api.py.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def test_write_kv_random_distinct_slots_and_skips_match_numpy(impl, interpret, d
 
     # Stacked pages, traced layer (as under lax.scan in the engine).
     fn = jax.jit(
-        lambda kp_, vp_, k_, v_, s_, layer: kp.write_kv(
+        lambda kp_, vp_, k_, v_, s_, layer: kv_ops.write_pages(
             kp_, vp_, k_, v_, s_, layer=layer, impl=impl, interpret=interpret
         )
     )
@@ -96,7 +99,9 @@ def test_write_kv_random_distinct_slots_and_skips_match_numpy(impl, interpret, d
     np.testing.assert_array_equal(_host(out_v), _np_write(_host(v_pages), _host(v), slots, 2))
 
     # Single layer [K, N, S, D], host (numpy) slot mapping.
-    out_k, out_v = kp.write_kv(k_pages[0], v_pages[0], k, v, slots, impl=impl, interpret=interpret)
+    out_k, out_v = kv_ops.write_pages(
+        k_pages[0], v_pages[0], k, v, slots, impl=impl, interpret=interpret
+    )
     np.testing.assert_array_equal(_host(out_k), _np_write(_host(k_pages[0]), _host(k), slots))
     np.testing.assert_array_equal(_host(out_v), _np_write(_host(v_pages[0]), _host(v), slots))
 
@@ -140,13 +145,13 @@ def test_write_kv_xla_any_distinct_slot_mapping_matches_numpy(perm_seed, num_ski
     np.testing.assert_array_equal(np.asarray(out_k), _np_write(pages, k, slots))
 
 
-_jit_write = jax.jit(lambda a, b, k, v, s: kp.write_kv(a, b, k, v, s, impl="reference"))
+_jit_write = jax.jit(lambda a, b, k, v, s: kv_ops.write_pages(a, b, k, v, s, impl="reference"))
 
 
 def test_write_kv_all_slots_skipped_leaves_pages_untouched():
     pages = jnp.arange(2 * 3 * 4 * 8, dtype=jnp.float32).reshape(2, 3, 4, 8)
     k = jnp.ones((4, 2, 8))
-    out_k, out_v = kp.write_kv(pages, pages, k, k, np.full(4, -1, np.int32))
+    out_k, out_v = kv_ops.write_pages(pages, pages, k, k, np.full(4, -1, np.int32))
     chex.assert_trees_all_equal((out_k, out_v), (pages, pages))
 
 
@@ -182,7 +187,7 @@ def test_copy_blocks_64_sources_to_two_destinations_each_all_layers(impl, interp
     k_pages = _pages(rng, (layers, kh, n, s, d), dtype)
     v_pages = _pages(rng, (layers, kh, n, s, d), dtype)
     src, dst = _cow_pairs(rng, n)
-    out_k, out_v = kp.copy_blocks(k_pages, v_pages, src, dst, impl=impl, interpret=interpret)
+    out_k, out_v = kv_ops.copy_pages(k_pages, v_pages, src, dst, impl=impl, interpret=interpret)
     np.testing.assert_array_equal(_host(out_k), _np_copy(_host(k_pages), src, dst))
     np.testing.assert_array_equal(_host(out_v), _np_copy(_host(v_pages), src, dst))
 
@@ -192,7 +197,9 @@ def test_copy_blocks_xla_loop_and_scatter_forms_match_numpy(moves):
     rng = np.random.default_rng(5)
     pages = _pages(rng, (2, 2, 200, 4, 8), jnp.float32)
     src, dst = _cow_pairs(rng, 200)
-    fn = jax.jit(lambda a, b, x, y: kp.copy_blocks(a, b, x, y, impl="reference", xla_moves=moves))
+    fn = jax.jit(
+        lambda a, b, x, y: kv_ops.copy_pages(a, b, x, y, impl="reference", xla_moves=moves)
+    )
     out_k, _ = fn(pages, pages, jnp.asarray(src), jnp.asarray(dst))
     np.testing.assert_array_equal(np.asarray(out_k), _np_copy(np.asarray(pages), src, dst))
 
@@ -205,7 +212,7 @@ def test_copy_blocks_single_layer_pages_match_numpy(impl, interpret, geom):
     pages = _pages(rng, (kh, 12, s, d), jnp.float32)
     src = np.array([0, 4, -1, 7, 2], np.int32)
     dst = np.array([9, 10, 1, -1, 11], np.int32)
-    fn = jax.jit(lambda a, b, x, y: kp.copy_blocks(a, b, x, y, impl=impl, interpret=interpret))
+    fn = jax.jit(lambda a, b, x, y: kv_ops.copy_pages(a, b, x, y, impl=impl, interpret=interpret))
     out_k, out_v = fn(pages, pages * 2, jnp.asarray(src), jnp.asarray(dst))
     np.testing.assert_array_equal(np.asarray(out_k), _np_copy(np.asarray(pages), src, dst))
     np.testing.assert_array_equal(np.asarray(out_v), _np_copy(np.asarray(pages * 2), src, dst))
@@ -237,7 +244,7 @@ def test_swap_to_pinned_host_and_back_is_bit_exact(dtype, swap_program_kind):
     src = np.array([3, 9, 14, -1, 0], np.int32)
     dst = np.array([7, 0, 2, 5, 4], np.int32)
     moves = swap_program_kind
-    host_k, host_v = kp.swap_blocks((dev_k, dev_v), (host_k, host_v), src, dst, xla_moves=moves)
+    host_k, host_v = kv_ops.swap_pages((dev_k, dev_v), (host_k, host_v), src, dst, xla_moves=moves)
     assert host_k.sharding.memory_kind == "pinned_host"
     assert host_v.sharding.memory_kind == "pinned_host"
     zeros = np.zeros(host_k.shape, np.float32)
@@ -245,7 +252,7 @@ def test_swap_to_pinned_host_and_back_is_bit_exact(dtype, swap_program_kind):
     np.testing.assert_array_equal(_host(host_v), _np_copy_between(_host(dev_v), zeros, src, dst))
     # Back into different device blocks of a fresh NaN-filled device array.
     back = jnp.full(dev_k.shape, jnp.nan, dtype)
-    back = kp.swap_blocks(
+    back = kv_ops.swap_pages(
         host_k, back, np.array([7, 0, 2, 4]), np.array([1, 2, 3, 4]), xla_moves=moves
     )
     assert back.sharding.memory_kind == "device"
@@ -269,7 +276,7 @@ def test_swap_pads_pair_counts_to_power_of_two_buckets():
     host = _pinned(jnp.zeros((1, 2, 16, 2, 8), jnp.float32))
     kv_ops._swap_program.cache_clear()
     for p in (3, 4):  # both in the bucket of 4: one program, one compilation
-        host = kp.swap_blocks(dev, host, np.arange(p), np.arange(p) + 8)
+        host = kv_ops.swap_pages(dev, host, np.arange(p), np.arange(p) + 8)
     assert kv_ops._swap_program.cache_info().currsize == 1
     program = kv_ops._swap_program(False, True, (host.sharding,), False, True, True, True)
     assert program._cache_size() == 1
@@ -302,7 +309,7 @@ def test_swap_tpu_kernel_interpret_between_device_arrays_matches_reference():
     src = np.array([9, 0, -1, 4], np.int32)
     dst = np.array([5, 1, 2, 0], np.int32)
     expect = _np_copy_between(np.asarray(src_pages), np.asarray(dst_pages), src, dst)
-    out = kp.swap_blocks(src_pages, dst_pages, src, dst, impl="pallas_tpu", interpret=True)
+    out = kv_ops.swap_pages(src_pages, dst_pages, src, dst, impl="pallas_tpu", interpret=True)
     np.testing.assert_array_equal(np.asarray(out), expect)
 
 
@@ -314,7 +321,7 @@ def test_swap_tpu_kernel_refuses_host_memory_operands(interpret):
     dev = jnp.zeros((1, 1, 4, 2, 8), jnp.float32)
     for src, dst in ((dev, host), (host, dev)):
         with pytest.raises(ValueError, match="cannot address host memory"):
-            kp.swap_blocks(
+            kv_ops.swap_pages(
                 src, dst, np.array([0]), np.array([1]), impl="pallas_tpu", interpret=interpret
             )
 
@@ -331,7 +338,7 @@ def test_donated_write_kv_compiles_in_place_without_full_size_copy():
 
     def step(k_pages, v_pages, k, slots):
         def body(carry, layer):
-            a, b = kp.write_kv(*carry, k, k, slots, layer=layer)
+            a, b = kv_ops.write_pages(*carry, k, k, slots, layer=layer)
             return (a, b), None
 
         return jax.lax.scan(body, (k_pages, v_pages), jnp.arange(layers))[0]
@@ -349,10 +356,43 @@ def test_donated_write_kv_compiles_in_place_without_full_size_copy():
     assert not copies, copies
 
 
+def test_donated_cache_write_kv_under_layer_scan_compiles_in_place():
+    """The public op: the PagedKVCache in a lax.scan carry, written per layer, donated."""
+    layers, kh, n, s, d, t = 4, 2, 256, 16, 64, 8
+    cache = kp.init_kv_cache(layers, n, s, kh, d, jnp.float32)
+    k = jnp.ones((t, kh, d), jnp.float32)
+
+    def step(cache, k, slots):
+        def body(c, layer):
+            return kp.write_kv(c, k, k, slots, layer=layer), None
+
+        return jax.lax.scan(body, cache, jnp.arange(layers))[0]
+
+    compiled = (
+        jax.jit(step, donate_argnums=(0,)).lower(cache, k, jnp.arange(t, dtype=jnp.int32)).compile()
+    )
+    mem = compiled.memory_analysis()
+    # every buffer of the cache (both page arrays and the scales) aliased in -> out
+    assert mem.alias_size_in_bytes == sum(x.nbytes for x in jax.tree.leaves(cache))
+    assert mem.temp_size_in_bytes < cache.k.nbytes // 100  # no scratch copy of the cache
+    full = f"f32[{layers},{kh},{n},{s},{d}]"
+    copies = [ln for ln in compiled.as_text().splitlines() if " copy(" in ln and full in ln]
+    assert not copies, copies
+
+
+def test_donated_cache_copy_blocks_compiles_in_place():
+    cache = kp.init_kv_cache(4, 256, 16, 2, 64, jnp.float32)
+    ids = jnp.arange(8, dtype=jnp.int32)
+    fn = jax.jit(lambda c, s, d: kp.copy_blocks(c, s, d), donate_argnums=(0,))
+    mem = fn.lower(cache, ids, ids + 8).compile().memory_analysis()
+    assert mem.alias_size_in_bytes == sum(x.nbytes for x in jax.tree.leaves(cache))
+    assert mem.temp_size_in_bytes < cache.k.nbytes // 10  # only the gathered blocks
+
+
 def test_donated_copy_blocks_compiles_in_place():
     pages = jnp.zeros((4, 2, 256, 16, 64), jnp.float32)
     ids = jnp.arange(8, dtype=jnp.int32)
-    fn = jax.jit(lambda a, b, s, d: kp.copy_blocks(a, b, s, d), donate_argnums=(0, 1))
+    fn = jax.jit(lambda a, b, s, d: kv_ops.copy_pages(a, b, s, d), donate_argnums=(0, 1))
     mem = fn.lower(pages, pages, ids, ids + 8).compile().memory_analysis()
     assert mem.alias_size_in_bytes == 2 * pages.nbytes
     assert mem.temp_size_in_bytes < pages.nbytes // 10  # only the gathered blocks
@@ -381,9 +421,11 @@ def _kernel_cases():
         # must still be in place when lowered for CUDA.
         "gpu-write_kv": (
             "cuda",
-            lambda a, b, k, v, s, layer: kp.write_kv(a, b, k, v, s, layer=layer, impl="auto"),
+            lambda a, b, k, v, s, layer: kv_ops.write_pages(
+                a, b, k, v, s, layer=layer, impl="auto"
+            ),
         ),
-        "gpu-copy_blocks": ("cuda", lambda a, b, s, d: kp.copy_blocks(a, b, s, d, impl="auto")),
+        "gpu-copy_blocks": ("cuda", lambda a, b, s, d: kv_ops.copy_pages(a, b, s, d, impl="auto")),
     }
 
 
@@ -452,7 +494,7 @@ def _args():
 def test_write_kv_bad_arguments_raise_value_error(mutate, match):
     kp_, vp_, k, v, slots, kw = mutate(*_args())
     with pytest.raises(ValueError, match=match):
-        kp.write_kv(kp_, vp_, k, v, slots, **kw)
+        kv_ops.write_pages(kp_, vp_, k, v, slots, **kw)
 
 
 @pytest.mark.parametrize(
@@ -468,7 +510,7 @@ def test_write_kv_bad_arguments_raise_value_error(mutate, match):
 def test_copy_blocks_bad_arguments_raise_value_error(src, dst, match):
     pages = jnp.zeros((2, 4, 4, 8), jnp.float32)
     with pytest.raises(ValueError, match=match):
-        kp.copy_blocks(pages, pages, src, dst)
+        kv_ops.copy_pages(pages, pages, src, dst)
 
 
 def test_swap_blocks_bad_arguments_raise_value_error():
@@ -476,15 +518,15 @@ def test_swap_blocks_bad_arguments_raise_value_error():
     b = jnp.zeros((2, 2, 6, 4, 8), jnp.float32)
     ids = np.array([0, 1])
     with pytest.raises(ValueError, match="outside the block axis"):
-        kp.swap_blocks(a, jnp.zeros((2, 3, 6, 4, 8)), ids, ids)
+        kv_ops.swap_pages(a, jnp.zeros((2, 3, 6, 4, 8)), ids, ids)
     with pytest.raises(ValueError, match="dtype"):
-        kp.swap_blocks(a, b.astype(jnp.bfloat16), ids, ids)
+        kv_ops.swap_pages(a, b.astype(jnp.bfloat16), ids, ids)
     with pytest.raises(ValueError, match="out of range"):
-        kp.swap_blocks(a, b, np.array([0, 4]), ids)
+        kv_ops.swap_pages(a, b, np.array([0, 4]), ids)
     with pytest.raises(ValueError, match="out of range"):
-        kp.swap_blocks(b, a, ids, np.array([0, 4]))
+        kv_ops.swap_pages(b, a, ids, np.array([0, 4]))
     with pytest.raises(ValueError, match="same length"):
-        kp.swap_blocks((a, a), b, ids, ids)
+        kv_ops.swap_pages((a, a), b, ids, ids)
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,21 +548,23 @@ def test_wide_grid_write_and_copy_match_numpy(impl, interpret, dtype, geom):
     k = _pages(rng, (t, kh, d), dtype)
     slots = rng.choice(n * s, t, replace=False).astype(np.int32)
     slots[::5] = -1
-    out_k, _ = kp.write_kv(pages, pages, k, k, slots, layer=1, impl=impl, interpret=interpret)
+    out_k, _ = kv_ops.write_pages(
+        pages, pages, k, k, slots, layer=1, impl=impl, interpret=interpret
+    )
     np.testing.assert_array_equal(_host(out_k), _np_write(_host(pages), _host(k), slots, 1))
     perm = rng.permutation(n)
     src = np.concatenate([perm[:10], [-1, 2]]).astype(np.int32)
     dst = np.concatenate([perm[10:20], [7, -1]]).astype(np.int32)
-    out_k, _ = kp.copy_blocks(pages, pages, src, dst, impl=impl, interpret=interpret)
+    out_k, _ = kv_ops.copy_pages(pages, pages, src, dst, impl=impl, interpret=interpret)
     np.testing.assert_array_equal(_host(out_k), _np_copy(_host(pages), src, dst))
 
 
 def test_xla_moves_is_checked_before_anything_runs():
     pages = jnp.zeros((1, 4, 2, 8), jnp.float32)
     with pytest.raises(ValueError, match="copy_blocks: xla_moves must be one of"):
-        kp.copy_blocks(pages, pages, [0], [1], xla_moves="direct")  # one array: no "direct"
+        kv_ops.copy_pages(pages, pages, [0], [1], xla_moves="direct")  # one array: no "direct"
     with pytest.raises(ValueError, match="swap_blocks: xla_moves must be one of"):
-        kp.swap_blocks(pages, pages, [0], [1], xla_moves="fast")
+        kv_ops.swap_pages(pages, pages, [0], [1], xla_moves="fast")
 
 
 def test_forced_swap_impls_follow_the_shared_dispatch_rule(monkeypatch):
@@ -533,11 +577,11 @@ def test_forced_swap_impls_follow_the_shared_dispatch_rule(monkeypatch):
     dst_pages = jnp.zeros((1, 2, 6, 4, 8), jnp.float32)
     src, dst = np.array([4, 1], np.int32), np.array([0, 5], np.int32)
     expect = _np_copy_between(np.asarray(src_pages), np.zeros(dst_pages.shape), src, dst)
-    out = kp.swap_blocks(src_pages, dst_pages, src, dst, impl="pallas", donate=False)
+    out = kv_ops.swap_pages(src_pages, dst_pages, src, dst, impl="pallas", donate=False)
     np.testing.assert_array_equal(np.asarray(out), expect)
     assert kp.kernel_info("cuda")["swap_blocks"] == "xla"
     with pytest.raises(ValueError, match="needs a TPU target"):
-        kp.swap_blocks(src_pages, dst_pages, src, dst, impl="pallas_tpu", donate=False)
+        kv_ops.swap_pages(src_pages, dst_pages, src, dst, impl="pallas_tpu", donate=False)
 
 
 @pytest.mark.parametrize("impl,interpret", IMPLS)
@@ -550,9 +594,9 @@ def test_write_kv_and_copy_blocks_meet_their_oracles(impl, interpret):
     k_new = _pages(rng, (5, kh, d), jnp.float32)
     v_new = _pages(rng, (5, kh, d), jnp.float32)
     slots = jnp.array([3, -1, 17, 40, 0], jnp.int32)
-    got = kp.write_kv(k_pages, v_pages, k_new, v_new, slots, impl=impl, interpret=interpret)
+    got = kv_ops.write_pages(k_pages, v_pages, k_new, v_new, slots, impl=impl, interpret=interpret)
     want = reference.write_kv_reference(k_pages, v_pages, k_new, v_new, slots)
     chex.assert_trees_all_equal(got, want)
     src, dst = jnp.array([0, 4, -1, 7], jnp.int32), jnp.array([9, 10, 1, 11], jnp.int32)
-    got = kp.copy_blocks(k_pages, v_pages, src, dst, impl=impl, interpret=interpret)
+    got = kv_ops.copy_pages(k_pages, v_pages, src, dst, impl=impl, interpret=interpret)
     chex.assert_trees_all_equal(got, reference.copy_blocks_reference(k_pages, v_pages, src, dst))

@@ -1,6 +1,9 @@
-"""The Llama-family NNX model: dense path properties, config parsing, and the paged split."""
+"""The Llama-family NNX model (Llama, Mistral, Qwen2/3, OLMo 2, Phi-3): dense path properties,
+config parsing, and the paged split."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import chex
 import jax
@@ -45,6 +48,13 @@ def randomize(model: LlamaForCausalLM, seed: int = 0, scale: float = 0.2) -> Lla
     return model
 
 
+# Phi-3 longrope with partial rotary (D=8, R=4: two factors each); original length 8.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.7], "long_factor": [1.5, 4.0]}
+PHI3_LONGROPE = dict(
+    partial_rotary_factor=0.5, rope_scaling=LONGROPE, original_max_position_embeddings=8
+)
+
+
 def ids(b: int, t: int, seed: int = 0, vocab: int = 64) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, t)), jnp.int32)
 
@@ -69,8 +79,13 @@ def test_dense_forward_is_causal() -> None:
     assert not np.allclose(la[:, 6:], lb[:, 6:])
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama_bias", "mistral", "qwen2", "qwen2_sw"])
+@pytest.mark.parametrize(
+    "variant",
+    ["llama", "llama_bias", "mistral", "qwen2", "qwen2_sw", "phi3_longrope"],
+)
 def test_random_model_matches_numpy_hf_reference(variant: str) -> None:
+    """Also checks model_to_hf_tensors' layout (Phi-3: fused again) against the reference.
+    (Qwen3 and OLMo 2 from checkpoints: tests/test_loading.py.)"""
     hf = {
         "llama": base_config("llama", tie_word_embeddings=True),
         "llama_bias": base_config("llama", attention_bias=True),
@@ -79,11 +94,31 @@ def test_random_model_matches_numpy_hf_reference(variant: str) -> None:
         "qwen2_sw": base_config(
             "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1
         ),
+        "phi3_longrope": base_config("phi3", sliding_window=6, **PHI3_LONGROPE),  # 11 > 8: long
     }[variant]
     model = randomize(LlamaForCausalLM(LlamaConfig.from_hf_dict(hf), rngs=nnx.Rngs(0)), seed=2)
     toks = list(np.asarray(ids(1, 11, seed=3)[0]))
     want = forward_np(hf, model_to_hf_tensors(model), toks)
-    chex.assert_trees_all_close(model(jnp.asarray([toks]))[0], want, atol=2e-4, rtol=2e-4)
+    tol = 1e-5 if hf["model_type"] == "phi3" else 2e-4
+    chex.assert_trees_all_close(model(jnp.asarray([toks]))[0], want, atol=tol, rtol=tol)
+
+
+def test_longrope_switches_to_long_factors_past_the_original_length() -> None:
+    """HF's rule: a forward over more than original_max_position_embeddings tokens uses the
+    long factors for all of them; cos/sin carry the attention factor either way."""
+    cfg = LlamaConfig.from_hf_dict(base_config("phi3", **PHI3_LONGROPE))
+    factor = 128 / 8  # max_position_embeddings / original_max_position_embeddings
+    assert cfg.rope_scaling["attention_factor"] == pytest.approx(
+        np.sqrt(1 + np.log(factor) / np.log(8))
+    )
+    pos = jnp.arange(8, dtype=jnp.int32)
+    short, _ = rope_cos_sin(cfg, pos)  # 8 tokens: short
+    long, _ = rope_cos_sin(cfg, pos, seq_lens=jnp.asarray(9))  # same positions, 9 tokens
+    chex.assert_shape(short, (8, 4))  # R = 4 of D = 8
+    inv_s = 1 / (np.asarray([1.0, 1.7]) * 10000.0 ** (np.arange(0, 4, 2) / 4))
+    att = cfg.rope_scaling["attention_factor"]
+    np.testing.assert_allclose(short[3, :2], np.cos(3 * inv_s) * att, rtol=1e-6)
+    assert not np.allclose(short[1:], long[1:])
 
 
 def test_gqa_equals_mha_with_each_kv_head_repeated_for_its_query_group() -> None:
@@ -230,11 +265,39 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
 # -- config ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"])
 def test_config_round_trips_through_hf_dict(model_type: str) -> None:
-    extra = {"mistral": {"sliding_window": 16}, "qwen2": {}, "llama": {"attention_bias": True}}
+    extra = {
+        "mistral": {"sliding_window": 16},
+        "qwen2": {},
+        "llama": {"attention_bias": True},
+        "qwen3": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+        "olmo2": {"attention_bias": True},
+        "phi3": {"sliding_window": 16, **PHI3_LONGROPE},
+    }
     cfg = LlamaConfig.from_hf_dict(base_config(model_type, **extra[model_type]))
     assert LlamaConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_family_flags_come_from_the_model_type() -> None:
+    qwen3 = LlamaConfig.from_hf_dict(base_config("qwen3"))
+    olmo2 = LlamaConfig.from_hf_dict(base_config("olmo2", attention_bias=True))
+    phi3 = LlamaConfig.from_hf_dict(base_config("phi3", attention_bias=True))
+    assert (qwen3.qk_norm, qwen3.norm_placement, qwen3.head_dim) == ("head", "pre", 16)
+    assert (olmo2.qk_norm, olmo2.norm_placement, olmo2.qkv_bias, olmo2.o_bias) == (
+        "full",
+        "post",
+        True,
+        True,
+    )
+    assert (phi3.qk_norm, phi3.norm_placement, phi3.qkv_bias) == ("none", "pre", False)
+    # transformers >= 5 form: everything under rope_parameters, "su" is longrope's old name.
+    rp = {"rope_theta": 500.0, "partial_rotary_factor": 0.5, **LONGROPE, "rope_type": "su"}
+    v5 = LlamaConfig.from_hf_dict(
+        base_config("phi3", rope_theta=None, rope_parameters=rp, original_max_position_embeddings=8)
+    )
+    old = LlamaConfig.from_hf_dict(base_config("phi3", rope_theta=500.0, **PHI3_LONGROPE))
+    assert v5 == old and old.rotary_dim == 4
 
 
 @pytest.mark.parametrize(
@@ -246,13 +309,43 @@ def test_config_round_trips_through_hf_dict(model_type: str) -> None:
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "low_freq_factor"),
         ({"head_dim": 7}, "even"),
+        ({**PHI3_LONGROPE, "partial_rotary_factor": 1.0}, r"short_factor has 2 entries.*4"),
+        ({**PHI3_LONGROPE, "rope_scaling": {**LONGROPE, "long_factor": None}}, "long_factor"),
+        ({**PHI3_LONGROPE, "rope_scaling": {**LONGROPE, "short_factor": [1, "x"]}}, "short_f"),
+        ({**PHI3_LONGROPE, "original_max_position_embeddings": 0}, "original_max_position"),
+        ({"partial_rotary_factor": 0.2}, "partial_rotary_factor"),  # R = 1
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+        ({"rope_parameters": {"partial_rotary_factor": "half"}}, "partial_rotary_factor"),
+        ({"model_type": "olmo2", "clip_qkv": 8.0}, "clip_qkv"),
     ],
 )
 def test_bad_configs_raise_clear_errors(change: dict, message: str) -> None:
-    hf = base_config("llama")
+    hf = base_config("phi3" if "original_max_position_embeddings" in change else "llama")
     hf.update(change)
     with pytest.raises(ConfigError, match=message):
         LlamaConfig.from_hf_dict(hf)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"qk_norm": "layer"}, "qk_norm"),
+        ({"norm_placement": "sandwich"}, "norm_placement"),
+    ],
+)
+def test_bad_family_flags_name_the_field(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            **change,
+        )
+    llama = LlamaConfig.from_hf_dict(base_config("llama"))
+    with pytest.raises(ConfigError, match="qk_norm"):  # a llama config.json cannot say it
+        dataclasses.replace(llama, qk_norm="head").to_hf_dict()
 
 
 def test_missing_required_field_is_named() -> None:

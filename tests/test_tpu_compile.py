@@ -94,24 +94,55 @@ def _qwen2_7b_ragged(where: jax.Device | None):
             return jax.ShapeDtypeStruct(shape, dtype)
         return aot.spec(shape, dtype, where)
 
+    cache = jax.tree.map(
+        lambda x: s(x.shape, x.dtype), kp.kv_cache_shape(28, 300, 16, 4, 128, jnp.bfloat16)
+    )
     args = (
-        s((96, 28, 128), jnp.bfloat16), s((28, 4, 300, 16, 128), jnp.bfloat16),
-        s((28, 4, 300, 16, 128), jnp.bfloat16), s((12,), i32), s((12, 40), i32),
+        s((96, 28, 128), jnp.bfloat16), cache, s((12,), i32), s((12, 40), i32),
         s((13,), i32), s((), i32), s((), i32),
     )  # fmt: skip
 
-    def fn(q, k, v, lens, tables, cu, n, layer):
-        out = kp.ragged_paged_attention(q, k, v, lens, tables, cu, n, layer=layer)
-        k, v = kp.write_kv(k, v, q[:, :4], q[:, 4:8], lens[:1].repeat(96), layer=layer)
-        return out, k, v
+    def fn(q, cache, lens, tables, cu, n, layer):
+        out = kp.ragged_paged_attention(q, cache, lens, tables, cu, n, layer=layer)
+        cache = kp.write_kv(cache, q[:, :4], q[:, 4:8], lens[:1].repeat(96), layer=layer)
+        return out, cache
 
     return fn, args
+
+
+@pytest.mark.parametrize("chip_name", ["tpu7x:2x2x1", "v5e:2x2"])
+def test_decode_kernel_compiles_for_a_served_decode_step(chip_name):
+    """Llama-3-8B decode on TPU7x (64 MiB of VMEM) and v5e: the decode kernel behind
+    ``ragged_paged_attention(..., max_q_len=1)`` compiles at a serving-sized cache and table
+    (256 rows x 4K tokens, 4 GiB of KV), its ~2048-key steps within the chip's VMEM."""
+    try:
+        device = aot.tpu_devices(chip_name)[0]
+    except ValueError as e:
+        pytest.skip(f"{chip_name} is not a topology this libtpu knows: {e}")
+    i32 = jnp.int32
+    cache = jax.tree.map(
+        lambda x: aot.spec(x.shape, x.dtype, device),
+        kp.kv_cache_shape(1, 256 * 256 + 1, 16, 8, 128, jnp.bfloat16),
+    )
+    args = (
+        aot.spec((256, 32, 128), jnp.bfloat16, device), cache, aot.spec((256,), i32, device),
+        aot.spec((256, 256), i32, device), aot.spec((257,), i32, device),
+        aot.spec((), i32, device), aot.spec((), i32, device),
+    )  # fmt: skip
+
+    def fn(q, cache, lens, tables, cu, n, layer):
+        return kp.ragged_paged_attention(q, cache, lens, tables, cu, n, layer=layer, max_q_len=1)
+
+    with aot.tpu_target([device]):
+        text = jax.jit(fn).trace(*args).lower().compile().as_text()
+        assert kp.kernel_info()["ragged_paged_attention"] == "pallas_tpu"
+    assert "paxcache_paged_decode_attention" in text
 
 
 def test_auto_under_a_tpu_default_device_compiles_the_mosaic_kernels(chip):
     fn, args = _qwen2_7b_ragged(chip)
     with aot.tpu_target([chip]):
-        compiled = jax.jit(fn, donate_argnums=(1, 2)).trace(*args).lower().compile()
+        compiled = jax.jit(fn, donate_argnums=(1,)).trace(*args).lower().compile()
         assert kp.kernel_info()["ragged_paged_attention"] == "pallas_tpu"
         assert kp.kernel_info()["write_kv"] == "pallas_tpu"
     assert compiled.as_text().count("tpu_custom_call") >= 2
@@ -152,9 +183,12 @@ def test_a_kernel_mosaic_rejects_falls_back_to_xla_with_one_warning(chip, monkey
     monkeypatch.setattr(_dispatch, "_PROBED", {})
     monkeypatch.setattr(_dispatch, "_WARNED", set())
     i32 = jnp.int32
+    cache = jax.tree.map(
+        lambda x: aot.spec(x.shape, x.dtype, chip),
+        kp.kv_cache_shape(1, 64, 16, 2, 128, jnp.float32),
+    )
     args = (
-        aot.spec((8, 8, 128), jnp.float32, chip), aot.spec((2, 64, 16, 128), jnp.float32, chip),
-        aot.spec((2, 64, 16, 128), jnp.float32, chip), aot.spec((8,), i32, chip),
+        aot.spec((8, 8, 128), jnp.float32, chip), cache, aot.spec((8,), i32, chip),
         aot.spec((8, 4), i32, chip),
     )  # fmt: skip
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
@@ -302,6 +336,10 @@ def test_llama3_8b_whole_step_compiles_on_v5e(tmp_path, tp):
     step = report["programs"][0]
     assert step["name"] == "step[T=16]" and step["fits_hbm"], step
     assert set(step["kernels"].values()) == {"pallas_tpu"} and step["mosaic_kernels"] == 3
+    # The decode-only variant (every decode step of a server) compiles with the decode kernel.
+    (decode,) = [p for p in report["programs"] if p["name"] == "step+decode[T=16]"]
+    assert decode["compiled"] and decode["fits_hbm"], decode
+    assert set(decode["kernels"].values()) == {"pallas_tpu"} and decode["mosaic_kernels"] == 3
     weights = report["engine"]["weights_bytes_per_chip"] / 2**30
     assert (14.5 < weights < 15.5) if tp == 1 else (4 < weights < 5)
 

@@ -75,20 +75,20 @@ def test_stacked_pages_with_traced_layer_match_per_layer_calls(monkeypatch):
 
 
 def test_stacked_layer_pages_are_never_copied():
-    """The public op on ``[L, K, N, S, D]`` pages + traced layer compiles without any
+    """The public op on an L-layer cache + traced layer compiles without any
     ``[K, N, S, D]``-sized (one layer) or ``[L, ...]``-sized intermediate: gathers read the
     stacked pages in place (slicing a layer first copied it on every call)."""
     layers, k_heads, n, s, d, t, b, m = 3, 2, 96, 8, 32, 24, 4, 8
-    kpg = jnp.zeros((layers, k_heads, n, s, d), jnp.float32)
+    cache = kp.init_kv_cache(layers, n, s, k_heads, d, jnp.float32)
     q = jnp.zeros((t, 4, d), jnp.float32)
     lens = jnp.array([9, 30, 1, 17], jnp.int32)
     tables = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
     cu = jnp.array([0, 1, 8, 9, 12], jnp.int32)
 
-    def f(q, kpg, vpg, layer):
-        return kp.ragged_paged_attention(q, kpg, vpg, lens, tables, cu, 4, layer=layer)
+    def f(q, cache, layer):
+        return kp.ragged_paged_attention(q, cache, lens, tables, cu, 4, layer=layer)
 
-    hlo = jax.jit(f).lower(q, kpg, kpg, jnp.int32(1)).compile().as_text()
+    hlo = jax.jit(f).lower(q, cache, jnp.int32(1)).compile().as_text()
     # One layer's pages in any shape: [K, N, S, D], [1, K, N, S, D] or flattened [K, N*S, D].
     layer_shapes = re.compile(rf"f32\[(1,)?{k_heads},({n},{s}|{n * s}),{d}\]")
     results = [ln.split("=", 1)[1].split("(")[0] for ln in hlo.splitlines() if " = " in ln]

@@ -5,10 +5,12 @@
   SMEM scratch, so a batch's tables (256 sequences x 32K tokens = 2 MiB at ``S = 16``) never
   have to fit in SMEM (1 MiB on v5e/v6e, shared with the other scalars).
 * :class:`KVStream`: the DMAs that bring ``P`` KV pages of one layer, all ``K`` kv heads at
-  once (one descriptor per page: ``pages.at[layer, :, block]`` is ``[K, S, D]``), into one
-  slot of a double-buffered VMEM scratch ``[2, K, P, S, D]``. Pages outside
-  ``[first, end)`` are neither copied nor waited on (their VMEM rows keep stale data, which
-  the caller masks with ``where``); negative block ids are clamped to 0 for addressing.
+  once (one descriptor per page for K and one for V: ``pages.at[layer, :, block]`` is
+  ``[K, S, D]``), into one slot of a double-buffered, page-major VMEM scratch
+  ``[2, P, K, S, D]``; a slot is waited for ONCE per buffer, with a descriptor as large as
+  all of its copies. Pages outside ``[first, end)`` are neither copied nor waited on (their
+  VMEM rows keep stale data, which the caller masks with ``where``); negative block ids are
+  clamped to 0 for addressing.
 * :func:`attend_step`: one flash-attention update of the ``(m, l, acc)`` VMEM state of every
   kv head, with bf16/f16 operands fed to the MXU as they are (float32 accumulation), a
   ``where``-mask so NaN garbage in masked keys/values cannot reach the result.
@@ -34,9 +36,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
-#: VMEM the KV double buffers may take (K and V, two slots): well inside the 16 MiB scoped
-#: VMEM default of v4/v5e, so the query/output blocks and the softmax state fit next to them.
-KV_VMEM_BUDGET = 4 * 1024 * 1024
+#: VMEM the KV double buffers may take (K and V, two slots). The kernels raise their scoped
+#: VMEM limit to fit them (:func:`vmem_limit_bytes`).
+KV_VMEM_BUDGET = 8 * 1024 * 1024
+
+
+def vmem_tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """VMEM of a ``[rows, cols]`` slab: rows padded to the sublane tile (8 32-bit rows, 16
+    packed 16-bit rows, 32 8-bit rows), columns to 128 lanes."""
+    sub = 8 * max(1, 4 // itemsize)
+    return -(-rows // sub) * sub * -(-cols // 128) * 128 * itemsize
 
 
 def default_pages_per_compute_block(
@@ -44,10 +53,16 @@ def default_pages_per_compute_block(
     itemsize: int,
 ) -> int:  # fmt: skip
     """Pages per compute step: about ``target_tokens`` keys, at most ``max_blocks`` pages,
-    and small enough that the four ``[K, P, S, D]`` KV buffers fit :data:`KV_VMEM_BUDGET`."""
-    per_page = 4 * kv_heads * block_size * head_dim * itemsize
-    p = min(max_blocks, target_tokens // block_size, KV_VMEM_BUDGET // per_page)
+    and small enough that the four ``[P, K, S, D]`` KV buffers fit :data:`KV_VMEM_BUDGET`."""
+    per_page = 4 * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)
+    p = min(max_blocks, max(1, target_tokens // block_size), KV_VMEM_BUDGET // per_page)
     return int(max(1, p))
+
+
+def vmem_limit_bytes(scratch_bytes: int) -> int:
+    """The scoped VMEM limit for a kernel with ``scratch_bytes`` of scratch: that plus 16 MiB
+    for pipelined blocks and temporaries, at least the 32 MiB default of v6e."""
+    return int(max(scratch_bytes + 16 * 1024 * 1024, 32 * 1024 * 1024))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +97,8 @@ class KVStream:
 
     Attributes:
       k_hbm, v_hbm: ``[L, K, N, S, D]`` refs left in HBM (``memory_space=ANY``).
-      k_buf, v_buf: ``[2, K, P, S, D]`` VMEM scratch (two slots for double buffering).
-      k_sem, v_sem: DMA semaphores ``[2]``, one per slot.
+      k_buf, v_buf: ``[2, P, K, S, D]`` VMEM scratch (two slots for double buffering).
+      sem: DMA semaphores ``[2]``, one per slot (the K and V copies of a slot share it).
       table: ``i32[2, M]`` SMEM rows (see :class:`TableRows`).
       layer: scalar selecting ``k_hbm.at[layer]``.
     """
@@ -92,34 +107,23 @@ class KVStream:
     v_hbm: Any
     k_buf: Any
     v_buf: Any
-    k_sem: Any
-    v_sem: Any
+    sem: Any
     table: Any
     layer: jax.Array
 
-    def _copies(self, tslot: jax.Array, first_page: jax.Array, slot: jax.Array):
-        n_pages = self.k_buf.shape[2]
-        max_blocks = self.table.shape[1]
-        out = []
-        for j in range(n_pages):
-            page = first_page + j
-            block = jnp.maximum(self.table[tslot, jnp.clip(page, 0, max_blocks - 1)], 0)
-            kc = pltpu.make_async_copy(
-                self.k_hbm.at[self.layer, :, block],  # [K, S, D]
-                self.k_buf.at[slot, :, j],
-                self.k_sem.at[slot],
-            )
-            vc = pltpu.make_async_copy(
-                self.v_hbm.at[self.layer, :, block],
-                self.v_buf.at[slot, :, j],
-                self.v_sem.at[slot],
-            )
-            out.append((page, kc, vc))
-        return out
-
     def start(self, tslot, first_page, end_page, slot) -> None:
         """Start copying pages ``first_page + j`` (``j < P``) that are ``< end_page``."""
-        for page, kc, vc in self._copies(tslot, first_page, slot):
+        n_pages = self.k_buf.shape[1]
+        max_blocks = self.table.shape[1]
+        for j in range(n_pages):
+            page = first_page + j
+            block = jnp.maximum(self.table[tslot, jnp.minimum(page, max_blocks - 1)], 0)
+            kc = pltpu.make_async_copy(
+                self.k_hbm.at[self.layer, :, block], self.k_buf.at[slot, j], self.sem.at[slot]
+            )
+            vc = pltpu.make_async_copy(
+                self.v_hbm.at[self.layer, :, block], self.v_buf.at[slot, j], self.sem.at[slot]
+            )
 
             @pl.when(page < end_page)
             def _start(kc=kc, vc=vc):
@@ -127,13 +131,13 @@ class KVStream:
                 vc.start()
 
     def wait(self, tslot, first_page, end_page, slot) -> None:
-        """Wait for every copy :meth:`start` issued with the same arguments."""
-        for page, kc, vc in self._copies(tslot, first_page, slot):
-
-            @pl.when(page < end_page)
-            def _wait(kc=kc, vc=vc):
-                kc.wait()
-                vc.wait()
+        """Wait for every copy :meth:`start` issued with the same arguments: one wait per
+        buffer, for the bytes of all of them (a DMA semaphore counts bytes)."""
+        del tslot
+        n = jnp.clip(end_page - first_page, 0, self.k_buf.shape[1])
+        for buf in (self.k_buf, self.v_buf):
+            whole = buf.at[slot, pl.ds(0, n)]
+            pltpu.make_async_copy(whole, whole, self.sem.at[slot]).wait()
 
 
 def attend_step(
@@ -142,8 +146,8 @@ def attend_step(
     v_buf: Any,
     slot: jax.Array,
     state: tuple[Any, Any, Any],
-    mask: jax.Array,
-    key_ok: jax.Array,
+    mask: jax.Array | None,
+    key_ok: jax.Array | None,
     *,
     sm_scale: float,
     soft_cap: float | None,
@@ -152,38 +156,42 @@ def attend_step(
 
     Args:
       q_ref: ``[K, R, D]`` queries (VMEM, input dtype: bf16 stays bf16 on the MXU).
-      k_buf, v_buf: ``[2, K, P, S, D]`` VMEM; slot ``slot`` holds this step's pages. Keys not
+      k_buf, v_buf: ``[2, P, K, S, D]`` VMEM; slot ``slot`` holds this step's pages. Keys not
         in ``mask`` may hold anything (NaN included).
       slot: which buffer slot.
       state: ``(m f32[K, R, 1], l f32[K, R, 1], acc f32[K, R, D])`` VMEM refs, updated.
-      mask: ``bool[R, C]``, which (row, key) pairs count.
-      key_ok: ``bool[C, 1]``, keys that count for at least one row (others are zeroed so NaN
-        garbage cannot pass through ``p @ v``).
+      mask: ``bool[R, C]``, which (row, key) pairs count; None: every pair (no masking).
+      key_ok: ``bool[C, 1]``, keys that count for at least one row: other value rows are
+        zeroed so NaN garbage cannot pass through ``p @ v`` (keys need no such care: their
+        logits are replaced by ``where``); None with ``mask=None``.
       sm_scale: logit scale (applied to the float32 logits).
       soft_cap: optional logit soft cap.
+
+    The heads are unrolled (a Python loop), so one head's P.V can overlap the next head's
+    Q.K^T in the schedule.
     """
     m_ref, l_ref, acc_ref = state
-    _, kh, n_pages, s, d = k_buf.shape  # [2, K, P, S, D]
+    _, n_pages, kh, s, d = k_buf.shape  # [2, P, K, S, D]
     keys = n_pages * s
-
-    @pl.loop(0, kh)
-    def _head(h):
-        k = k_buf[slot, h].reshape(keys, d)  # [C, D]
-        v = v_buf[slot, h].reshape(keys, d)
-        k = jnp.where(key_ok, k, jnp.zeros_like(k))
-        v = jnp.where(key_ok, v, jnp.zeros_like(v))
-        q = q_ref[h]  # [R, D]
+    for h in range(kh):
+        k = k_buf[slot, :, h].reshape(keys, d)  # [C, D]
+        v = v_buf[slot, :, h].reshape(keys, d)
+        if key_ok is not None:
+            v = jnp.where(key_ok, v, jnp.zeros_like(v))
         logits = lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [R, C]
         logits = logits * sm_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(mask, logits, MASK_VALUE)
+        if mask is not None:
+            logits = jnp.where(mask, logits, MASK_VALUE)
         m_prev = m_ref[h]  # [R, 1]
         m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
+        p = jnp.exp(logits - m_new)
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
         l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, D]
         acc_ref[h] = alpha * acc_ref[h] + pv
@@ -218,12 +226,12 @@ def pipeline_scratch(
 ) -> list:  # fmt: skip
     """Every scratch buffer of an attention kernel, in the order its body receives them.
 
-    ``i32[2, M]`` SMEM table rows (:class:`TableRows`), the ``[2, K, P, S, D]`` K and V VMEM
+    ``i32[2, M]`` SMEM table rows (:class:`TableRows`), the ``[2, P, K, S, D]`` K and V VMEM
     double buffers (:class:`KVStream`), the ``(m, l, acc)`` softmax state of ``rows`` query
     rows per kv head (:func:`state_scratch`), then the DMA semaphores ``[2]`` of the table
-    rows, K and V.
+    rows and of the KV slots.
     """
-    kv_shape = (2, kv_heads, pages, block_size, head_dim)
+    kv_shape = (2, pages, kv_heads, block_size, head_dim)
     return [
         pltpu.SMEM((2, max_blocks), jnp.int32),
         pltpu.VMEM(kv_shape, k_dtype),
@@ -231,5 +239,14 @@ def pipeline_scratch(
         *state_scratch(kv_heads, rows, head_dim),
         pltpu.SemaphoreType.DMA((2,)),
         pltpu.SemaphoreType.DMA((2,)),
-        pltpu.SemaphoreType.DMA((2,)),
     ]
+
+
+def scratch_bytes(
+    *, kv_heads: int, rows: int, pages: int, block_size: int, head_dim: int, itemsize: int
+) -> int:
+    """VMEM of :func:`pipeline_scratch`'s buffers (padded to tiles)."""
+    kv = 4 * pages * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)
+    stats = 2 * kv_heads * vmem_tile_bytes(rows, 1, 4)
+    acc = kv_heads * vmem_tile_bytes(rows, head_dim, 4)
+    return kv + stats + acc

@@ -1,32 +1,39 @@
 """Mosaic TPU Pallas kernel: paged decode attention (one query token per sequence).
 
-Design:
+Decode reads every KV byte once and does little math per byte, so the kernel is built to keep
+the bundles per KiB of KV below the HBM time (the static schedule of libtpu's final bundles):
 
-* Grid ``(C, B / C)`` with ``C = 2`` (``"parallel"``: the two TensorCores of a v4/v5p
-  megacore chip each take half the sequences; one-core chips run the halves in turn) and the
-  sequences of a half in order (``"arbitrary"``). Program ``(c, i)`` handles sequence
-  ``b = c * B / C + i`` and walks its kv range in steps of ``P`` pages
-  (``pages_per_compute_block``), all ``K`` kv heads at once. The ``G = H // K`` query heads
-  of a kv head are processed together (GQA/MQA), so each KV page is read once per group.
+* Grid ``(C, B / C)`` with ``C = 2`` (``"parallel"``: the two TensorCores of a megacore chip
+  each take half the sequences; one-core chips run the halves in turn), the sequences of a
+  half in order (``"arbitrary"``). Program ``(c, i)`` handles sequence ``b = c * B / C + i``
+  and walks its kv range in steps of ``P`` pages (:func:`decode_pages_per_step`: ~2048 keys
+  within ``DECODE_KV_VMEM_BUDGET``, sizes padded to the VMEM tiles), all ``K`` kv heads at
+  once; the ``G = H // K`` query heads of a kv head are processed together (GQA/MQA).
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``lengths i32[B]``. Block tables stay in HBM;
-  program ``i`` DMAs the *next* sequence's table row into SMEM while it computes
-  (:class:`~kernels_pallas.tpu._attention_common.TableRows`), so tables of any size work and
-  only the first row of each half is waited for.
-* KV pages stay in HBM (``memory_space=ANY``); each step DMAs ``P`` pages, one descriptor per
-  page covering every kv head (``pages.at[layer, :, block]``), into a two-slot VMEM scratch:
-  step ``j + 1`` is started before step ``j`` is computed (double buffering).
-* Only pages holding keys the query may see are copied: ``[first_page, cdiv(length, S))``,
-  where ``first_page`` skips pages wholly outside the sliding window. Slots past the length
-  are masked with ``where`` (never by multiplication), so NaN garbage cannot leak; a length-0
-  row copies nothing and returns zeros. Negative block ids are clamped to 0 for addressing.
-* Matmuls take the pages' dtype (bf16 on the MXU) with float32 accumulation; the online
-  softmax state is float32 (``_attention_common.attend_step``).
-* Stacked caches: pages are addressed as ``[L, K, N, S, D]`` and the layer is a prefetched
-  scalar, so a ``lax.scan`` over layers reads ``pages.at[layer]`` without copying a layer.
+  each program DMAs the *next* sequence's table row into SMEM while it computes
+  (:class:`~kernels_pallas.tpu._attention_common.TableRows`), so tables of any size work.
+* KV pages stay in HBM (``memory_space=ANY``). A step issues one DMA per page for K and one
+  for V (``pages.at[layer, :, block]``, every kv head) into a two-slot, page-major VMEM
+  scratch ``[2, P, K, S, D]``; step ``j + 1`` is started before step ``j`` is computed, and
+  a step waits ONCE per buffer (a descriptor as large as all of its copies: DMA semaphores
+  count bytes). Bounds checks are off when compiled (every address is clamped in range).
+* The heads are unrolled. A step whose keys are all visible (the steady state) runs with no
+  mask at all; only the step holding the length (or the window's first key) masks logits and
+  zeroes the value rows no query may see, so NaN garbage in unwritten slots cannot leak
+  (keys need no such care: their logits are replaced by ``where``). A length-0 row copies
+  nothing and returns zeros; negative block ids are clamped to 0 for addressing, and table
+  entries past a length are never read.
+* Matmuls take the pages' dtype (bf16 on the MXU) with float32 accumulation and a float32
+  online softmax.
 
-Compiled for v5e and v6e in the tests (``tests/test_tpu_compile.py``) for bf16 and f32,
-``D`` in {64, 128, 256}, ``G`` 1..8, ``S`` 8..128, sliding window, soft cap and tables of 256
-sequences x 32K tokens; correctness is checked in TPU interpret mode on CPU.
+Trip counts (for the static schedule, ``scripts/kernel_cycles.py``): per sequence, the grid
+body once, ``ceil(length / (P * S))`` steps (each: the loop head and the unmasked body, or
+the masked body for the edge step) and one next-step DMA issue per step but the last.
+
+Also the TPU path of ``ragged_paged_attention(..., max_q_len=1)`` (a decode-only batch).
+Compiled for v5e, v6e and TPU7x in the tests (``tests/test_tpu_compile.py``) for bf16 and
+f32, ``D`` in {64, 128, 256}, ``G`` 1..8, ``S`` 8..128, sliding window, soft cap and tables of
+256 sequences x 32K tokens; correctness is checked in TPU interpret mode on CPU.
 """
 
 from __future__ import annotations
@@ -39,19 +46,65 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.tpu._attention_common import (
-    KVStream,
-    TableRows,
-    attend_step,
-    default_pages_per_compute_block,
-    finish,
-    pipeline_scratch,
-    reset_state,
-)
+from kernels_pallas.tpu._attention_common import MASK_VALUE, TableRows, finish
 
-__all__ = ["paged_attention_tpu"]
+__all__ = ["DECODE_KV_VMEM_BUDGET", "decode_pages_per_step", "paged_attention_tpu"]
 
 _CORES = 2  # TensorCores of a megacore chip (v4, v5p)
+
+#: VMEM for the decode kernel's KV double buffers (K and V, two slots). Decode reads each KV
+#: byte once and does little math per byte, so it wants big steps: fixed per-step costs (the
+#: wait, the state update, the loop) are paid once per ``P * S`` keys.
+DECODE_KV_VMEM_BUDGET = 16 * 1024 * 1024
+#: Keys per step the decode kernel aims for (capped by the budget and the table width).
+_DECODE_TARGET_KEYS = 2048
+
+
+def decode_pages_per_step(
+    block_size: int, max_blocks: int, *, kv_heads: int, head_dim: int, itemsize: int
+) -> int:
+    """``P``: pages per decode step, ~``_DECODE_TARGET_KEYS`` keys within the VMEM budget."""
+    per_page = 4 * kv_heads * _vmem_page_bytes(block_size, head_dim, itemsize)  # K, V; 2 slots
+    p = min(max_blocks, max(1, _DECODE_TARGET_KEYS // block_size))
+    return int(max(1, min(p, DECODE_KV_VMEM_BUDGET // per_page)))
+
+
+def _attend_heads(
+    q_ref, k_buf, v_buf, slot, state, *, sm_scale, soft_cap, mask, v_ok
+) -> None:  # fmt: skip
+    """One online-softmax update of every kv head against the ``C = P * S`` keys of ``slot``.
+
+    Heads are unrolled (a Python loop): one head's P.V can overlap the next head's Q.K^T.
+    ``mask`` (``bool[G, C]``, None: every key counts) selects the (row, key) pairs; ``v_ok``
+    (``bool[C, 1]``) zeroes value rows that no row may see, so NaN garbage in unwritten slots
+    cannot reach ``p @ v`` (keys need no such care: their logits are replaced by ``where``).
+    """
+    m_ref, l_ref, acc_ref = state
+    _, n_pages, kh, s, d = k_buf.shape  # [2, P, K, S, D]
+    keys = n_pages * s
+    for h in range(kh):
+        k = k_buf[slot, :, h].reshape(keys, d)  # [C, D]
+        v = v_buf[slot, :, h].reshape(keys, d)
+        if v_ok is not None:
+            v = jnp.where(v_ok, v, jnp.zeros_like(v))
+        logits = lax.dot_general(
+            q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [G, C]
+        logits = logits * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        if mask is not None:
+            logits = jnp.where(mask, logits, MASK_VALUE)
+        m_prev = m_ref[h]  # [G, 1]
+        m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(logits - m_new)
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [G, D]
+        acc_ref[h] = alpha * acc_ref[h] + pv
+        m_ref[h] = m_new
 
 
 def _decode_kernel(
@@ -62,19 +115,18 @@ def _decode_kernel(
     q_ref,  # [K, G, D] block of q [B_pad, K, G, D]
     tables_hbm,  # i32[B, M] in HBM
     k_hbm,  # [L, K, N, S, D] in HBM
-    v_hbm,
+    v_hbm,  # [L, K, N, S, D] in HBM
     # output
     o_ref,  # [K, G, D]
     # scratch
     table,  # SMEM i32[2, M]: table rows of this and the next sequence
-    k_buf,  # VMEM [2, K, P, S, D]
-    v_buf,
+    k_buf,  # VMEM [2, P, K, S, D]: two slots of P pages, page-major
+    v_buf,  # VMEM [2, P, K, S, D]
     m_ref,  # VMEM f32[K, G, 1]
     l_ref,  # VMEM f32[K, G, 1]
     acc_ref,  # VMEM f32[K, G, D]
     table_sem,  # DMA[2]
-    k_sem,  # DMA[2]
-    v_sem,  # DMA[2]
+    kv_sem,  # DMA[2]: one per slot, for the K and the V copies of that slot
     *,
     sm_scale: float,
     soft_cap: float | None,
@@ -82,68 +134,126 @@ def _decode_kernel(
     num_seqs: int,
     per_core: int,
 ):
-    i = pl.program_id(1)
-    b = pl.program_id(0) * per_core + i
+    seq_in_core = pl.program_id(1)
+    seq = pl.program_id(0) * per_core + seq_in_core
     _, g, _ = q_ref.shape
-    _, _, n_pages, s, _ = k_buf.shape
-    keys = n_pages * s
+    _, n_pages, _, block_size, _ = k_buf.shape
+    keys = n_pages * block_size
+    max_blocks = table.shape[1]
+    layer = layer_ref[0]
     rows = TableRows(tables_hbm, table, table_sem)
-    tslot = i % 2
+    tslot = seq_in_core % 2
 
     # The first sequence of this core's half fetches its own row; every program prefetches
     # the next one's, which the next program (same core, "arbitrary" order) waits for.
-    @pl.when((i == 0) & (b < num_seqs))
+    @pl.when((seq_in_core == 0) & (seq < num_seqs))
     def _first_row():
-        rows.start(b, tslot)
+        rows.start(seq, tslot)
 
-    @pl.when(b < num_seqs)
+    @pl.when(seq < num_seqs)
     def _wait_row():
-        rows.wait(b, tslot)
+        rows.wait(seq, tslot)
 
-    @pl.when((i + 1 < per_core) & (b + 1 < num_seqs))
+    @pl.when((seq_in_core + 1 < per_core) & (seq + 1 < num_seqs))
     def _prefetch_next_row():
-        rows.start(b + 1, 1 - tslot)
+        rows.start(seq + 1, 1 - tslot)
 
-    length = lengths_ref[b]
-    end_page = (length + s - 1) // s
+    length = lengths_ref[seq]
+    end_page = (length + block_size - 1) // block_size  # pages [first_page, end_page)
     if sliding_window is not None:
-        first_page = jnp.maximum(length - sliding_window, 0) // s
+        first_key = jnp.maximum(length - sliding_window, 0)
     else:
-        first_page = jnp.int32(0)
+        first_key = jnp.int32(0)
+    first_page = first_key // block_size
     n_steps = (jnp.maximum(end_page - first_page, 0) + n_pages - 1) // n_pages
-    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, table, layer_ref[0])
+
+    def page_copies(page0, slot):
+        """The K and V copy of each page ``page0 + j`` (``j < P``) of this step."""
+        out = []
+        for j in range(n_pages):
+            col = jnp.minimum(page0 + j, max_blocks - 1)
+            block = jnp.maximum(table[tslot, col], 0)
+            kc = pltpu.make_async_copy(
+                k_hbm.at[layer, :, block], k_buf.at[slot, j], kv_sem.at[slot]
+            )
+            vc = pltpu.make_async_copy(
+                v_hbm.at[layer, :, block], v_buf.at[slot, j], kv_sem.at[slot]
+            )
+            out.append((page0 + j, kc, vc))
+        return out
+
+    def start_step(page0, slot):
+        for page, kc, vc in page_copies(page0, slot):
+
+            @pl.when(page < end_page)
+            def _start(kc=kc, vc=vc):
+                kc.start()
+                vc.start()
+
+    def wait_step(page0, slot):
+        # One wait per buffer: a descriptor as large as every copy of the slot together (a
+        # DMA semaphore counts bytes), instead of one wait per page.
+        n = jnp.clip(end_page - page0, 0, n_pages)
+        for buf in (k_buf, v_buf):
+            whole = buf.at[slot, pl.ds(0, n)]
+            pltpu.make_async_copy(whole, whole, kv_sem.at[slot]).wait()
+
     state = (m_ref, l_ref, acc_ref)
-    reset_state(state)
-    kpos_row = lax.broadcasted_iota(jnp.int32, (g, keys), 1)
-    kpos_col = lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    key_in_row = lax.broadcasted_iota(jnp.int32, (g, keys), 1)
+    key_in_col = lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
 
     @pl.when(n_steps > 0)
-    def _first_pages():
-        stream.start(tslot, first_page, end_page, 0)
+    def _first_step_pages():
+        start_step(first_page, 0)
 
     def step(j, carry):
         slot = j % 2
-        page = first_page + j * n_pages
+        page0 = first_page + j * n_pages
 
         @pl.when(j + 1 < n_steps)
-        def _next_pages():
-            stream.start(tslot, page + n_pages, end_page, 1 - slot)
+        def _next_step_pages():
+            start_step(page0 + n_pages, 1 - slot)
 
-        stream.wait(tslot, page, end_page, slot)
-        base = page * s
-        mask = base + kpos_row < length
-        key_ok = base + kpos_col < length
-        if sliding_window is not None:
-            lo = length - sliding_window  # first visible key position
-            mask &= base + kpos_row >= lo
-            key_ok &= base + kpos_col >= lo
-        attend_step(
-            q_ref, k_buf, v_buf, slot, state, mask, key_ok, sm_scale=sm_scale, soft_cap=soft_cap
+        wait_step(page0, slot)
+        base = page0 * block_size
+        whole = (base + keys <= length) & (base >= first_key)
+        attend = functools.partial(
+            _attend_heads, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap
         )
+
+        @pl.when(whole)
+        def _every_key_visible():  # the steady state: no masks at all
+            attend(mask=None, v_ok=None)
+
+        @pl.when(~whole)
+        def _edge_step():  # the step holding the length (or the window's start)
+            kpos_row = base + key_in_row
+            kpos_col = base + key_in_col
+            attend(
+                mask=(kpos_row < length) & (kpos_row >= first_key),
+                v_ok=(kpos_col < length) & (kpos_col >= first_key),
+            )
+
         return carry
 
     lax.fori_loop(0, n_steps, step, 0)
     o_ref[...] = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
+
+
+def _vmem_page_bytes(block_size: int, head_dim: int, itemsize: int) -> int:
+    """VMEM of one head's page ``[S, D]``: rows padded to the sublane tile (8 32-bit rows,
+    packed 16 bf16 / 32 8-bit rows), lanes to 128."""
+    rows = 8 * (4 // itemsize)
+    return -(-block_size // rows) * rows * -(-head_dim // 128) * 128 * itemsize
+
+
+def _vmem_limit(pages: int, kv_heads: int, block_size: int, head_dim: int, itemsize: int) -> int:
+    """Scoped VMEM for the decode kernel: its KV buffers plus 8 MiB for everything else."""
+    kv = 4 * pages * kv_heads * _vmem_page_bytes(block_size, head_dim, itemsize)
+    return int(kv + 8 * 1024 * 1024)
 
 
 @functools.partial(
@@ -182,8 +292,8 @@ def paged_attention_tpu(
       sliding_window: optional window (the query sees keys ``> length - 1 - window``).
       layer: layer of stacked pages (int or traced i32 scalar); ignored for rank-4 pages.
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``), e.g. on CPU.
-      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 128 keys,
-        capped so the KV buffers fit ``KV_VMEM_BUDGET``).
+      pages_per_compute_block: pages per DMA/compute step ``P`` (default
+        :func:`decode_pages_per_step`: ~2048 keys within ``DECODE_KV_VMEM_BUDGET``).
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -194,8 +304,8 @@ def paged_attention_tpu(
     _, kh, _, s, _ = k_pages.shape
     g = h // kh
     m = block_tables.shape[1]
-    p = pages_per_compute_block or default_pages_per_compute_block(
-        s, m, 128, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+    p = pages_per_compute_block or decode_pages_per_step(
+        s, m, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
     )
     cores = _CORES if b >= _CORES else 1
     per_core = -(-b // cores)
@@ -223,19 +333,25 @@ def paged_attention_tpu(
             grid=(cores, per_core),
             in_specs=[q_spec, any_spec, any_spec, any_spec],
             out_specs=q_spec,
-            scratch_shapes=pipeline_scratch(
-                kv_heads=kh,
-                rows=g,
-                pages=p,
-                block_size=s,
-                head_dim=d,
-                max_blocks=m,
-                k_dtype=k_pages.dtype,
-                v_dtype=v_pages.dtype,
-            ),
+            scratch_shapes=[
+                pltpu.SMEM((2, m), jnp.int32),
+                pltpu.VMEM((2, p, kh, s, d), k_pages.dtype),
+                pltpu.VMEM((2, p, kh, s, d), v_pages.dtype),
+                pltpu.VMEM((kh, g, 1), jnp.float32),
+                pltpu.VMEM((kh, g, 1), jnp.float32),
+                pltpu.VMEM((kh, g, d), jnp.float32),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SemaphoreType.DMA((2,)),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit(p, kh, s, d, k_pages.dtype.itemsize),
+            # Checks stay on in interpret mode (the CPU tests); compiled, a page's DMA is
+            # a few bundles instead of tens (every address is clamped in range above).
+            disable_bounds_checks=not interpret,
+        ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_paged_decode_attention",
     )(layer_arr, lengths, qg, block_tables.astype(jnp.int32), k_pages, v_pages)

@@ -56,12 +56,15 @@ from kernels_pallas.tpu._attention_common import (
     finish,
     pipeline_scratch,
     reset_state,
+    scratch_bytes,
+    vmem_limit_bytes,
 )
 
 __all__ = ["default_queries_per_block", "ragged_paged_attention_tpu"]
 
 _SUBLANES = 8  # rows of a TPU (8, 128) tile: a query block's TQ * G must be a multiple
-_TARGET_ROWS = 64  # query rows (tokens x heads of a group) per program
+_TARGET_ROWS = 128  # query rows (tokens x heads of a group) per program
+_TARGET_KEYS = 512  # keys per compute step (capped by KV_VMEM_BUDGET)
 
 
 def default_queries_per_block(num_tokens: int, g: int) -> int:
@@ -86,14 +89,13 @@ def _ragged_kernel(
     o_ref,  # [K, TQ * G, D]
     # scratch
     table,  # SMEM i32[2, M]: table rows of the current and the next sequence
-    k_buf,  # VMEM [2, K, P, S, D]
+    k_buf,  # VMEM [2, P, K, S, D]
     v_buf,
     m_ref,  # VMEM f32[K, TQ * G, 1]
     l_ref,  # VMEM f32[K, TQ * G, 1]
     acc_ref,  # VMEM f32[K, TQ * G, D]
     table_sem,  # DMA[2]
-    k_sem,  # DMA[2]
-    v_sem,  # DMA[2]
+    kv_sem,  # DMA[2]: one per KV slot
     *,
     sm_scale: float,
     soft_cap: float | None,
@@ -103,7 +105,7 @@ def _ragged_kernel(
     qb = pl.program_id(0)
     _, rows, _ = q_ref.shape
     tq = rows // g
-    _, _, n_pages, s, _ = k_buf.shape
+    _, n_pages, _, s, _ = k_buf.shape  # [2, P, K, S, D]
     keys = n_pages * s
     max_blocks = table.shape[1]
     r0 = qb * tq
@@ -157,7 +159,7 @@ def _ragged_kernel(
         return lax.while_loop(empty, next_seq, sq)
 
     rows_dma = TableRows(tables_hbm, table, table_sem)
-    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, k_sem, v_sem, table, layer_ref[0])
+    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, kv_sem, table, layer_ref[0])
     state = (m_ref, l_ref, acc_ref)
 
     def start_pages(sq, i, tslot, slot):
@@ -208,17 +210,30 @@ def _ragged_kernel(
         step_page = first_page + i * n_pages
         stream.wait(tslot, step_page, end_page, slot)
         base = step_page * s
-        # key position relative to the position of the block's token 0 in this sequence
-        rel = base - r0 - off + key_col
-        kpos = base + kpos_iota
-        in_seq = (row >= (row_lo - r0) * g) & (row < (row_hi - r0) * g)
-        mask = in_seq & (rel * g <= row)  # causal: kpos <= pos
-        key_ok = (kpos <= pos_hi) & (kpos >= key_lo)
-        if sliding_window is not None:
-            mask &= row < (rel + sliding_window) * g  # window: kpos > pos - window
-        attend_step(
-            q_ref, k_buf, v_buf, slot, state, mask, key_ok, sm_scale=sm_scale, soft_cap=soft_cap
+        attend = functools.partial(
+            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap
         )
+        # Every row of the block is this sequence's and sees every key of the step (below the
+        # causal diagonal, inside the window): the steady state of a prefill, no masks.
+        whole = (row_lo == r0) & (row_hi == r1) & (base + keys - 1 <= row_lo + off)
+        if sliding_window is not None:
+            whole &= base > pos_hi - sliding_window
+
+        @pl.when(whole)
+        def _every_pair_visible():
+            attend(None, None)
+
+        @pl.when(~whole)
+        def _masked_step():  # the diagonal, the sequence's edges, shared (decode) blocks
+            # key position relative to the position of the block's token 0 in this sequence
+            rel = base - r0 - off + key_col
+            kpos = base + kpos_iota
+            in_seq = (row >= (row_lo - r0) * g) & (row < (row_hi - r0) * g)
+            mask = in_seq & (rel * g <= row)  # causal: kpos <= pos
+            key_ok = (kpos <= pos_hi) & (kpos >= key_lo)
+            if sliding_window is not None:
+                mask &= row < (rel + sliding_window) * g  # window: kpos > pos - window
+            attend(mask, key_ok)
 
         @pl.when(last)
         def _finish_sequence():
@@ -302,7 +317,7 @@ def ragged_paged_attention_tpu(
     g = h // kh
     m = block_tables.shape[1]
     p = pages_per_compute_block or default_pages_per_compute_block(
-        s, m, 128, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+        s, m, _TARGET_KEYS, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
     )
     tq = queries_per_block or default_queries_per_block(t, g)
     if tq < t and (tq * g) % _SUBLANES and not interpret:
@@ -351,7 +366,20 @@ def ragged_paged_attention_tpu(
             ),
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",),
+            vmem_limit_bytes=vmem_limit_bytes(
+                scratch_bytes(
+                    kv_heads=kh,
+                    rows=tq * g,
+                    pages=p,
+                    block_size=s,
+                    head_dim=d,
+                    itemsize=k_pages.dtype.itemsize,
+                )
+            ),
+            disable_bounds_checks=not interpret,  # every DMA address is clamped in range
+        ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_ragged_paged_attention",
     )(*scalars, qg, block_tables.astype(jnp.int32), k_pages, v_pages)

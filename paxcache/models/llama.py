@@ -1,4 +1,5 @@
-"""A Llama-family decoder in Flax NNX: Llama 2/3, Mistral and Qwen2 from one code path.
+"""A Llama-family decoder in Flax NNX: Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2 and Phi-3 from
+one code path (what differs per family is a few config flags: :mod:`paxcache.models.families`).
 
 Shape letters: B batch, T tokens, E hidden size, F intermediate size, H query heads,
 K kv heads, D head dim, L layers, V vocabulary, N blocks, S block size.
@@ -39,6 +40,7 @@ from paxcache.models.llama_config import (  # re-exported: the model's configura
     SUPPORTED_MODEL_TYPES,
     ConfigError,
     LlamaConfig,
+    rope_attention_scaling,
     rope_inv_freq,
 )
 from paxcache.nn import PagedAttention
@@ -62,23 +64,67 @@ __all__ = [
 # ------------------------------------------------------------------------------------------
 
 
-def rope_cos_sin(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _is_longrope(cfg: LlamaConfig) -> bool:
+    rs = cfg.rope_scaling
+    return bool(rs) and rs.get("rope_type", rs.get("type")) in ("longrope", "su")
+
+
+def rope_cos_sin(
+    cfg: LlamaConfig, positions: jax.Array, seq_lens: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """RoPE tables for the rotate-half convention.
 
+    Longrope (Phi-3) follows HF's rule: a sequence longer than
+    ``original_max_position_embeddings`` uses the long factors for every token of the forward,
+    a shorter one the short factors; cos and sin are scaled by the attention factor. Here the
+    rule is applied per sequence (HF takes the batch's longest), so batching does not change a
+    sequence's result.
+
+    Known gap (paged path): :meth:`LlamaForCausalLM.hidden_states_paged` decides per step
+    from the sequence's length after the step, and K/V already in the cache keep the factors
+    they were written with. HF's ``generate`` instead drops the cache at the step that crosses
+    the original length and recomputes the whole sequence with the long factors
+    (``Phi3ForCausalLM.prepare_inputs_for_generation``). A sequence whose first paged step
+    is already past the original length, or that never reaches it, matches HF exactly; one
+    that crosses it later (a long prompt in several prefill chunks, or decoding past it)
+    differs from that step on, until the engine learns to recompute it.
+
     Args:
+        cfg: the config.
         positions: i32[...] token positions.
+        seq_lens: optional i32[...] (broadcastable to ``positions``), the length of each
+            token's sequence in this forward (for the longrope switch only). Default: the
+            largest position along the last axis, plus one.
 
     Returns:
-        cos, sin: f32[..., D] (each frequency repeated for both halves).
+        cos, sin: f32[..., R] (each frequency repeated for both halves; R = D unless
+        ``partial_rotary_factor`` < 1).
     """
     inv_freq = rope_inv_freq(cfg)
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., R/2]
+    if _is_longrope(cfg):
+        if seq_lens is None:
+            seq_lens = jnp.max(positions, axis=-1, keepdims=True) + 1
+        orig = cfg.rope_scaling["original_max_position_embeddings"]
+        is_long = (jnp.asarray(seq_lens) > orig)[..., None]
+        long_ang = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg, long=True)
+        ang = jnp.where(is_long, long_ang, ang)
     ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    scale = rope_attention_scaling(cfg)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates ``x: [..., T, heads, D]`` by ``cos/sin: [..., T, D]`` (HF rotate-half)."""
+    """Rotates ``x: [..., T, heads, D]`` by ``cos/sin: [..., T, R]`` (HF rotate-half).
+
+    With R < D (partial rotary) only the first R dims of each head rotate; the rest pass.
+    """
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -86,10 +132,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm with float32 statistics; returns ``x.dtype``."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, weight_in_f32: bool = False) -> jax.Array:
+    """RMSNorm over the last axis with float32 statistics; returns ``x.dtype``.
+
+    Args:
+        x: [..., N]; weight: [N].
+        eps: epsilon.
+        weight_in_f32: scale in float32, then cast (HF OLMo 2); default: cast, then scale
+            (HF Llama). The same in float32.
+    """
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight_in_f32:
+        return (weight.astype(jnp.float32) * y).astype(x.dtype)
     return weight.astype(x.dtype) * y.astype(x.dtype)  # HF order: cast, then scale
 
 
@@ -154,10 +209,13 @@ def dense_attention(
 class LlamaLayers(nnx.Module):
     """All decoder layers' weights, stacked on a leading ``[L]`` axis.
 
-    Attributes (shapes; linear weights are ``[in, out]``):
-        input_layernorm: [L, E];  post_attention_layernorm: [L, E]
+    Attributes (shapes; linear weights are ``[in, out]``; None where the config has none):
+        input_layernorm: [L, E] (``norm_placement="pre"``);  post_attention_layernorm: [L, E]
+            (before the MLP when "pre", on the attention output when "post")
+        post_feedforward_layernorm: [L, E] (on the MLP output; "post" only)
         q_proj: [L, E, H*D]; k_proj, v_proj: [L, E, K*D]; o_proj: [L, H*D, E]
         q_bias: [L, H*D]; k_bias, v_bias: [L, K*D] (when ``qkv_bias``); o_bias: [L, E]
+        q_norm, k_norm: [L, D] (``qk_norm="head"``) or [L, H*D], [L, K*D] ("full")
         gate_proj, up_proj: [L, E, F]; down_proj: [L, F, E]
     """
 
@@ -175,8 +233,10 @@ class LlamaLayers(nnx.Module):
         def zeros(*shape: int) -> nnx.Param:
             return nnx.Param(jnp.zeros(shape, param_dtype))
 
-        self.input_layernorm = ones(n, e)
+        pre = cfg.norm_placement == "pre"
+        self.input_layernorm = ones(n, e) if pre else None
         self.post_attention_layernorm = ones(n, e)
+        self.post_feedforward_layernorm = None if pre else ones(n, e)
         self.q_proj = w(n, e, hd)
         self.k_proj = w(n, e, kd)
         self.v_proj = w(n, e, kd)
@@ -185,6 +245,11 @@ class LlamaLayers(nnx.Module):
         self.k_bias = zeros(n, kd) if cfg.qkv_bias else None
         self.v_bias = zeros(n, kd) if cfg.qkv_bias else None
         self.o_bias = zeros(n, e) if cfg.o_bias else None
+        qn, kn = {"none": (0, 0), "head": (cfg.head_dim, cfg.head_dim), "full": (hd, kd)}[
+            cfg.qk_norm
+        ]
+        self.q_norm = ones(n, qn) if qn else None
+        self.k_norm = ones(n, kn) if kn else None
         self.gate_proj = w(n, e, f)
         self.up_proj = w(n, e, f)
         self.down_proj = w(n, f, e)
@@ -192,6 +257,7 @@ class LlamaLayers(nnx.Module):
     PARAM_NAMES = (
         "input_layernorm",
         "post_attention_layernorm",
+        "post_feedforward_layernorm",
         "q_proj",
         "k_proj",
         "v_proj",
@@ -200,6 +266,8 @@ class LlamaLayers(nnx.Module):
         "k_bias",
         "v_bias",
         "o_bias",
+        "q_norm",
+        "k_norm",
         "gate_proj",
         "up_proj",
         "down_proj",
@@ -216,7 +284,7 @@ class LlamaLayers(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama-family causal LM (Llama 2/3, Mistral, Qwen2).
+    """Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Phi-3).
 
     Example:
         >>> model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
@@ -269,28 +337,37 @@ class LlamaForCausalLM(nnx.Module):
             [NO_WINDOW if w is None else w for w in self.config.layer_windows()], jnp.int32
         )
 
+    def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        """RMSNorm over the last axis in this family's order (see :func:`rms_norm`)."""
+        cfg = self.config
+        return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_f32)
+
     def _qkv(
         self, lp: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Pre-norm + q/k/v projection + RoPE for one layer.
+        """(Pre-norm +) q/k/v projection (+ q/k norm) + RoPE for one layer.
 
         Args:
             lp: one layer's params (the ``[L]`` axis removed).
             x: [..., T, E] residual stream.
-            cos, sin: [..., T, D].
+            cos, sin: [..., T, R].
 
         Returns:
             q: [..., T, H, D], k and v: [..., T, K, D] in the compute dtype.
         """
         cfg, dt = self.config, self.dtype
-        h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
+        h = x if cfg.norm_placement == "post" else self._norm(x, lp["input_layernorm"])
         q = _dense(h, lp["q_proj"], lp.get("q_bias"), dt)
         k = _dense(h, lp["k_proj"], lp.get("k_bias"), dt)
         v = _dense(h, lp["v_proj"], lp.get("v_bias"), dt)
+        if cfg.qk_norm == "full":  # over the whole projection [H*D] / [K*D] (OLMo 2)
+            q, k = self._norm(q, lp["q_norm"]), self._norm(k, lp["k_norm"])
         lead = x.shape[:-1]
         q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":  # over each head's D (Qwen3)
+            q, k = self._norm(q, lp["q_norm"]), self._norm(k, lp["k_norm"])
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _finish_layer(
@@ -306,13 +383,16 @@ class LlamaForCausalLM(nnx.Module):
             [..., T, E] residual stream after this layer.
         """
         cfg, dt = self.config, self.dtype
+        post = cfg.norm_placement == "post"
         attn = attn.reshape(*attn.shape[:-2], cfg.num_attention_heads * cfg.head_dim)
-        x = x + _dense(attn, lp["o_proj"], lp.get("o_bias"), dt)
-        h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+        o = _dense(attn, lp["o_proj"], lp.get("o_bias"), dt)
+        x = x + (self._norm(o, lp["post_attention_layernorm"]) if post else o)
+        h = x if post else self._norm(x, lp["post_attention_layernorm"])
         gate = _dense(h, lp["gate_proj"], None, dt)
         up = _dense(h, lp["up_proj"], None, dt)
         act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
-        return x + _dense(act, lp["down_proj"], None, dt)
+        mlp = _dense(act, lp["down_proj"], None, dt)
+        return x + (self._norm(mlp, lp["post_feedforward_layernorm"]) if post else mlp)
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         """i32[...] -> [..., E] embeddings in the compute dtype."""
@@ -330,13 +410,20 @@ class LlamaForCausalLM(nnx.Module):
 
     # -- dense reference -------------------------------------------------------------------
 
-    def hidden_states(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def hidden_states(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array | None = None,
+        seq_lens: jax.Array | None = None,
+    ) -> jax.Array:
         """Dense causal forward up to the final norm.
 
         Args:
             token_ids: i32[B, T].
             positions: optional i32[B, T]; defaults to ``arange(T)``. Attention is causal in
                 position order (key position <= query position, within the window).
+            seq_lens: optional i32[B] real length of each row (right padding excluded); only
+                longrope RoPE reads it (default: the largest position + 1).
 
         Returns:
             [B, T, E] final-normed hidden states in the compute dtype.
@@ -347,7 +434,9 @@ class LlamaForCausalLM(nnx.Module):
         b, t = token_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos, sin = rope_cos_sin(self.config, positions)
+        if seq_lens is not None:
+            seq_lens = jnp.asarray(seq_lens)[:, None]
+        cos, sin = rope_cos_sin(self.config, positions, seq_lens)
         x = self.embed(token_ids)
 
         def body(x, xs):
@@ -357,11 +446,19 @@ class LlamaForCausalLM(nnx.Module):
             return self._finish_layer(lp, x, attn), None
 
         x, _ = jax.lax.scan(body, x, (self.layers.stacked(), self._windows()))
-        return rms_norm(x, self.norm[...], self.config.rms_norm_eps)
+        return self._norm(x, self.norm[...])
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """Dense causal forward with no cache: i32[B, T] -> f32[B, T, V] logits."""
-        return self.compute_logits(self.hidden_states(token_ids, positions))
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array | None = None,
+        seq_lens: jax.Array | None = None,
+    ) -> jax.Array:
+        """Dense causal forward with no cache: i32[B, T] -> f32[B, T, V] logits.
+
+        ``positions`` and ``seq_lens`` as in :meth:`hidden_states`.
+        """
+        return self.compute_logits(self.hidden_states(token_ids, positions, seq_lens))
 
     # -- paged path ------------------------------------------------------------------------
 
@@ -394,7 +491,9 @@ class LlamaForCausalLM(nnx.Module):
                 f"{sorted(windows, key=str)}"
             )
         positions = metadata.positions
-        cos, sin = rope_cos_sin(self.config, positions)
+        # Longrope switches on each sequence's length after this step (HF's rule per step).
+        seq_lens = jnp.take(metadata.kv_lens, metadata.row_seq)
+        cos, sin = rope_cos_sin(self.config, positions, seq_lens)
         x = self.embed(token_ids)
         n_layers = self.config.num_hidden_layers
 
@@ -410,7 +509,7 @@ class LlamaForCausalLM(nnx.Module):
             (x, kv_cache),
             (self.layers.stacked(), jnp.arange(n_layers, dtype=jnp.int32)),
         )
-        return rms_norm(x, self.norm[...], self.config.rms_norm_eps), kv_cache
+        return self._norm(x, self.norm[...]), kv_cache
 
     def forward_paged(
         self,
@@ -464,7 +563,7 @@ def _next_token_fn(graphdef: Any) -> Callable[..., jax.Array]:
 
         @jax.jit
         def fn(state, ids, n):
-            logits = nnx.merge(graphdef, state)(ids[None])[0]
+            logits = nnx.merge(graphdef, state)(ids[None], seq_lens=n[None])[0]
             return jnp.argmax(logits[n - 1]).astype(jnp.int32)
 
         _NEXT_TOKEN_FNS[graphdef] = fn

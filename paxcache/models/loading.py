@@ -5,6 +5,9 @@ listed in ``model.safetensors.index.json`` (any other ``*.safetensors`` set is a
 Tensors are read one at a time with the ``safetensors`` library (numpy framework), converted
 to the requested dtype, and stacked per layer into our ``[L, ...]`` parameters. HF linear
 weights ``[out, in]`` are transposed to ``[in, out]``; q/k rows keep HF's rotate-half order.
+Fused tensors (Phi-3's ``qkv_proj``, ``gate_up_proj``) are split into our separate q/k/v and
+gate/up parameters (:func:`paxcache.models.families.hf_layer_sources`), and fused again by
+:func:`save_pretrained`.
 
 A checkpoint is untrusted input (see SECURITY.md). Loading therefore:
 
@@ -40,29 +43,18 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from paxcache.errors import CheckpointError
-from paxcache.models.llama import ConfigError, LlamaConfig, LlamaForCausalLM
+from paxcache.models.families import hf_layer_sources, layer_shapes
+from paxcache.models.llama import (
+    SUPPORTED_MODEL_TYPES,
+    ConfigError,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 from paxcache.models.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
-
-# Our stacked layer param -> (HF suffix under model.layers.{i}., transpose?)
-_LAYER_MAP: dict[str, tuple[str, bool]] = {
-    "input_layernorm": ("input_layernorm.weight", False),
-    "post_attention_layernorm": ("post_attention_layernorm.weight", False),
-    "q_proj": ("self_attn.q_proj.weight", True),
-    "k_proj": ("self_attn.k_proj.weight", True),
-    "v_proj": ("self_attn.v_proj.weight", True),
-    "o_proj": ("self_attn.o_proj.weight", True),
-    "q_bias": ("self_attn.q_proj.bias", False),
-    "k_bias": ("self_attn.k_proj.bias", False),
-    "v_bias": ("self_attn.v_proj.bias", False),
-    "o_bias": ("self_attn.o_proj.bias", False),
-    "gate_proj": ("mlp.gate_proj.weight", True),
-    "up_proj": ("mlp.up_proj.weight", True),
-    "down_proj": ("mlp.down_proj.weight", True),
-}
 
 _LOG_BYTES = 256 * 2**20  # log progress for checkpoints bigger than this
 
@@ -77,6 +69,7 @@ CONFIG_LIMITS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, 1 << 24),
     "sliding_window": (1, 1 << 24),
     "max_window_layers": (0, 1024),
+    "original_max_position_embeddings": (1, 1 << 24),
 }
 """Inclusive ``(min, max)`` of the integer ``config.json`` fields, checked before anything is
 sized from them. The largest released models are well inside (vocabularies ~256K, hidden size
@@ -85,6 +78,7 @@ sized from them. The largest released models are well inside (vocabularies ~256K
 _FLOAT_LIMITS: dict[str, tuple[float, float]] = {
     "rms_norm_eps": (0.0, 1.0),  # exclusive min
     "rope_theta": (0.0, 1e12),
+    "partial_rotary_factor": (0.0, 1.0),
 }
 _REQUIRED_FIELDS = (
     "vocab_size",
@@ -115,28 +109,26 @@ class UnsupportedModelError(CheckpointError):
     """The checkpoint's model_type or a config feature is not supported."""
 
 
+def _hf_layer_groups(
+    cfg: LlamaConfig,
+) -> dict[str, list[tuple[str, bool, tuple[int, int] | None]]]:
+    """HF suffix under ``model.layers.{i}.`` -> the (our param, transpose?, rows) it fills."""
+    groups: dict[str, list[tuple[str, bool, tuple[int, int] | None]]] = {}
+    for ours, (suffix, transpose, rows) in hf_layer_sources(cfg).items():
+        groups.setdefault(suffix, []).append((ours, transpose, rows))
+    return groups
+
+
 def hf_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Expected HF tensor name -> shape for a config (HF ``[out, in]`` layout)."""
-    e, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    hd = cfg.num_attention_heads * cfg.head_dim
-    kd = cfg.num_key_value_heads * cfg.head_dim
-    per_layer = {
-        "input_layernorm.weight": (e,),
-        "post_attention_layernorm.weight": (e,),
-        "self_attn.q_proj.weight": (hd, e),
-        "self_attn.k_proj.weight": (kd, e),
-        "self_attn.v_proj.weight": (kd, e),
-        "self_attn.o_proj.weight": (e, hd),
-        "mlp.gate_proj.weight": (f, e),
-        "mlp.up_proj.weight": (f, e),
-        "mlp.down_proj.weight": (e, f),
-    }
-    if cfg.qkv_bias:
-        per_layer["self_attn.q_proj.bias"] = (hd,)
-        per_layer["self_attn.k_proj.bias"] = (kd,)
-        per_layer["self_attn.v_proj.bias"] = (kd,)
-    if cfg.o_bias:
-        per_layer["self_attn.o_proj.bias"] = (e,)
+    e, v = cfg.hidden_size, cfg.vocab_size
+    ours = layer_shapes(cfg)
+    per_layer: dict[str, tuple[int, ...]] = {}
+    for suffix, targets in _hf_layer_groups(cfg).items():
+        shape = ours[targets[0][0]]
+        if targets[0][1]:  # a linear weight: ours [in, out], HF [out, in]
+            shape = (sum(ours[t[0]][1] for t in targets), shape[0])
+        per_layer[suffix] = shape
     shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
     for i in range(cfg.num_hidden_layers):
         for suffix, shape in per_layer.items():
@@ -163,9 +155,10 @@ def load_config(path: str | os.PathLike[str]) -> LlamaConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"{cfg_path}: must hold a JSON object, got {type(d).__name__}")
     mt = d.get("model_type")
-    if mt not in ("llama", "mistral", "qwen2"):
+    if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{cfg_path}: unsupported model_type {mt!r}; supported: llama, mistral, qwen2"
+            f"{cfg_path}: unsupported model_type {mt!r}; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     check_config_values(d, cfg_path.name)
     try:
@@ -198,7 +191,12 @@ def check_config_values(d: Mapping[str, Any], where: str = "config.json") -> Non
 
     for field, (lo, hi) in CONFIG_LIMITS.items():
         v = d.get(field)
-        optional = field in ("num_key_value_heads", "head_dim", "sliding_window")
+        optional = field in (
+            "num_key_value_heads",
+            "head_dim",
+            "sliding_window",
+            "original_max_position_embeddings",
+        )
         if v is None and (optional or field not in _REQUIRED_FIELDS):
             continue
         if not is_int(v) or not lo <= v <= hi:
@@ -454,6 +452,17 @@ def load_model(
             "loading %s (%s, %.0f MiB in %s)", path, cfg.model_type, total / 2**20, np_dtype.name
         )
 
+    rs = cfg.rope_scaling
+    if rs and rs.get("rope_type") == "longrope":
+        logger.warning(
+            "%s: longrope scaling; paged generation of a sequence that crosses "
+            "original_max_position_embeddings=%d after its first step keeps the K/V it cached "
+            "with the short factors (HF recomputes them with the long ones), so its tokens "
+            "from there on can differ from transformers'",
+            path,
+            rs["original_max_position_embeddings"],
+        )
+
     model = nnx.eval_shape(
         lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
@@ -468,16 +477,19 @@ def load_model(
     put(model.norm, reader.get("model.norm.weight", shapes["model.norm.weight"], np_dtype))
     if model.lm_head is not None:
         put(model.lm_head, reader.get("lm_head.weight", shapes["lm_head.weight"], np_dtype).T)
-    for ours, (suffix, transpose) in _LAYER_MAP.items():
-        param = getattr(model.layers, ours)
-        if param is None:
-            continue
-        stacked = np.empty(param.get_value().shape, np_dtype)
+    for suffix, targets in _hf_layer_groups(cfg).items():
+        # One read per tensor; a fused one (Phi-3) fills several of our params by rows.
+        stacked = {
+            t[0]: np.empty(getattr(model.layers, t[0]).get_value().shape, np_dtype) for t in targets
+        }
         for i in range(cfg.num_hidden_layers):
             name = f"model.layers.{i}.{suffix}"
             arr = reader.get(name, shapes[name], np_dtype)
-            stacked[i] = arr.T if transpose else arr
-        put(param, stacked)
+            for ours, transpose, rows in targets:
+                part = arr if rows is None else arr[rows[0] : rows[1]]
+                stacked[ours][i] = part.T if transpose else part
+        for ours, arr in stacked.items():
+            put(getattr(model.layers, ours), arr)
     if reader.big:
         logger.info("loaded %s in %.1fs", path, time.monotonic() - t0)
     return model
@@ -491,13 +503,11 @@ def model_to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     }
     if model.lm_head is not None:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(model.lm_head[...]).T)
-    for ours, (suffix, transpose) in _LAYER_MAP.items():
-        param = getattr(model.layers, ours)
-        if param is None:
-            continue
-        stacked = np.asarray(param[...])
-        for i in range(stacked.shape[0]):
-            arr = stacked[i].T if transpose else stacked[i]
+    for suffix, targets in _hf_layer_groups(model.config).items():
+        params = [np.asarray(getattr(model.layers, ours)[...]) for ours, _, _ in targets]
+        for i in range(model.config.num_hidden_layers):
+            parts = [p[i].T if t[1] else p[i] for p, t in zip(params, targets, strict=True)]
+            arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
             out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(arr)
     return out
 
