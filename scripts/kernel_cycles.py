@@ -26,18 +26,25 @@ outermost loop of the kernel, so its trips are the grid size):
 
 * ``paxcache_ragged_paged_attention`` (``kernels_pallas.ragged_paged_attention``, grid
   ``T_pad / TQ``, ``TQ = default_queries_per_block``, ``P = default_pages_per_compute_block``
-  pages of ``S`` keys per step): in a program, the top-level loops are the binary search on
-  ``cu_q_lens`` (trips simulated exactly), ``skip_empty`` loops (0 trips: every sequence has
-  rows) and the work-item loop (the one holding the MXU ops). A sequence overlapping the block
-  with last row at position ``pos_hi`` takes ``n = ceil(ceil((pos_hi + 1) / S) / P)`` work
-  items. Inside a work item: the head loop (the nested loop with MXU ops) runs ``K`` trips, the
-  other nested loops (``skip_empty``) 0; a region that starts KV DMAs without waiting (the next
-  step's pages) runs on ``n - 1`` of ``n`` items; every other region (next sequence's table row
-  and pages, finishing the sequence's output, row prefetch) once per sequence.
-* ``paxcache_paged_decode_attention`` (``kernels_pallas.paged_attention``, grid ``(2, B/2)``,
-  one program per sequence): the step loop (the loop holding the head loop) runs
-  ``n = ceil(ceil(ctx / S) / P)`` trips, the head loop ``K``; in a step the region that starts
-  DMAs (next pages) runs on ``n - 1`` of ``n`` steps, regions that only wait on every step.
+  pages of ``S`` keys per step, ``C = P * S``): in a program, the top-level loops are the
+  binary search on ``cu_q_lens`` (trips simulated exactly), ``skip_empty`` loops (0 trips:
+  every sequence has rows) and the work-item loop (the one holding the MXU ops). A sequence
+  overlapping the block with last row at position ``pos_hi`` takes
+  ``n = ceil(min(ceil((pos_hi + 1) / S), M) / P)`` work items, each costed on its own path: the
+  region that starts the next step's KV DMAs without waiting runs on all but the last item;
+  the next sequence's table row and pages (DMAs and a wait) and every other DMA-free region
+  after the two step bodies (finishing the output, row prefetch) on the last; of the two step
+  bodies (``pl.when(whole)`` / ``pl.when(~whole)``: the first two DMA-free regions, the smaller
+  one unmasked) the unmasked one runs when every row of the block is the sequence's and the
+  step's last key is at or below the block's first row (``whole``, as the kernel computes
+  it), the masked one otherwise. Kernels with a head loop (the nested loop with MXU ops) run
+  it ``K`` trips; unrolled heads need none.
+* ``paxcache_paged_decode_attention`` (``kernels_pallas.paged_attention``; also the TPU path of
+  a decode-only ``ragged_paged_attention(max_q_len=1)``), grid ``(2, B/2)``, one program per
+  sequence: the step loop (the MXU loop inside the grid loop) runs
+  ``n = ceil(ceil(ctx / S) / P)`` trips with ``P = decode_pages_per_step``; step ``i`` runs the
+  next-step DMA region unless it is the last, and the unmasked body when
+  ``(i + 1) * P * S <= ctx``, else the masked one.
 * RPA v3 (``ragged_paged_attention`` of tpu-inference, default block sizes
   ``(bq, bkv, bq_c, bkv_c)`` from ``get_default_block_sizes``; grid (1,)): its decode kernel
   (``RPAd-*``) takes the decode rows, its prefill kernel (``RPAp-*``, ``static_q_len = chunk``)
@@ -58,7 +65,7 @@ useful flop (prefill, mixed) by RPA v3's. Cycles are summed over every program o
 TensorCore and compared with per-TensorCore clock, bandwidth and peak.
 
 Checked by compiling the same kernel at two sizes with the same block sizes (paxcache decode
-at ctx 2048 and 4096; RPA v3 prefill of a 512-token chunk at ctx 2048 and 4096): the static
+at ctx 4096 and 8192; RPA v3 prefill of a 512-token chunk at ctx 2048 and 4096): the static
 code (``static_code`` in the JSON: the loop tree's spans) is identical and the cycles scale as
 the trip counts say (``bench/results/kernel_cycles_20261201.md``). RPA's default KV block of a
 decode is ``min(16384 keys, ctx)``, so its decode code itself changes with ``ctx``.
@@ -178,36 +185,71 @@ def _search_trips(cu: Sequence[int], nseq: int, r0: int) -> int:
     return n
 
 
+def _step_regions(loop: Loop) -> tuple[list, list, list, list]:
+    """A step loop's plain regions: ``(next step's DMAs, next sequence's DMAs, [unmasked,
+    masked] bodies, once per sequence)``. The two bodies are ``pl.when(whole)`` /
+    ``pl.when(~whole)`` alternatives: the first two regions without DMAs when there are more
+    than two such (the masked one is the larger); other DMA-free regions finish a sequence."""
+    plain = [r for r in loop.regions if not r.loops]
+    step = [r for r in plain if r.dma_start and not r.dma_wait]
+    seq = [r for r in plain if r.dma_start and r.dma_wait]
+    rest = [r for r in plain if not r.dma_start]
+    bodies = sorted(rest[:2], key=lambda r: r.span) if len(rest) > 2 else []
+    once = [r for r in rest if r not in bodies]
+    return step, seq, bodies, once
+
+
+def _step_weight(loop: Loop, first: bool, last: bool, whole: bool) -> Callable:
+    step, seq, bodies, once = _step_regions(loop)
+
+    def weight(lp: Loop, rg: Region) -> float:
+        if lp is not loop:
+            return 1.0
+        if rg in step:
+            return 0.0 if last else 1.0
+        if rg in seq or rg in once:
+            return 1.0 if last else 0.0
+        if bodies and rg is bodies[0]:
+            return 1.0 if whole else 0.0
+        if bodies and rg is bodies[1]:
+            return 0.0 if whole else 1.0
+        return 1.0
+
+    return weight
+
+
 def paxcache_ragged_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float:
     """Static cycles of ``paxcache_ragged_paged_attention`` for sequences of ``q_lens`` rows."""
     tq, p, s, kh = meta["tq"], meta["pages_per_step"], meta["page"], meta["kv_heads"]
     m = meta["max_blocks"]
+    keys = p * s
     cu = [0]
     for q in q_lens:
         cu.append(cu[-1] + q)
     grid = _unit_loop(dump, _cdiv(cu[-1], tq))
     work = next(c for c in grid.children if c.mxu)
-    head = _mxu_child(work) or work
+    head = _mxu_child(work)  # a head loop (older kernels) or unrolled heads (None)
     search = grid.children[0] if grid.children[0] is not work else None
     search_iter = iteration_cycles(search, lambda c: None) if search else 0.0
-    base = iteration_cycles(
-        work,
-        lambda c: kh * iteration_cycles(c, lambda _: None) if c is head else None,
-        lambda *_: 0.0,
-    )
-    plain = [r for r in work.regions if not r.loops]
-    c_step = sum(r.span for r in plain if r.dma_start and not r.dma_wait)
-    c_once = sum(r.span for r in plain if not (r.dma_start and not r.dma_wait))
+    head_total = kh * iteration_cycles(head, lambda _: None) if head else 0.0
+
+    def nested_work(c: Loop) -> float | None:
+        return head_total if c is head else None  # skip_empty loops: 0 trips
+
     total = 0.0
     for qb in range(_cdiv(cu[-1], tq)):
         r0, r1 = qb * tq, qb * tq + tq
         work_cost = 0.0
         for sq, q in enumerate(q_lens):
             lo, hi = max(cu[sq], r0), min(cu[sq + 1], r1)
-            if hi > lo:
-                pos_hi = hi - 1 + ctx - q - cu[sq]
-                n = _cdiv(min((pos_hi + s) // s, m), p)
-                work_cost += n * base + (n - 1) * c_step + c_once
+            if hi <= lo:
+                continue
+            off = ctx - q - cu[sq]
+            n = _cdiv(min((hi - 1 + off + s) // s, m), p)
+            for i in range(n):
+                whole = lo == r0 and hi == r1 and i * keys + keys - 1 <= lo + off
+                w = _step_weight(work, i == 0, i == n - 1, whole)
+                work_cost += iteration_cycles(work, nested_work, w)
         n_search = _search_trips(cu, len(q_lens), r0)
 
         def nested(c: Loop, w: float = work_cost, ns: int = n_search) -> float | None:
@@ -227,15 +269,15 @@ def paxcache_paged_cycles(dump: Dump, meta: dict, batch: int, ctx: int) -> float
     programs = 2 * _cdiv(batch, 2) if batch >= 2 else 1
     grid = _unit_loop(dump, programs)
     step = _mxu_child(grid)
-    head = _mxu_child(step) or step
+    head = _mxu_child(step)  # a head loop (older kernels) or unrolled heads (None)
     n = _cdiv(_cdiv(ctx, s), p)
-
-    def weight(lp: Loop, rg: Region) -> float:
-        return (n - 1) / n if lp is step and rg.dma_start else 1.0
-
-    head_iter = iteration_cycles(head, lambda _: None)
-    step_iter = iteration_cycles(step, lambda c: kh * head_iter if c is head else None, weight)
-    per_seq = iteration_cycles(grid, lambda c: n * step_iter if c is step else None)
+    head_total = kh * iteration_cycles(head, lambda _: None) if head else 0.0
+    step_total = 0.0
+    for i in range(n):
+        whole = (i + 1) * p * s <= ctx
+        w = _step_weight(step, i == 0, i == n - 1, whole)
+        step_total += iteration_cycles(step, lambda c: head_total if c is head else None, w)
+    per_seq = iteration_cycles(grid, lambda c: step_total if c is step else None)
     return programs * per_seq
 
 
@@ -339,8 +381,9 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     import jax.numpy as jnp
 
     import kernels_pallas as kp
+    from kernels_pallas.tpu import paged_attention as dec
+    from kernels_pallas.tpu import ragged_paged_attention as rag
     from kernels_pallas.tpu._attention_common import default_pages_per_compute_block
-    from kernels_pallas.tpu.ragged_paged_attention import default_queries_per_block
 
     q_lens = _q_lens(case, a)
     nseq, t = len(q_lens), sum(q_lens)
@@ -352,9 +395,13 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32
     opaque = not isinstance(cache, tuple)
-    pages = default_pages_per_compute_block(
-        a.page, m, 128, kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=dtype.itemsize
-    )
+    sizes = dict(kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=dtype.itemsize)
+    target_keys = getattr(rag, "_TARGET_KEYS", 128)
+    pages = default_pages_per_compute_block(a.page, m, target_keys, **sizes)
+    if hasattr(dec, "decode_pages_per_step"):
+        dec_pages = dec.decode_pages_per_step(a.page, m, **sizes)
+    else:
+        dec_pages = default_pages_per_compute_block(a.page, m, 128, **sizes)
     meta = dict(page=a.page, kv_heads=a.kv_heads, max_blocks=m, pages_per_step=pages)
 
     def cache_args(c: Any) -> tuple:
@@ -382,12 +429,15 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
                 meta,
                 variant="ragged",
                 name="paxcache_ragged_paged_attention",
-                tq=default_queries_per_block(t, a.heads // a.kv_heads),
+                tq=rag.default_queries_per_block(t, a.heads // a.kv_heads),
             )
         ]
         if case == "decode":
             jax.jit(paged).trace(*args[:4]).lower().compile()
-            out.append(dict(meta, variant="paged", name="paxcache_paged_decode_attention"))
+            out.append(
+                dict(meta, variant="paged", name="paxcache_paged_decode_attention",
+                     pages_per_step=dec_pages)
+            )  # fmt: skip
     return out
 
 
