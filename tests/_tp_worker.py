@@ -24,6 +24,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import kernels_pallas as kpl  # noqa: E402
 from paxcache import Engine, SamplingParams, sharding  # noqa: E402
 from paxcache.attention import build_metadata, paged_attention_op  # noqa: E402
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -154,17 +155,21 @@ def attention_op_report(tp: int, kv_heads: int) -> dict:
     mesh = sharding.make_mesh(tp)
     shd = sharding.kv_sharding(mesh)
 
-    def op(q, k, v, kp, vp, layer, use_mesh: bool):
-        return paged_attention_op(q, k, v, kp, vp, md, layer=layer, mesh=mesh if use_mesh else None)
+    def cache(kp_, vp_) -> kpl.PagedKVCache:
+        ones = jnp.ones(layers, jnp.float32)
+        return kpl.PagedKVCache(k=kp_, v=vp_, k_scale=ones, v_scale=ones)
+
+    def op(q, k, v, kv, layer, use_mesh: bool):
+        return paged_attention_op(q, k, v, kv, md, layer=layer, mesh=mesh if use_mesh else None)
 
     run = jax.jit(op, static_argnames="use_mesh")
     layer = jnp.int32(1)
-    ref_out, (ref_k, _) = run(q, k, v, jnp.asarray(base), jnp.asarray(base * 2), layer, False)
-    ref_k = jnp.repeat(ref_k, rep, axis=1)  # the replicated layout
-    kp = jax.device_put(kp_full, shd)
-    vp = jax.device_put(vp_full, shd)
+    ref_out, ref_kv = run(q, k, v, cache(jnp.asarray(base), jnp.asarray(base * 2)), layer, False)
+    ref_k = jnp.repeat(ref_kv.k, rep, axis=1)  # the replicated layout
+    kv = cache(jax.device_put(kp_full, shd), jax.device_put(vp_full, shd))
     qs = jax.device_put(q, NamedSharding(mesh, P(None, "tp")))
-    out, (new_k, new_v) = run(qs, k, v, kp, vp, layer, True)
+    out, new_kv = run(qs, k, v, kv, layer, True)
+    new_k = new_kv.k
     return {
         "out_err": float(jnp.max(jnp.abs(out - ref_out))),
         "k_err": float(jnp.max(jnp.abs(new_k - ref_k))),

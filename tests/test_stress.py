@@ -498,13 +498,22 @@ def test_random_workloads_under_memory_pressure_long(tiny, profile):
 # Scenarios
 
 
+# The scenario engines (swap and recompute preemption, fifo, 64-token budget, 64 host blocks);
+# the swap one also serves test_check_invariants_notices_broken_accounting, and its shapes are
+# those of the HTTP test's server (which loads them from the session's compile cache).
+LIVELOCK = {
+    mode: Profile(f"livelock-{mode}", mode, "fifo", 64, host_blocks=64)
+    for mode in ("swap", "recompute")
+}
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_swap_preemption_does_not_livelock(tiny, mode):
     # Issue 13: four requests whose KV needs exceed the device blocks. In swap mode the scheduler
     # swapped the newest sequence out and straight back in within one step, forever (thousands
     # of swaps, no request finished). The step cap is the progress bound. (The cache shape is a
     # stress profile's, so the compiled step is shared.)
-    eng = _engine(tiny, Profile(f"livelock-{mode}", mode, "fifo", 64, host_blocks=64))
+    eng = _engine(tiny, LIVELOCK[mode])
     rng = np.random.default_rng(13)
     lens = (19, 120, 200, 249)
     sp = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -514,18 +523,22 @@ def test_swap_preemption_does_not_livelock(tiny, mode):
     cap = sum(n + sp.max_tokens for n in lens)
     finished = {}
     waited = 0.0
-    for _ in range(cap):
-        for out in eng.step():
-            if out.finished:
-                finished[out.request_id] = out
-        st_ = eng.stats()
-        if st_["num_waiting"] + st_["num_swapped"]:  # the last request waits for blocks
-            assert 0 < st_["oldest_waiting_age_s"] <= time.monotonic() - t0
-            waited = max(waited, st_["oldest_waiting_age_s"])
-        else:
-            assert st_["oldest_waiting_age_s"] == 0
-        if not eng.has_unfinished_requests():
-            break
+    try:
+        for _ in range(cap):
+            for out in eng.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            st_ = eng.stats()
+            if st_["num_waiting"] + st_["num_swapped"]:  # the last request waits for blocks
+                assert 0 < st_["oldest_waiting_age_s"] <= time.monotonic() - t0
+                waited = max(waited, st_["oldest_waiting_age_s"])
+            else:
+                assert st_["oldest_waiting_age_s"] == 0
+            if not eng.has_unfinished_requests():
+                break
+    finally:
+        for i in range(len(lens)):  # leave the shared engine idle for the next test
+            eng.abort(f"r{i}")
     assert waited > 0
     st_ = eng.stats()
     assert len(finished) == len(lens), (
@@ -546,7 +559,8 @@ def test_check_invariants_notices_broken_accounting(tiny):
     # engine's back (private attributes, on purpose) and restore it.
     from paxcache import allocator
 
-    eng = _engine(tiny, Profile("invariants", "swap", "fifo", 64, host_blocks=64))
+    eng = _engine(tiny, LIVELOCK["swap"])  # an idle engine; its configuration does not matter
+    assert not eng.has_unfinished_requests()
     eng.add_request("a", TEXT[:40], SamplingParams(max_tokens=8, ignore_eos=True))
     eng.step()
     assert all(eng.check_invariants().values())
@@ -592,18 +606,29 @@ def test_http_streams_over_a_small_pool_all_complete_and_nothing_is_held():
         pytest.skip(reason)
     import httpx
 
-    # 32 streams of 64..160 prompt bytes + 48 tokens (7..13 blocks of 16): about 330 blocks in
-    # all, 3x the 110-block pool; 16 run at once, about 1.5x the pool, so the server preempts.
-    num_blocks, n_total = 110, 32
+    # 32 streams of 64..160 prompt bytes + 48 tokens (8..13 blocks of 16): about 330 blocks in
+    # all, 13x the pool; 4 run at once, 32..52 blocks, 1.2..2x the pool, so the server preempts.
+    # The engine is LIVELOCK["swap"]'s (the stress cache, 4 rows, 64-token budget, 64 host
+    # blocks; serve.py's defaults: swap preemption with a host pool, fifo, prefix caching), so
+    # the server loads every step and swap program from the session's compile cache. Nothing
+    # here is constrained, so the constrained step variants are not compiled.
+    num_blocks, n_total = NUM_BLOCKS, 32
+    profile = LIVELOCK["swap"]
+    assert (profile.num_blocks, profile.host_blocks, profile.watermark) == (num_blocks, 64, 0.01)
     server = ServerProcess(
         "--num-blocks",
         str(num_blocks),
+        "--block-size",
+        str(BLOCK),
         "--host-blocks",
-        "64",
+        str(profile.host_blocks),
         "--max-num-seqs",
-        "16",
+        str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens",
+        str(profile.budget),
         "--max-model-len",
         str(MAX_MODEL_LEN),
+        "--no-structured-warmup",
     )
     rng = np.random.default_rng(7)
     prompts = [
