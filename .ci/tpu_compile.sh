@@ -14,3 +14,6 @@ pytest tests/test_tpu_compile.py -q -m "not slow"
 pytest tests/test_tpu_compile.py -q -m slow -k "llama3_8b_whole_step"
 # The static kernel report (scripts/kernel_cycles.py) end to end on one small v5e shape.
 pytest tests/test_kernel_cycles.py -q -m slow -k "kernel_cycles_end_to_end"
+# The kernels' static-schedule floor: ceilings and cycles within 5% of the recorded figures
+# (bench/results/kernel_ceilings_ci.json), two shapes per kernel on v5e and v6e.
+pytest tests/test_kernel_ceilings.py -q -m slow
