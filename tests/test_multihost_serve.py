@@ -22,7 +22,9 @@ from paxcache import Engine, SamplingParams
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 16
-ENGINE_ARGS = {"num_blocks": 32, "max_num_seqs": 4, "max_num_batched_tokens": 32}
+# One 16-token bucket: each of the three processes compiles half the step programs a 32-token
+# budget needs; the 20-token prompt still takes two rounds of chunked prefill.
+ENGINE_ARGS = {"num_blocks": 32, "max_num_seqs": 4, "max_num_batched_tokens": 16}
 
 
 def _free_port() -> int:
