@@ -44,7 +44,10 @@ outermost loop of the kernel, so its trips are the grid size):
   sequence: the step loop (the MXU loop inside the grid loop) runs
   ``n = ceil(ceil(ctx / S) / P)`` trips with ``P = decode_pages_per_step``; step ``i`` runs the
   next-step DMA region unless it is the last, and the unmasked body when
-  ``(i + 1) * P * S <= ctx``, else the masked one.
+  ``(i + 1) * P * S <= ctx``, else the masked one. The DMA-issue loops (nested loops without
+  MXU ops: one page's K and V copies per trip) run one trip per page copied: in step ``i``
+  ``min(P, ceil(ctx / S) - (i + 1) * P)`` (the next step's pages), in the program body
+  ``min(P, ceil(ctx / S))`` (the first step's).
 * RPA v3 (``ragged_paged_attention`` of tpu-inference, default block sizes
   ``(bq, bkv, bq_c, bkv_c)`` from ``get_default_block_sizes``; grid (1,)): its decode kernel
   (``RPAd-*``) takes the decode rows, its prefill kernel (``RPAp-*``, ``static_q_len = chunk``)
@@ -270,15 +273,29 @@ def paxcache_paged_cycles(dump: Dump, meta: dict, batch: int, ctx: int) -> float
     grid = _unit_loop(dump, programs)
     step = _mxu_child(grid)
     head = _mxu_child(step)  # a head loop (older kernels) or unrolled heads (None)
-    n = _cdiv(_cdiv(ctx, s), p)
+    pages = _cdiv(ctx, s)
+    n = _cdiv(pages, p)
     head_total = kh * iteration_cycles(head, lambda _: None) if head else 0.0
+
+    def copies(c: Loop, count: int) -> float | None:
+        """A DMA-issue loop (no MXU ops) copying ``count`` pages: one trip per page."""
+        return count * iteration_cycles(c, lambda _: None) if count > 0 else None
+
     step_total = 0.0
     for i in range(n):
         whole = (i + 1) * p * s <= ctx
         w = _step_weight(step, i == 0, i == n - 1, whole)
-        step_total += iteration_cycles(step, lambda c: head_total if c is head else None, w)
-    per_seq = iteration_cycles(grid, lambda c: step_total if c is step else None)
-    return programs * per_seq
+        nxt = min(p, pages - (i + 1) * p)  # the next step's pages, issued in this one
+
+        def in_step(c: Loop, nxt: int = nxt) -> float | None:
+            return head_total if c is head else copies(c, nxt)
+
+        step_total += iteration_cycles(step, in_step, w)
+
+    def in_program(c: Loop) -> float | None:
+        return step_total if c is step else copies(c, min(p, pages))  # the first step's
+
+    return programs * iteration_cycles(grid, in_program)
 
 
 def rpa_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float:

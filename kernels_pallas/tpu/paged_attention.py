@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.tpu._attention_common import MASK_VALUE, TableRows, finish
+from kernels_pallas.tpu._attention_common import MASK_VALUE, finish
 
 __all__ = ["DECODE_KV_VMEM_BUDGET", "decode_pages_per_step", "paged_attention_tpu"]
 
@@ -56,6 +56,8 @@ _CORES = 2  # TensorCores of a megacore chip (v4, v5p)
 #: byte once and does little math per byte, so it wants big steps: fixed per-step costs (the
 #: wait, the state update, the loop) are paid once per ``P * S`` keys.
 DECODE_KV_VMEM_BUDGET = 16 * 1024 * 1024
+#: Table columns a row is padded to: an HBM -> SMEM row copy must move a multiple of 512 B.
+_TABLE_ROW_ALIGN = 128
 #: Keys per step the decode kernel aims for (capped by the budget and the table width).
 _DECODE_TARGET_KEYS = 2048
 
@@ -119,7 +121,8 @@ def _decode_kernel(
     # output
     o_ref,  # [K, G, D]
     # scratch
-    table,  # SMEM i32[2, M]: table rows of this and the next sequence
+    table,  # SMEM i32[2 * (M + P)]: table rows of this and the next sequence, flat, each
+    #        padded with P entries so a step's last page index needs no clamp
     k_buf,  # VMEM [2, P, K, S, D]: two slots of P pages, page-major
     v_buf,  # VMEM [2, P, K, S, D]
     m_ref,  # VMEM f32[K, G, 1]
@@ -139,9 +142,24 @@ def _decode_kernel(
     _, g, _ = q_ref.shape
     _, n_pages, _, block_size, _ = k_buf.shape
     keys = n_pages * block_size
-    max_blocks = table.shape[1]
+    max_blocks = tables_hbm.shape[1]
+    row_len = table.shape[0] // 2  # M + P, rounded up to the 128-entry SMEM tile
     layer = layer_ref[0]
-    rows = TableRows(tables_hbm, table, table_sem)
+
+    class rows:  # noqa: N801 - the table-row DMAs of this kernel's flat SMEM rows
+        @staticmethod
+        def _copy(seq, slot):
+            dst = table.at[pl.ds(pl.multiple_of(slot * row_len, 128), max_blocks)]
+            return pltpu.make_async_copy(tables_hbm.at[seq], dst, table_sem.at[slot])
+
+        @staticmethod
+        def start(seq, slot):
+            rows._copy(seq, slot).start()
+
+        @staticmethod
+        def wait(seq, slot):
+            rows._copy(seq, slot).wait()
+
     tslot = seq_in_core % 2
 
     # The first sequence of this core's half fetches its own row; every program prefetches
@@ -171,8 +189,9 @@ def _decode_kernel(
         """The K and V copy of each page ``page0 + j`` (``j < P``) of this step."""
         out = []
         for j in range(n_pages):
-            col = jnp.minimum(page0 + j, max_blocks - 1)
-            block = jnp.maximum(table[tslot, col], 0)
+            # page0 + j < end_page <= M for a copy that runs; the padding keeps the read of
+            # a skipped one (its value unused) inside the row.
+            block = jnp.maximum(table[tslot * row_len + page0 + j], 0)
             kc = pltpu.make_async_copy(
                 k_hbm.at[layer, :, block], k_buf.at[slot, j], kv_sem.at[slot]
             )
@@ -243,6 +262,10 @@ def _decode_kernel(
     o_ref[...] = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
 
 
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
 def _vmem_page_bytes(block_size: int, head_dim: int, itemsize: int) -> int:
     """VMEM of one head's page ``[S, D]``: rows padded to the sublane tile (8 32-bit rows,
     packed 16 bf16 / 32 8-bit rows), lanes to 128."""
@@ -303,10 +326,14 @@ def paged_attention_tpu(
     b, h, d = q.shape
     _, kh, _, s, _ = k_pages.shape
     g = h // kh
-    m = block_tables.shape[1]
     p = pages_per_compute_block or decode_pages_per_step(
-        s, m, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+        s, block_tables.shape[1], kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
     )
+    block_tables = block_tables.astype(jnp.int32)
+    if block_tables.shape[1] % _TABLE_ROW_ALIGN:  # a table-row DMA moves whole 512 B units
+        pad = -block_tables.shape[1] % _TABLE_ROW_ALIGN
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)), constant_values=-1)
+    m = block_tables.shape[1]
     cores = _CORES if b >= _CORES else 1
     per_core = -(-b // cores)
     b_pad = cores * per_core
@@ -334,7 +361,7 @@ def paged_attention_tpu(
             in_specs=[q_spec, any_spec, any_spec, any_spec],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.SMEM((2, m), jnp.int32),
+                pltpu.SMEM((2 * _round_up(m + p, _TABLE_ROW_ALIGN),), jnp.int32),
                 pltpu.VMEM((2, p, kh, s, d), k_pages.dtype),
                 pltpu.VMEM((2, p, kh, s, d), v_pages.dtype),
                 pltpu.VMEM((kh, g, 1), jnp.float32),
@@ -354,5 +381,5 @@ def paged_attention_tpu(
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_paged_decode_attention",
-    )(layer_arr, lengths, qg, block_tables.astype(jnp.int32), k_pages, v_pages)
+    )(layer_arr, lengths, qg, block_tables, k_pages, v_pages)
     return out[:b].reshape(b, h, d)
