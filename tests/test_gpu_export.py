@@ -106,7 +106,9 @@ OTHER = [
 
 
 def _export_auto(kind, h, kv, d, s, dtype, window):
-    args = _inputs(kind, g=h // kv, d=d, s=s, dtype=dtype, kv_heads=kv, layers=2)
+    """The public op on an abstract 2-layer cache (the value the engine passes)."""
+    q, _, _, *rest = _inputs(kind, g=h // kv, d=d, s=s, dtype=dtype, kv_heads=kv, layers=2)
+    args = (q, kp.kv_cache_shape(2, 16, s, kv, d, dtype), *rest)
     op = kp.paged_attention if kind == "decode" else kp.ragged_paged_attention
     fn = functools.partial(op, impl="auto", sliding_window=window, layer=np.int32(1))
     return jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
