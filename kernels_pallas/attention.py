@@ -236,10 +236,9 @@ def _ragged_reference(
 
 
 def _scale_args(k_scale: Any, v_scale: Any) -> tuple[jax.Array, jax.Array]:
-    one = 1.0
-    return (
-        jnp.asarray(one if k_scale is None else k_scale, jnp.float32).reshape(()),
-        jnp.asarray(one if v_scale is None else v_scale, jnp.float32).reshape(()),
+    """The layer's scales as f32 scalars (1.0 for float pages, where they are unused)."""
+    return tuple(
+        jnp.asarray(1.0 if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale)
     )
 
 

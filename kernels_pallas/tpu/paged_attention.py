@@ -46,7 +46,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.tpu._attention_common import MASK_VALUE, finish
+from kernels_pallas.tpu._attention_common import (
+    attend_step,
+    finish,
+    reset_state,
+    vmem_tile_bytes,
+)
 
 __all__ = ["DECODE_KV_VMEM_BUDGET", "decode_pages_per_step", "paged_attention_tpu"]
 
@@ -66,47 +71,9 @@ def decode_pages_per_step(
     block_size: int, max_blocks: int, *, kv_heads: int, head_dim: int, itemsize: int
 ) -> int:
     """``P``: pages per decode step, ~``_DECODE_TARGET_KEYS`` keys within the VMEM budget."""
-    per_page = 4 * kv_heads * _vmem_page_bytes(block_size, head_dim, itemsize)  # K, V; 2 slots
+    per_page = 4 * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)  # K, V; 2 slots
     p = min(max_blocks, max(1, _DECODE_TARGET_KEYS // block_size))
     return int(max(1, min(p, DECODE_KV_VMEM_BUDGET // per_page)))
-
-
-def _attend_heads(
-    q_ref, k_buf, v_buf, slot, state, *, sm_scale, soft_cap, mask, v_ok
-) -> None:  # fmt: skip
-    """One online-softmax update of every kv head against the ``C = P * S`` keys of ``slot``.
-
-    Heads are unrolled (a Python loop): one head's P.V can overlap the next head's Q.K^T.
-    ``mask`` (``bool[G, C]``, None: every key counts) selects the (row, key) pairs; ``v_ok``
-    (``bool[C, 1]``) zeroes value rows that no row may see, so NaN garbage in unwritten slots
-    cannot reach ``p @ v`` (keys need no such care: their logits are replaced by ``where``).
-    """
-    m_ref, l_ref, acc_ref = state
-    _, n_pages, kh, s, d = k_buf.shape  # [2, P, K, S, D]
-    keys = n_pages * s
-    for h in range(kh):
-        k = k_buf[slot, :, h].reshape(keys, d)  # [C, D]
-        v = v_buf[slot, :, h].reshape(keys, d)
-        if v_ok is not None:
-            v = jnp.where(v_ok, v, jnp.zeros_like(v))
-        logits = lax.dot_general(
-            q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [G, C]
-        logits = logits * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        if mask is not None:
-            logits = jnp.where(mask, logits, MASK_VALUE)
-        m_prev = m_ref[h]  # [G, 1]
-        m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_new)
-        p = jnp.exp(logits - m_new)
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [G, D]
-        acc_ref[h] = alpha * acc_ref[h] + pv
-        m_ref[h] = m_new
 
 
 def _decode_kernel(
@@ -218,9 +185,7 @@ def _decode_kernel(
             pltpu.make_async_copy(whole, whole, kv_sem.at[slot]).wait()
 
     state = (m_ref, l_ref, acc_ref)
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    reset_state(state)
     key_in_row = lax.broadcasted_iota(jnp.int32, (g, keys), 1)
     key_in_col = lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
 
@@ -240,20 +205,20 @@ def _decode_kernel(
         base = page0 * block_size
         whole = (base + keys <= length) & (base >= first_key)
         attend = functools.partial(
-            _attend_heads, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap
+            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap
         )
 
         @pl.when(whole)
         def _every_key_visible():  # the steady state: no masks at all
-            attend(mask=None, v_ok=None)
+            attend(None, None)
 
         @pl.when(~whole)
         def _edge_step():  # the step holding the length (or the window's start)
             kpos_row = base + key_in_row
             kpos_col = base + key_in_col
             attend(
-                mask=(kpos_row < length) & (kpos_row >= first_key),
-                v_ok=(kpos_col < length) & (kpos_col >= first_key),
+                (kpos_row < length) & (kpos_row >= first_key),  # mask: which (row, key) pairs
+                (kpos_col < length) & (kpos_col >= first_key),  # key_ok: value rows to keep
             )
 
         return carry
@@ -266,16 +231,9 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _vmem_page_bytes(block_size: int, head_dim: int, itemsize: int) -> int:
-    """VMEM of one head's page ``[S, D]``: rows padded to the sublane tile (8 32-bit rows,
-    packed 16 bf16 / 32 8-bit rows), lanes to 128."""
-    rows = 8 * (4 // itemsize)
-    return -(-block_size // rows) * rows * -(-head_dim // 128) * 128 * itemsize
-
-
 def _vmem_limit(pages: int, kv_heads: int, block_size: int, head_dim: int, itemsize: int) -> int:
     """Scoped VMEM for the decode kernel: its KV buffers plus 8 MiB for everything else."""
-    kv = 4 * pages * kv_heads * _vmem_page_bytes(block_size, head_dim, itemsize)
+    kv = 4 * pages * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)
     return int(kv + 8 * 1024 * 1024)
 
 
