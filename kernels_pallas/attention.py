@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kernels_pallas import _dispatch, reference
 from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
@@ -388,7 +389,10 @@ def ragged_paged_attention_pages(
         this many query rows. ``1`` (a decode-only batch: every sequence ``s < num_seqs``
         owns exactly row ``s``) runs the TPU decode kernel, which takes one query row group
         per sequence and big KV steps instead of the ragged kernel's query blocks. The other
-        implementations are exact for any batch and ignore it.
+        implementations are exact for any batch and ignore it. Without it, the TPU path
+        still gives a batch's leading one-row sequences (a served step's decodes) to the
+        decode kernel and the rest to the ragged kernel, split at run time (exact for any
+        order of decode and prefill sequences).
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -438,11 +442,7 @@ def ragged_paged_attention_pages(
     def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         if max_q_len == 1:
             return _decode_rows_tpu(q, k, v, kv_lens, tables, n, layer, interpret, kw)
-        from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
-
-        return ragged_paged_attention_tpu(
-            q, k, v, kv_lens, tables, cu, n, layer=layer, interpret=interpret, **kw
-        )
+        return _mixed_rows_tpu(q, k, v, kv_lens, tables, cu, n, layer, interpret, kw)
 
     def gpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         return _call_gpu(
@@ -467,6 +467,54 @@ def ragged_paged_attention_pages(
         gpu_reason=gpu_reason,
         static_key=(*sorted(kw.items()), ("max_q_len", max_q_len)),
     )
+
+
+def leading_decode_seqs(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """How many sequences from the start of a ragged batch own exactly one query row.
+
+    Args:
+      cu_q_lens: ``i32[B + 1]`` cumulative query lengths.
+      num_seqs: i32 scalar, the sequences that count.
+
+    Returns:
+      i32 scalar ``d``: sequences ``0 .. d - 1`` (``d <= num_seqs``) own rows ``0 .. d - 1``.
+    """
+    counted = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs
+    one_row = (cu_q_lens[1:] - cu_q_lens[:-1] == 1) & counted
+    return jnp.sum(jnp.cumprod(one_row.astype(jnp.int32)), dtype=jnp.int32)
+
+
+def _mixed_rows_tpu(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, layer, interpret, kw):
+    """Any ragged batch on TPU: its leading one-row sequences on the decode kernel, the rest on
+    the ragged kernel.
+
+    A served step puts its decodes first (the scheduler's default policy), so a mixed step's
+    decode rows run with one query row group per sequence and big KV steps, as a decode-only
+    step's do, instead of sharing the ragged kernel's query blocks with other sequences (where
+    every row of a block is computed against each sequence's keys). The split is found from
+    ``cu_q_lens`` at run time, so it is exact for any order: one-row sequences that do not lead
+    simply stay in the ragged kernel. Each kernel runs under a ``lax.cond`` on having rows.
+    """
+    from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
+
+    t = q.shape[0]
+    n_dec = leading_decode_seqs(cu, num_seqs)
+
+    def decode_part() -> jax.Array:
+        return _decode_rows_tpu(q, k_pages, v_pages, kv_lens, tables, n_dec, layer, interpret, kw)
+
+    def ragged_part() -> jax.Array:
+        return ragged_paged_attention_tpu(
+            q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, n_dec, layer=layer,
+            interpret=interpret, **kw,
+        )  # fmt: skip
+
+    def zeros() -> jax.Array:
+        return jnp.zeros(q.shape, q.dtype)
+
+    dec = lax.cond(n_dec > 0, decode_part, zeros)
+    rag = lax.cond(n_dec < num_seqs, ragged_part, zeros)
+    return jnp.where((jnp.arange(t) < n_dec)[:, None, None], dec, rag)
 
 
 def _decode_rows_tpu(q, k_pages, v_pages, kv_lens, tables, num_seqs, layer, interpret, kw):

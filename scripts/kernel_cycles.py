@@ -179,8 +179,8 @@ def _unit_loop(dump: Dump, programs: int = 1) -> Loop:
     return Loop(0, len(dump.bundles) - 1, list(dump.loops), list(dump.regions), True)
 
 
-def _search_trips(cu: Sequence[int], nseq: int, r0: int) -> int:
-    lo, hi, n = 0, nseq, 0
+def _search_trips(cu: Sequence[int], nseq: int, r0: int, lo: int = 0) -> int:
+    hi, n = nseq, 0
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if cu[mid + 1] > r0 else (mid + 1, hi)
@@ -221,8 +221,11 @@ def _step_weight(loop: Loop, first: bool, last: bool, whole: bool) -> Callable:
     return weight
 
 
-def paxcache_ragged_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float:
-    """Static cycles of ``paxcache_ragged_paged_attention`` for sequences of ``q_lens`` rows."""
+def paxcache_ragged_cycles(
+    dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int, first_seq: int = 0
+) -> float:
+    """Static cycles of ``paxcache_ragged_paged_attention`` for sequences of ``q_lens`` rows,
+    the first ``first_seq`` of them left to the decode kernel (skipped: no work items)."""
     tq, p, s, kh = meta["tq"], meta["pages_per_step"], meta["page"], meta["kv_heads"]
     m = meta["max_blocks"]
     keys = p * s
@@ -243,21 +246,25 @@ def paxcache_ragged_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: i
     for qb in range(_cdiv(cu[-1], tq)):
         r0, r1 = qb * tq, qb * tq + tq
         work_cost = 0.0
+        busy = False
         for sq, q in enumerate(q_lens):
             lo, hi = max(cu[sq], r0), min(cu[sq + 1], r1)
-            if hi <= lo:
+            if hi <= lo or sq < first_seq:
                 continue
+            busy = True
             off = ctx - q - cu[sq]
             n = _cdiv(min((hi - 1 + off + s) // s, m), p)
             for i in range(n):
                 whole = lo == r0 and hi == r1 and i * keys + keys - 1 <= lo + off
                 w = _step_weight(work, i == 0, i == n - 1, whole)
                 work_cost += iteration_cycles(work, nested_work, w)
-        n_search = _search_trips(cu, len(q_lens), r0)
+        n_search = _search_trips(cu, len(q_lens), r0, min(first_seq, len(q_lens)))
 
-        def nested(c: Loop, w: float = work_cost, ns: int = n_search) -> float | None:
+        def nested(
+            c: Loop, w: float = work_cost, ns: int = n_search, busy: bool = busy
+        ) -> float | None:
             if c is work:
-                return w
+                return w if busy else None  # a program with no sequence of its own
             if c is search:
                 return ns * search_iter if ns else None
             return None  # skip_empty: every sequence has rows
@@ -266,36 +273,45 @@ def paxcache_ragged_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: i
     return total
 
 
-def paxcache_paged_cycles(dump: Dump, meta: dict, batch: int, ctx: int) -> float:
-    """Static cycles of ``paxcache_paged_decode_attention`` (one program per sequence)."""
+def paxcache_paged_cycles(dump: Dump, meta: dict, lengths: Sequence[int]) -> float:
+    """Static cycles of ``paxcache_paged_decode_attention``: one program per row of
+    ``lengths`` (0 = a padding row: no steps, no copies), rows padded to the two halves."""
     p, s, kh = meta["pages_per_step"], meta["page"], meta["kv_heads"]
-    programs = 2 * _cdiv(batch, 2) if batch >= 2 else 1
+    rows = len(lengths)
+    programs = 2 * _cdiv(rows, 2) if rows >= 2 else 1
+    lengths = list(lengths) + [0] * (programs - rows)
     grid = _unit_loop(dump, programs)
     step = _mxu_child(grid)
     head = _mxu_child(step)  # a head loop (older kernels) or unrolled heads (None)
-    pages = _cdiv(ctx, s)
-    n = _cdiv(pages, p)
     head_total = kh * iteration_cycles(head, lambda _: None) if head else 0.0
 
     def copies(c: Loop, count: int) -> float | None:
         """A DMA-issue loop (no MXU ops) copying ``count`` pages: one trip per page."""
         return count * iteration_cycles(c, lambda _: None) if count > 0 else None
 
-    step_total = 0.0
-    for i in range(n):
-        whole = (i + 1) * p * s <= ctx
-        w = _step_weight(step, i == 0, i == n - 1, whole)
-        nxt = min(p, pages - (i + 1) * p)  # the next step's pages, issued in this one
+    def program(ctx: int) -> float:
+        pages = _cdiv(ctx, s)
+        n = _cdiv(pages, p)
+        step_total = 0.0
+        for i in range(n):
+            whole = (i + 1) * p * s <= ctx
+            w = _step_weight(step, i == 0, i == n - 1, whole)
+            nxt = min(p, pages - (i + 1) * p)  # the next step's pages, issued in this one
 
-        def in_step(c: Loop, nxt: int = nxt) -> float | None:
-            return head_total if c is head else copies(c, nxt)
+            def in_step(c: Loop, nxt: int = nxt) -> float | None:
+                return head_total if c is head else copies(c, nxt)
 
-        step_total += iteration_cycles(step, in_step, w)
+            step_total += iteration_cycles(step, in_step, w)
 
-    def in_program(c: Loop) -> float | None:
-        return step_total if c is step else copies(c, min(p, pages))  # the first step's
+        def in_program(c: Loop) -> float | None:
+            if c is step:
+                return step_total if n else None
+            return copies(c, min(p, pages))  # the first step's
 
-    return programs * iteration_cycles(grid, in_program)
+        return iteration_cycles(grid, in_program)
+
+    cost = {ctx: program(ctx) for ctx in set(lengths)}
+    return sum(cost[ctx] for ctx in lengths)
 
 
 def rpa_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float:
@@ -440,15 +456,22 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
             _abstract((nseq + 1,), i32, device),
             _abstract((), i32, device),
         )
+        # The ragged op compiles both kernels (each under a lax.cond): the leading one-row
+        # sequences run on the decode kernel (rows = min(T, B) programs, the others length 0),
+        # the rest on the ragged kernel from ``first_seq`` on.
         jax.jit(ragged).trace(*args).lower().compile()
-        out = [
-            dict(
-                meta,
-                variant="ragged",
-                name="paxcache_ragged_paged_attention",
-                tq=rag.default_queries_per_block(t, a.heads // a.kv_heads),
-            )
-        ]
+        tq = rag.default_queries_per_block(t, a.heads // a.kv_heads)
+        if case == "mixed":
+            dec_lengths = [a.ctx] * a.batch + [0] * (min(t, nseq) - a.batch)
+            out = [
+                dict(
+                    meta, variant="split", tq=tq, dec_pages_per_step=dec_pages,
+                    name="paxcache_paged_decode_attention+paxcache_ragged_paged_attention",
+                    first_seq=a.batch, dec_lengths=dec_lengths,
+                )
+            ]  # fmt: skip
+        else:  # decode: the ragged kernel on decode rows is what decodes after a prefill get
+            out = [dict(meta, variant="ragged", name="paxcache_ragged_paged_attention", tq=tq)]
         if case == "decode":
             jax.jit(paged).trace(*args[:4]).lower().compile()
             out.append(
@@ -652,9 +675,22 @@ def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
         peak = meta["info"].get("peak") or chip["peak"]
         if family == "paxcache":
             for k in meta["kernels"]:
+                if k["variant"] == "split":  # decode kernel + ragged kernel, one row
+                    dec_name, rag_name = k["name"].split("+")
+                    dec_dump, dump = _dump_for(dumps, dec_name), _dump_for(dumps, rag_name)
+                    dec = dict(k, pages_per_step=k["dec_pages_per_step"])
+                    cyc = paxcache_paged_cycles(dec_dump, dec, k["dec_lengths"])
+                    cyc += paxcache_ragged_cycles(
+                        dump, k, _q_lens(case, a), a.ctx, first_seq=k["first_seq"]
+                    )
+                    row = _row("paxcache", k["name"], target, case, cyc, nbytes, flops,
+                               clock, bw, peak, None)  # fmt: skip
+                    row["static_code"] = [dec_dump.summary(), dump.summary()]
+                    rows.append(row)
+                    continue
                 dump = _dump_for(dumps, k["name"])
                 if k["variant"] == "paged":
-                    cyc = paxcache_paged_cycles(dump, k, a.batch, a.ctx)
+                    cyc = paxcache_paged_cycles(dump, k, [a.ctx] * a.batch)
                 else:
                     cyc = paxcache_ragged_cycles(dump, k, _q_lens(case, a), a.ctx)
                 rows.append(_row("paxcache", k["name"], target, case, cyc, nbytes, flops,

@@ -19,14 +19,20 @@ import importlib.util
 import itertools
 
 import chex
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import kernels_pallas as kp
 from kernels_pallas import reference
-from kernels_pallas.attention import paged_attention_pages, ragged_paged_attention_pages
+from kernels_pallas.attention import (
+    leading_decode_seqs,
+    paged_attention_pages,
+    ragged_paged_attention_pages,
+)
 
 HAS_GPU_KERNELS = importlib.util.find_spec("kernels_pallas.gpu.attention") is not None
 
@@ -284,6 +290,63 @@ def test_ragged_with_one_token_per_sequence_equals_decode():
             impl=impl, interpret=interpret,
         )  # fmt: skip
         _check(out, _decode_oracle(case), np.float32)
+
+
+def test_tpu_mixed_batch_splits_leading_decodes_exactly():
+    """The TPU path hands a batch's leading one-row sequences to the decode kernel and the
+    rest to the ragged kernel (``first_seq``): the result is the oracle's, with NaN in every
+    unwritten slot, a one-row sequence after a prefill (it stays in the ragged kernel) and
+    junk past ``num_seqs``; the ragged kernel alone leaves the leading decodes' rows to the
+    decode kernel."""
+    from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
+
+    rng = np.random.default_rng(11)
+    q_lens, kv_lens, num_seqs = [1, 1, 1, 6, 1, 0, 2], [9, 17, 1, 12, 4, 7, 3], 6
+    t = sum(q_lens[:num_seqs]) + 2
+    case = ragged_case(rng, q_lens, kv_lens, num_seqs, t, 8, 2, 64, 8, 3, np.float32)
+    want = _ragged_oracle(case, sliding_window=10)
+    out = _run_ragged(case, "pallas_tpu", True, sliding_window=10)
+    _check(out, want, np.float32)
+    np.testing.assert_array_equal(np.asarray(out[case.cu_q_lens[num_seqs] :]), 0.0)
+
+    n_dec = int(leading_decode_seqs(jnp.asarray(case.cu_q_lens), jnp.int32(num_seqs)))
+    assert n_dec == 3
+    rag = ragged_paged_attention_tpu(
+        case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, case.cu_q_lens,
+        case.num_seqs, n_dec, sm_scale=64**-0.5, sliding_window=10, interpret=True,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(rag[:n_dec]), 0.0)
+    _check(rag[n_dec:], want[n_dec:], np.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "q_lens,kv_lens,num_seqs",
+    [
+        pytest.param([1, 1, 1, 1, 1], [9, 1, 24, 8, 5], 4, id="all-decode-no-hint"),
+        pytest.param([3, 1, 1, 5], [3, 9, 2, 20], 4, id="prefill-leads"),
+    ],
+)
+def test_tpu_ragged_batch_without_leading_prefill_or_decode(q_lens, kv_lens, num_seqs):
+    """Either kernel's ``lax.cond`` branch skipped: decodes only (no hint) and a prefill
+    first (no leading decodes: everything in the ragged kernel)."""
+    rng = np.random.default_rng(12)
+    t = sum(q_lens[:num_seqs]) + 2
+    case = ragged_case(rng, q_lens, kv_lens, num_seqs, t, 8, 2, 64, 8, 3, np.float32)
+    out = _run_ragged(case, "pallas_tpu", True, sliding_window=10)
+    _check(out, _ragged_oracle(case, sliding_window=10), np.float32)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(q_lens=st.lists(st.integers(0, 3), min_size=1, max_size=8), data=st.data())
+def test_leading_decode_seqs_counts_the_one_row_prefix(q_lens, data):
+    num_seqs = data.draw(st.integers(0, len(q_lens)))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    want = 0
+    while want < num_seqs and q_lens[want] == 1:
+        want += 1
+    got = leading_decode_seqs(jnp.asarray(cu), jnp.int32(num_seqs))
+    assert int(got) == want
 
 
 def test_tpu_kernels_never_copy_pages_past_length_or_before_window():

@@ -13,11 +13,14 @@ Design:
   ``64 / G`` rounded to a multiple of ``8 / gcd(G, 8)`` (e.g. ``G = 6``: 12 tokens, 72 rows),
   or the whole token count when that is smaller.
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``kv_lens i32[B]``, ``cu_q_lens i32[B + 1]``,
-  ``num_seqs i32[1]``. Block tables stay in HBM: the row of the sequence being computed and
+  ``num_seqs i32[1]``, ``first_seq i32[1]`` (sequences below it are someone else's: their
+  rows return 0 here; the public op gives a mixed batch's leading decode rows to the decode
+  kernel this way). Block tables stay in HBM: the row of the sequence being computed and
   of the next one sit in a two-slot SMEM scratch
   (:class:`~kernels_pallas.tpu._attention_common.TableRows`), the next row DMA'd while the
   current sequence is computed, so tables of any size work.
-* A program finds the first sequence overlapping its rows by binary search on ``cu_q_lens``,
+* A program finds the first sequence (at or after ``first_seq``) overlapping its rows by
+  binary search on ``cu_q_lens``,
   then walks work items ``(sequence, compute step)`` in one ``while_loop``, all kv heads per
   item. A compute step covers ``P`` pages, one DMA descriptor per page for every kv head
   (``pages.at[layer, :, block]``); the DMA of the next item (possibly the next sequence's
@@ -80,6 +83,7 @@ def _ragged_kernel(
     kv_lens_ref,  # i32[B]
     cu_ref,  # i32[B + 1]
     num_seqs_ref,  # i32[1]
+    first_seq_ref,  # i32[1]: sequences below it are skipped (their rows return 0)
     # inputs
     q_ref,  # [K, TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
     tables_hbm,  # i32[B, M] in HBM
@@ -113,7 +117,7 @@ def _ragged_kernel(
     nseq = num_seqs_ref[0]
     last_seq = cu_ref.shape[0] - 2
 
-    # First sequence whose rows end after r0: smallest s in [0, nseq) with cu[s + 1] > r0.
+    # First sequence whose rows end after r0: smallest s in [first, nseq) with cu[s + 1] > r0.
     def search_cond(c):
         return c[0] < c[1]
 
@@ -123,7 +127,8 @@ def _ragged_kernel(
         right = cu_ref[mid + 1] > r0
         return jnp.where(right, lo, mid + 1), jnp.where(right, mid, hi)
 
-    first_seq, _ = lax.while_loop(search_cond, search_step, (jnp.int32(0), nseq))
+    lo0 = jnp.minimum(first_seq_ref[0], nseq)
+    start_seq, _ = lax.while_loop(search_cond, search_step, (lo0, nseq))
 
     def seq_info(sq):
         """Rows of sequence ``sq`` inside this block and the pages they need."""
@@ -173,7 +178,7 @@ def _ragged_kernel(
     kpos_iota = lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
     out_row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
 
-    s0 = skip_empty(first_seq)
+    s0 = skip_empty(start_seq)
     s1 = skip_empty(s0 + 1)
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows no sequence covers stay zero
     reset_state(state)
@@ -275,6 +280,7 @@ def ragged_paged_attention_tpu(
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array | int,
+    first_seq: jax.Array | int = 0,
     *,
     sm_scale: float,
     soft_cap: float | None = None,
@@ -293,6 +299,8 @@ def ragged_paged_attention_tpu(
       block_tables: ``i32[B, M]``; negative = no block.
       cu_q_lens: ``i32[B + 1]``.
       num_seqs: scalar or ``i32[1]``.
+      first_seq: scalar or ``i32[1]``: sequences ``s < first_seq`` are skipped (their rows
+        return 0, as padding does), for a batch whose leading rows another kernel computes.
       sm_scale: logit scale (a float).
       soft_cap: optional logit soft cap.
       sliding_window: optional window (a query at ``p`` sees keys in ``(p - window, p]``).
@@ -346,6 +354,7 @@ def ragged_paged_attention_tpu(
         kv_lens.astype(jnp.int32),
         cu_q_lens.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
+        jnp.asarray(first_seq, jnp.int32).reshape(1),
     )
     out = pl.pallas_call(
         kernel,
