@@ -499,6 +499,7 @@ def _mixed_rows_tpu(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, layer, i
 
     t = q.shape[0]
     n_dec = leading_decode_seqs(cu, num_seqs)
+    device_kind = getattr(_dispatch.target_device(), "device_kind", None)
 
     def decode_part() -> jax.Array:
         return _decode_rows_tpu(q, k_pages, v_pages, kv_lens, tables, n_dec, layer, interpret, kw)
@@ -506,7 +507,7 @@ def _mixed_rows_tpu(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, layer, i
     def ragged_part() -> jax.Array:
         return ragged_paged_attention_tpu(
             q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, n_dec, layer=layer,
-            interpret=interpret, **kw,
+            interpret=interpret, device_kind=device_kind, **kw,
         )  # fmt: skip
 
     def zeros() -> jax.Array:

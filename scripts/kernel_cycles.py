@@ -26,6 +26,7 @@ outermost loop of the kernel, so its trips are the grid size):
 
 * ``paxcache_ragged_paged_attention`` (``kernels_pallas.ragged_paged_attention``, grid
   ``T_pad / TQ``, ``TQ = default_queries_per_block``, ``P = default_pages_per_compute_block``
+  (block sizes per chip: ``ragged_blocks(device_kind)``)
   pages of ``S`` keys per step, ``C = P * S``): in a program, the top-level loops are the
   binary search on ``cu_q_lens`` (trips simulated exactly), ``skip_empty`` loops (0 trips:
   every sequence has rows) and the work-item loop (the one holding the MXU ops). A sequence
@@ -429,8 +430,8 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     i32 = jnp.int32
     opaque = not isinstance(cache, tuple)
     sizes = dict(kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=dtype.itemsize)
-    target_keys = getattr(rag, "_TARGET_KEYS", 128)
-    pages = default_pages_per_compute_block(a.page, m, target_keys, **sizes)
+    blocks = rag.ragged_blocks(device.device_kind)  # the op's choice for this chip
+    pages = default_pages_per_compute_block(a.page, m, blocks.keys, **sizes)
     if hasattr(dec, "decode_pages_per_step"):
         dec_pages = dec.decode_pages_per_step(a.page, m, **sizes)
     else:
@@ -458,9 +459,11 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
         )
         # The ragged op compiles both kernels (each under a lax.cond): the leading one-row
         # sequences run on the decode kernel (rows = min(T, B) programs, the others length 0),
-        # the rest on the ragged kernel from ``first_seq`` on.
+        # the rest on the ragged kernel from ``first_seq`` on. A decode batch is all leading
+        # one-row sequences: both ops run the decode kernel alone (one row); a prefill chunk
+        # runs the ragged kernel alone.
         jax.jit(ragged).trace(*args).lower().compile()
-        tq = rag.default_queries_per_block(t, a.heads // a.kv_heads)
+        tq = rag.default_queries_per_block(t, a.heads // a.kv_heads, blocks.rows)
         if case == "mixed":
             dec_lengths = [a.ctx] * a.batch + [0] * (min(t, nseq) - a.batch)
             out = [
@@ -470,14 +473,14 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
                     first_seq=a.batch, dec_lengths=dec_lengths,
                 )
             ]  # fmt: skip
-        else:  # decode: the ragged kernel on decode rows is what decodes after a prefill get
+        elif case == "prefill":
             out = [dict(meta, variant="ragged", name="paxcache_ragged_paged_attention", tq=tq)]
-        if case == "decode":
+        else:
             jax.jit(paged).trace(*args[:4]).lower().compile()
-            out.append(
+            out = [
                 dict(meta, variant="paged", name="paxcache_paged_decode_attention",
                      pages_per_step=dec_pages)
-            )  # fmt: skip
+            ]  # fmt: skip
     return out
 
 

@@ -59,10 +59,12 @@ def default_pages_per_compute_block(
     return int(max(1, p))
 
 
-def vmem_limit_bytes(scratch_bytes: int) -> int:
-    """The scoped VMEM limit for a kernel with ``scratch_bytes`` of scratch: that plus 16 MiB
-    for pipelined blocks and temporaries, at least the 32 MiB default of v6e."""
-    return int(max(scratch_bytes + 16 * 1024 * 1024, 32 * 1024 * 1024))
+def vmem_limit_bytes(headroom: int, scratch_bytes: int) -> int:
+    """The scoped VMEM limit for a kernel with ``scratch_bytes`` of scratch: that plus
+    ``headroom`` for pipelined blocks and temporaries, at least the 32 MiB default of v6e, at
+    most 60 MiB (TPU7x has 64 MiB)."""
+    mib = 1024 * 1024
+    return int(min(max(scratch_bytes + headroom, 32 * mib), 60 * mib))
 
 
 @dataclasses.dataclass(frozen=True)

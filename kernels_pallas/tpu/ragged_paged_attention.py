@@ -10,8 +10,14 @@ Design:
   are laid out ``[K, T * G, D]``; the ``G`` query heads of a kv head are processed together
   (``TQ * G`` rows), so every KV page a block needs is read once for the whole group.
   ``TQ * G`` is a multiple of 8 (the TPU sublane tile) for every ``G``: ``TQ`` is about
-  ``64 / G`` rounded to a multiple of ``8 / gcd(G, 8)`` (e.g. ``G = 6``: 12 tokens, 72 rows),
-  or the whole token count when that is smaller.
+  ``512 / G`` rounded to a multiple of ``8 / gcd(G, 8)`` (e.g. ``G = 4``: 128 tokens; ``G = 6``:
+  84 tokens, 504 rows), or the whole token count when that is smaller. Big blocks amortise each
+  KV step (its DMAs, the K/V tiles pushed through the MXU, the softmax bookkeeping) over many
+  query rows: a prefill chunk re-reads its KV ``T / TQ`` times, and the static schedule
+  (``scripts/kernel_cycles.py``, v5e, Llama-3-8B, a 2048-token chunk) went from 2.66e-05 to
+  1.95e-05 bundles per useful flop going from 128 rows x 512 keys to 512 rows x 1024 keys.
+  A served step's decode rows do not come here (the public op gives a batch's leading
+  one-row sequences to the decode kernel), so the block size serves prefill.
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``kv_lens i32[B]``, ``cu_q_lens i32[B + 1]``,
   ``num_seqs i32[1]``, ``first_seq i32[1]`` (sequences below it are someone else's: their
   rows return 0 here; the public op gives a mixed batch's leading decode rows to the decode
@@ -42,6 +48,7 @@ layers and tables of 256 sequences x 32K tokens; correctness is checked in TPU i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -66,14 +73,49 @@ from kernels_pallas.tpu._attention_common import (
 __all__ = ["default_queries_per_block", "ragged_paged_attention_tpu"]
 
 _SUBLANES = 8  # rows of a TPU (8, 128) tile: a query block's TQ * G must be a multiple
-_TARGET_ROWS = 128  # query rows (tokens x heads of a group) per program
-_TARGET_KEYS = 512  # keys per compute step (capped by KV_VMEM_BUDGET)
+_MIB = 1024 * 1024
 
 
-def default_queries_per_block(num_tokens: int, g: int) -> int:
-    """``TQ``: about ``64 / G`` tokens, ``TQ * G`` a multiple of 8, or all ``T`` tokens."""
+@dataclasses.dataclass(frozen=True)
+class RaggedBlocks:
+    """Block sizes of the ragged kernel on one TPU generation.
+
+    Attributes:
+      rows: target query rows (tokens x heads of a group) per program.
+      keys: target keys per compute step (capped by ``KV_VMEM_BUDGET``).
+      headroom: scoped VMEM beyond the scratch buffers, for the step's temporaries (logits,
+        probabilities of ``rows x keys`` per unrolled head).
+    """
+
+    rows: int
+    keys: int
+    headroom: int
+
+
+#: Tuned per ``device_kind`` from the static schedule (``scripts/kernel_cycles.py``, prefill of a
+#: 2048-token chunk, Llama-3-8B attention; bundles per useful flop): v5e 2.66e-05 -> 1.95e-05,
+#: v6e 2.12e-05 -> 1.58e-05 going from 128 x 512 to 512 x 1024 (1024 x 512 was no better than
+#: 512 x 512 on v5e; 512 x 1024 needs ~38 MiB of scoped VMEM). Any other chip (TPU7x's 64 MiB,
+#: v4, v5p, unknown) gets :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles (the
+#: TPU7x compile at 512 x 1024 did not finish in 15 minutes here).
+RAGGED_BLOCKS = {
+    "TPU v5 lite": RaggedBlocks(rows=512, keys=1024, headroom=40 * _MIB),
+    "TPU v6 lite": RaggedBlocks(rows=512, keys=1024, headroom=40 * _MIB),
+}
+DEFAULT_RAGGED_BLOCKS = RaggedBlocks(rows=128, keys=512, headroom=16 * _MIB)
+
+
+def ragged_blocks(device_kind: str | None) -> RaggedBlocks:
+    """The block sizes for a chip's ``device_kind`` (the table, else the default rule)."""
+    return RAGGED_BLOCKS.get(device_kind or "", DEFAULT_RAGGED_BLOCKS)
+
+
+def default_queries_per_block(num_tokens: int, g: int, rows: int | None = None) -> int:
+    """``TQ``: about ``rows / G`` tokens (default: the default rule's rows), ``TQ * G`` a
+    multiple of 8, or all ``T`` tokens."""
+    rows = rows or DEFAULT_RAGGED_BLOCKS.rows
     align = _SUBLANES // math.gcd(g, _SUBLANES)
-    tq = max(align, round(_TARGET_ROWS / g / align) * align)
+    tq = max(align, round(rows / g / align) * align)
     return num_tokens if num_tokens <= tq else tq
 
 
@@ -270,6 +312,7 @@ def _ragged_kernel(
         "interpret",
         "pages_per_compute_block",
         "queries_per_block",
+        "device_kind",
     ),
 )
 def ragged_paged_attention_tpu(
@@ -289,6 +332,7 @@ def ragged_paged_attention_tpu(
     interpret: bool = False,
     pages_per_compute_block: int | None = None,
     queries_per_block: int | None = None,
+    device_kind: str | None = None,
 ) -> jax.Array:
     """Ragged paged attention on TPU (arguments already validated by the public wrapper).
 
@@ -306,11 +350,13 @@ def ragged_paged_attention_tpu(
       sliding_window: optional window (a query at ``p`` sees keys in ``(p - window, p]``).
       layer: layer of stacked pages (int or traced i32 scalar); ignored for rank-4 pages.
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``).
-      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 128 keys,
+      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 1024 keys,
         capped so the KV buffers fit ``KV_VMEM_BUDGET``).
       queries_per_block: query tokens per program ``TQ`` (default
         :func:`default_queries_per_block`). Compiled, ``TQ * G`` must be a multiple of 8
         unless ``TQ`` covers all tokens (interpret mode takes any ``TQ``).
+      device_kind: the target chip's ``device_kind``: picks the default block sizes and the
+        VMEM headroom (:func:`ragged_blocks`).
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -324,10 +370,11 @@ def ragged_paged_attention_tpu(
     _, kh, _, s, _ = k_pages.shape
     g = h // kh
     m = block_tables.shape[1]
+    blocks = ragged_blocks(device_kind)
     p = pages_per_compute_block or default_pages_per_compute_block(
-        s, m, _TARGET_KEYS, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+        s, m, blocks.keys, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
     )
-    tq = queries_per_block or default_queries_per_block(t, g)
+    tq = queries_per_block or default_queries_per_block(t, g, blocks.rows)
     if tq < t and (tq * g) % _SUBLANES and not interpret:
         raise ValueError(
             f"queries_per_block={tq} gives {tq * g} query rows per block (G={g}); it must be "
@@ -378,6 +425,7 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
             vmem_limit_bytes=vmem_limit_bytes(
+                blocks.headroom,
                 scratch_bytes(
                     kv_heads=kh,
                     rows=tq * g,
@@ -385,7 +433,7 @@ def ragged_paged_attention_tpu(
                     block_size=s,
                     head_dim=d,
                     itemsize=k_pages.dtype.itemsize,
-                )
+                ),
             ),
             disable_bounds_checks=not interpret,  # every DMA address is clamped in range
         ),
