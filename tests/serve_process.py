@@ -50,4 +50,8 @@ def serve_process(*args: str, ready_timeout: float = 1800.0) -> Iterator[tuple[s
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+        log.seek(0)
+        for line in log.read().decode(errors="replace").splitlines():
+            if "warm-up done" in line or "on first use" in line:
+                print(f"serve.py: {line}")  # shown with pytest -s: the warm-up's cost
         log.close()

@@ -74,6 +74,16 @@ def _samples(out_dir, task: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _arguments(sample: dict) -> list[tuple]:
+    """A logged sample's request arguments: ``{"gen_args_0": {"arg_0": ..., "arg_1": ...}}``
+    as lm-eval 0.4 writes them (or a plain list of argument lists)."""
+    args = sample["arguments"]
+    if isinstance(args, list):
+        return [tuple(a) for a in args]
+    order = sorted(args, key=lambda k: int(k.rsplit("_", 1)[1]))
+    return [tuple(args[k][f"arg_{j}"] for j in range(len(args[k]))) for k in order]
+
+
 def _echo_score(base: str, model: str, context: str, continuation: str) -> float:
     """Sum of the continuation's token logprobs, as lm-eval sends it: the token ids of context
     and continuation (no BOS: token-id prompts are fed as sent), echoed."""
@@ -109,7 +119,7 @@ def test_lm_eval_remote_tokenizer_scores_equal_direct_echo_calls(tmp_path):
         checked = 0
         for sample in mc:
             for (context, continuation), resp in zip(
-                sample["arguments"], sample["resps"], strict=True
+                _arguments(sample), sample["resps"], strict=True
             ):
                 got = float(resp[0][0])
                 assert got == pytest.approx(

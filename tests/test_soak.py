@@ -79,7 +79,7 @@ def _growth(samples: list[tuple[float, float, int]]) -> tuple[float, float]:
 
 
 def test_soak_mixed_load_with_disconnects_leaks_nothing_and_compiles_nothing():
-    args = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
+    args = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
     with serve_process(*args) as (base, pid):
         before = metric_values(httpx.get(f"{base}/metrics").text)
         statuses: collections.Counter = collections.Counter()
