@@ -20,7 +20,7 @@ import httpx
 import pytest
 from serve_process import serve_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # warm-up: minutes on a busy CPU
 
 LM_EVAL = os.environ.get("PAXCACHE_LM_EVAL") or shutil.which("lm_eval")
 
