@@ -204,7 +204,7 @@ class Engine:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids.add(int(tokenizer.eos_token_id))
         self._grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, eos_ids)  # lazy
-        self.warmup_structured = False  # warmup() also compiles the masked step variants
+        self.warmup_structured = self.warmup_prompt_logprobs = False  # see warmup()
         build = functools.partial(
             self._build_cache,
             block_size=block_size,
@@ -346,7 +346,8 @@ class Engine:
 
     def _count_traces(self, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self._num_traces += 1  # runs only while tracing
+            self._num_traces += 1  # runs only while tracing: a new program
+            step_lib.log_first_use(args[3] if len(args) > 3 else kwargs["inputs"], self._warmed_up)
             return fn(*args, **kwargs)
 
         return counted
@@ -636,42 +637,42 @@ class Engine:
                     if out.finished:
                         return
 
-    def _empty_step_args(self, t: int, masked: bool = False, decode: bool = False) -> tuple:
+    def _empty_step_args(self, t: int, *variant: bool, **flags: bool) -> tuple:
         """``(state, kv, params, inputs)`` of a step with T=t that runs nothing (warm-up,
-        AOT compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``, ``decode``: the
-        constrained / decode-only variants (:func:`step.empty_inputs`)."""
-        inputs = step_lib.empty_inputs(self._shapes, t, masked=masked, decode=decode)
+        AOT compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``, ``decode``,
+        ``prompt_logprobs``: the variants (:func:`step.empty_inputs`)."""
+        inputs = step_lib.empty_inputs(self._shapes, t, *variant, **flags)
         return self.block_manager.state, self._device_kv(), self._params, inputs
 
     def warmup(self) -> None:
         """Compiles every program serving can run, so serving never compiles.
 
         Every token bucket of the fused step (with ``warmup_structured`` and llguidance, also
-        its masked variant, which constrained requests run; on TPU also the decode-only
-        variant of ``decode_buckets``), the block manager's allocator functions and, with a
-        host pool, every swap program (out and in, every pair bucket). A
+        its masked variant, which constrained requests run; with ``warmup_prompt_logprobs``
+        the variant ``echo`` / prompt-logprob requests run; on TPU the decode-only variant of
+        ``decode_buckets``; :func:`step.warmup_variants`), the block manager's allocator
+        functions and, with a host pool, every swap program (out and in, every pair bucket). A
         Mosaic TPU kernel that fails to compile is replaced by the XLA path here, with one
         warning naming the op and the error (``stats()["kernel_impls"]``: ``"xla (fallback:
-        ...)"``).
-
-        Logs one line per compiled step bucket (``logging`` INFO, logger ``paxcache.engine``)
-        and a summary. With the persistent compile cache (see :mod:`paxcache.compile_cache`)
-        a restart loads the executables instead of compiling them. :meth:`step` calls this
-        on first use unless the engine was built with ``warmup=False``.
-        """
+        ...)"``). Logs one line per compiled step program (``logging`` INFO, logger
+        ``paxcache.engine``) and a summary; a program compiled later, at its first use, logs
+        a warning naming it (:func:`step.log_first_use`). With the persistent compile cache
+        (see :mod:`paxcache.compile_cache`) a restart loads the executables instead of
+        compiling them. :meth:`step` calls this on first use unless built with
+        ``warmup=False``."""
         t0 = time.perf_counter()
         compile_cache_lib.check_memory_maps()  # a compile past the kernel's limit aborts
         hits0 = compile_cache_lib.cache_hits()
         compiles0 = self._num_compiled()
         # A TPU kernel Mosaic rejects falls back to XLA here (one warning), not at serving.
         with kernels_pallas.compile_probes():
-            masks = (False, True) if self.warmup_structured and grammar.available() else (False,)
-            variants = [(t, m, False) for m in masks for t in self.buckets]
-            variants += [(t, m, True) for m in masks for t in self.decode_buckets]
-            for i, (t, masked, decode) in enumerate(variants):
+            masked = self.warmup_structured and grammar.available()
+            pl = self.warmup_prompt_logprobs
+            variants = step_lib.warmup_variants(self._shapes, masked, prompt_logprobs=pl)
+            for i, variant in enumerate(variants):
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()
-                state, kv, out = self._jit_step(*self._empty_step_args(t, masked, decode))
+                state, kv, out = self._jit_step(*self._empty_step_args(*variant))
                 self._kv = self._with_host_pool(kv)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
@@ -679,11 +680,10 @@ class Engine:
                     StepPlan(), StepResult(state, int(num_free), row_ok, np.zeros(0, np.int32))
                 )
                 logger.info(
-                    "warm-up %d/%d: step for %d tokens%s ready in %.1fs%s",
+                    "warm-up %d/%d: %s ready in %.1fs%s",
                     i + 1,
                     len(variants),
-                    t,
-                    " (constrained)" * masked + " (decode only)" * decode,
+                    variant.describe(),
                     time.perf_counter() - tb,
                     " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
                 )

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -56,10 +56,12 @@ __all__ = [
     "StepInputs",
     "StepOutputs",
     "StepShapes",
+    "StepVariant",
     "apply_allowed",
     "default_batch_limits",
     "resolve_batch_limits",
     "empty_inputs",
+    "log_first_use",
     "prepare_allowed",
     "prepare_inputs",
     "prepare_prompt_logprobs",
@@ -68,6 +70,7 @@ __all__ = [
     "read_result",
     "step",
     "token_buckets",
+    "warmup_variants",
 ]
 
 logger = logging.getLogger(__name__)
@@ -488,11 +491,17 @@ def read_result(
 
 
 def empty_inputs(
-    shapes: StepShapes, num_tokens: int, *, masked: bool = False, decode: bool = False
+    shapes: StepShapes,
+    num_tokens: int,
+    masked: bool = False,
+    decode: bool = False,
+    prompt_logprobs: bool = False,
 ) -> StepInputs:
     """Inputs of a step of ``num_tokens`` (a bucket) that runs nothing: warm-up, ahead-of-time
     compilation, HLO inspection. ``masked``: the variant with an allowed-token bitmask (all
-    tokens allowed; constrained decoding); ``decode``: the decode-only variant."""
+    tokens allowed; constrained decoding); ``decode``: the decode-only variant;
+    ``prompt_logprobs``: the variant that also computes prompt log-probabilities (``echo``,
+    ``prompt_logprobs`` requests; padding entries)."""
     inputs, _ = prepare_inputs(StepPlan(), dataclasses.replace(shapes, buckets=(num_tokens,)))
     inputs = inputs.replace(decode_only=decode)
     if masked:
@@ -500,7 +509,55 @@ def empty_inputs(
 
         words = grammar.bitmask_words(shapes.vocab_size)
         inputs = inputs.replace(allowed=np.full((shapes.max_rows, words), -1, np.int32))
+    if prompt_logprobs:
+        pads = np.zeros(num_tokens, np.int32)
+        inputs = inputs.replace(prompt_logprobs=PromptLogprobInputs(rows=pads, targets=pads))
     return inputs
+
+
+class StepVariant(NamedTuple):
+    """One program of the step: its token bucket and which optional inputs it has (the
+    arguments of :func:`empty_inputs` after ``shapes``)."""
+
+    num_tokens: int
+    masked: bool = False
+    decode: bool = False
+    prompt_logprobs: bool = False
+
+    def describe(self) -> str:
+        """``"step for 64 tokens (constrained) (prompt logprobs)"``."""
+        flags = ((self.masked, "constrained"), (self.decode, "decode only"))
+        flags += ((self.prompt_logprobs, "prompt logprobs"),)
+        return f"step for {self.num_tokens} tokens" + "".join(f" ({w})" for on, w in flags if on)
+
+
+def warmup_variants(
+    shapes: StepShapes, masked: bool = False, prompt_logprobs: bool = False
+) -> list[StepVariant]:
+    """Every program serving can run: each token bucket (and, with a decode variant, each
+    of :func:`decode_buckets` decode-only), times the constrained variant when ``masked``,
+    times the prompt-logprob variant when ``prompt_logprobs`` (a batch can mix a
+    constrained request with an ``echo`` one, so their product too)."""
+    masks = (False, True) if masked else (False,)
+    prompts = (False, True) if prompt_logprobs else (False,)
+    variants = [StepVariant(t, m, False, p) for p in prompts for m in masks for t in shapes.buckets]
+    decode = decode_buckets(shapes)
+    return variants + [StepVariant(t, m, True, p) for p in prompts for m in masks for t in decode]
+
+
+def log_first_use(inputs: StepInputs, warm: bool) -> None:
+    """Called while the step is traced, i.e. about to compile a new program: once the engine
+    is warm, logs one line naming the program (warm-up did not cover it; the request that
+    needs it waits for the compilation)."""
+    if not warm:
+        return
+    variant = StepVariant(
+        int(inputs.token_ids.shape[0]),
+        inputs.allowed is not None,
+        bool(inputs.decode_only),
+        inputs.prompt_logprobs is not None,
+    )
+    logger.warning("compiling the %s on first use (warm-up did not compile it)", variant.describe())
 
 
 # ----------------------------------------------------------------------------------------------

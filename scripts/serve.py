@@ -108,6 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="do not compile the constrained-decoding step variants at start-up (the first "
         "constrained request at each token bucket then compiles its own)",
     )
+    p.add_argument(
+        "--no-prompt-logprobs-warmup",
+        action="store_true",
+        help="do not compile the echo / prompt-logprob step variants at start-up (the first "
+        "such request at each token bucket then compiles its own, logging a warning)",
+    )
     p.add_argument("--served-model-name", default=None, help="model id shown to clients")
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit")
@@ -385,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paxcache: cannot load {args.model!r}: {e}", file=sys.stderr)
         return 2
     engine.warmup_structured = not args.no_structured_warmup  # with llguidance installed
+    engine.warmup_prompt_logprobs = not args.no_prompt_logprobs_warmup
     stats = engine.stats()  # on every process: multi-host engine calls run in lockstep
     if jax.process_index() != 0:
         return _follow(engine, run_follower, jax.process_index(), jax.process_count())

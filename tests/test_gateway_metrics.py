@@ -3,6 +3,10 @@ text, carry vLLM's ``model_name`` label, and move with the traffic."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -97,3 +101,61 @@ def test_vllm_metric_names_parse_with_the_model_label_and_move(served):
         assert _one(after, name + "_bucket", le="+Inf") == _one(after, name + "_count")
     assert _one(after, "vllm:num_requests_running") == 0
     assert _one(after, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_aborted_requests_count_under_abort_with_their_latency():
+    """Every ending counts, as in vLLM: a stream the client drops (n=2: two completions), a
+    non-streaming request whose client goes away, and an explicit ``runner.abort`` each count
+    under ``finished_reason="abort"`` and in the end-to-end histogram (once per request)."""
+    engine = FakeEngine(step_delay=0.005, max_model_len=1 << 20)
+    app = create_app(engine, served_model_name="gw-model")
+    long = {"prompt": "abc", "max_tokens": 500_000, "temperature": 0}
+
+    def counts() -> tuple[float, float, float]:
+        s = _scrape(base)
+        return (
+            _one(s, "vllm:request_success_total", finished_reason="abort"),
+            _one(s, "vllm:e2e_request_latency_seconds_count"),
+            _one(s, "vllm:request_success_total", finished_reason="stop")
+            + _one(s, "vllm:request_success_total", finished_reason="length"),
+        )
+
+    def wait_for(want_aborts: float) -> None:
+        deadline = time.monotonic() + 10
+        while counts()[0] < want_aborts:
+            assert time.monotonic() < deadline, counts()
+            time.sleep(0.02)
+
+    with serve_in_thread(app) as base:
+        aborts0, e2e0, done0 = counts()
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json={**long, "n": 2, "stream": True}, timeout=30
+        ) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    break  # closes the connection mid-stream
+        wait_for(aborts0 + 2)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/completions", json=long, timeout=0.3)
+        wait_for(aborts0 + 3)
+
+        t = threading.Thread(
+            target=_swallow,
+            args=(lambda: httpx.post(f"{base}/v1/completions", json=long, timeout=3.0),),
+        )
+        t.start()
+        deadline = time.monotonic() + 5
+        while not engine.reqs:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        app.state.runner.abort(list(engine.reqs))
+        wait_for(aborts0 + 4)
+        t.join(10)
+        wait_idle(base, engine)
+        aborts, e2e, done = counts()
+        assert (aborts - aborts0, e2e - e2e0, done - done0) == (4, 3, 0)
+
+
+def _swallow(fn) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        fn()

@@ -15,6 +15,7 @@ from flax import nnx
 
 from paxcache import Engine, SamplingParams
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
+from paxcache.sampling import StructuredOutputsParams
 
 TOL = 1e-4
 K = 3
@@ -158,3 +159,40 @@ def test_prompt_logprobs_survive_a_recompute_preemption(model):
 def test_sampling_params_refuse_bad_prompt_logprobs(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def _mixed(engine: Engine) -> None:
+    """Echo-like (prompt logprobs), plain, sampled n=2 and logprob requests in one batch."""
+    params = [
+        SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=K),
+        SamplingParams(max_tokens=5, temperature=0),
+        SamplingParams(max_tokens=4, temperature=1.0, n=2, seed=1, logprobs=2),
+    ]
+    engine.generate(_prompts(3, lens=(30, 5, 12)), params)
+
+
+def test_warmup_with_prompt_logprobs_compiles_every_program_a_mixed_load_runs(model, caplog):
+    """With ``warmup_prompt_logprobs`` (the server's default) a mixed load compiles nothing
+    after warm-up; a program warm-up skipped (here the constrained one: no
+    ``warmup_structured``) logs one warning naming it when it first compiles, once."""
+    eng = Engine(
+        model, ByteTokenizer(), num_blocks=64, block_size=8, max_num_seqs=4,
+        max_num_batched_tokens=16, warmup=False,
+    )  # fmt: skip
+    eng.warmup_prompt_logprobs = True
+    eng.warmup()
+    compiled = eng.stats()["num_compilations"]
+    with caplog.at_level("WARNING", logger="paxcache.step"):
+        _mixed(eng)
+    assert eng.stats()["num_compilations"] == compiled
+    assert "on first use" not in caplog.text
+    pytest.importorskip("llguidance")
+    regex = SamplingParams(
+        max_tokens=3, temperature=0, structured_outputs=StructuredOutputsParams(regex="[ab]+")
+    )
+    with caplog.at_level("WARNING", logger="paxcache.step"):
+        eng.generate(_prompts(5, lens=(4, 4)), regex)
+        eng.generate(_prompts(6, lens=(4,)), regex)
+    lines = [r.getMessage() for r in caplog.records if "on first use" in r.getMessage()]
+    assert lines == ["compiling the step for 16 tokens (constrained) on first use (warm-up did "
+                     "not compile it)"]  # fmt: skip

@@ -12,7 +12,15 @@ from paxcache import SamplingParams
 from paxcache.sampling import request_keys
 from paxcache.scheduler import StepPlan
 from paxcache.sequence import new_request
-from paxcache.step import StepInputs, StepShapes, empty_inputs, prepare_inputs, token_buckets
+from paxcache.step import (
+    StepInputs,
+    StepShapes,
+    StepVariant,
+    empty_inputs,
+    prepare_inputs,
+    token_buckets,
+    warmup_variants,
+)
 
 SHAPES = StepShapes(buckets=(16, 32), max_rows=4, vocab_size=50)
 
@@ -75,6 +83,21 @@ def test_empty_inputs_have_the_buckets_shape_and_run_nothing():
     chex.assert_shape(inputs.token_ids, (16,))
     assert int(inputs.num_rows) == 0 and not inputs.grows.any()
     assert jax.tree.structure(inputs) == jax.tree.structure(prepare_inputs(StepPlan(), SHAPES)[0])
+
+
+def test_warmup_variants_cover_every_bucket_times_every_optional_input():
+    """Warm-up's programs: each bucket, times constrained, times prompt logprobs (a batch can
+    mix them), each with the inputs structure the step sees when serving such a plan."""
+    assert warmup_variants(SHAPES) == [StepVariant(16), StepVariant(32)]
+    both = warmup_variants(SHAPES, masked=True, prompt_logprobs=True)
+    assert len(set(both)) == len(both) == 2 * 2 * 2
+    assert {(v.masked, v.prompt_logprobs) for v in both} == {(m, p) for m in (0, 1) for p in (0, 1)}
+    pl = empty_inputs(SHAPES, 32, prompt_logprobs=True)
+    chex.assert_shape((pl.prompt_logprobs.rows, pl.prompt_logprobs.targets), (32,))
+    assert empty_inputs(SHAPES, 32).prompt_logprobs is None
+    assert StepVariant(16, True, False, True).describe() == (
+        "step for 16 tokens (constrained) (prompt logprobs)"
+    )
 
 
 def test_a_sample_whose_values_cannot_be_represented_fails_its_request_only():

@@ -67,7 +67,7 @@ def test_tokenize_messages_is_what_the_chat_endpoint_feeds(served):
 def test_token_strs(served):
     base, _ = served
     got = _post(base, "/tokenize", {"prompt": "ab", "return_token_strs": True}).json()
-    assert got["token_strs"] == ["", "a", "b"]  # the byte tokenizer decodes BOS to ""
+    assert got["token_strs"] == ["<bos>", "a", "b"]  # special tokens spelled, as vLLM does
 
 
 @settings(max_examples=25, deadline=None)
@@ -117,3 +117,23 @@ def test_tokenizer_routes_need_the_api_key():
             assert _post(base, path, body).status_code == 401
             ok = _post(base, path, body, headers={"Authorization": "Bearer k1"})
             assert ok.status_code == 200, ok.text
+
+
+def test_tokenizer_info_is_what_lm_eval_remote_reads(served):
+    """lm-eval's ``tokenizer_backend=remote``: ``GET /tokenizer_info`` names the special
+    tokens as strings, and encoding their spelling through ``/tokenize`` (as it does, with
+    ``add_special_tokens: false``) gives their ids; ``add_bos_token`` matches what a text
+    prompt gets."""
+    base, engine = served
+    r = httpx.get(f"{base}/tokenizer_info", timeout=30)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    tok = engine.tokenizer
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert info["model_max_length"] == engine.max_model_len
+    for name, want in (("bos_token", tok.bos_token_id), ("eos_token", tok.eos_token_id)):
+        ids = _post(base, "/tokenize", {"prompt": info[name], "add_special_tokens": False})
+        assert ids.json()["tokens"] == [want]
+    with_bos = _post(base, "/tokenize", {"prompt": "x"}).json()["tokens"]
+    assert info["add_bos_token"] == (with_bos[0] == tok.bos_token_id)
+    assert httpx.post(f"{base}/tokenizer_info", timeout=30).status_code == 405

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -118,14 +119,31 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, then BOS, EOS, PAD (ids 256, 257, 258 by default).
 
-    Used by the bundled tiny model. ``decode`` drops special ids and replaces invalid UTF-8.
+    Used by the bundled tiny model. As an HF tokenizer does, text that spells a special token
+    (``"<bos>"``, ``"<eos>"``, ``"<pad>"``) encodes to its id, whatever
+    ``add_special_tokens`` says (that flag only adds BOS first). ``decode`` replaces invalid
+    UTF-8 and drops special ids, or spells them with ``skip_special_tokens=False``.
+    :meth:`tokenizer_json` is the same tokenizer as an HF ``tokenizer.json`` (the bundled
+    model ships it, so ``tokenizers`` and ``transformers.AutoTokenizer`` load it).
     """
 
     def __init__(
-        self, bos_token_id: int = 256, eos_token_id: int = 257, pad_token_id: int = 258
+        self,
+        bos_token_id: int = 256,
+        eos_token_id: int = 257,
+        pad_token_id: int = 258,
+        special_tokens: tuple[str, str, str] = ("<bos>", "<eos>", "<pad>"),
     ) -> None:
         self._bos, self._eos, self._pad = bos_token_id, eos_token_id, pad_token_id
         self._vocab = max(256, bos_token_id + 1, eos_token_id + 1, pad_token_id + 1)
+        ids = (bos_token_id, eos_token_id, pad_token_id)
+        self.bos_token, self.eos_token, self.pad_token = special_tokens
+        self._special_ids = {
+            name: i for name, i in zip(special_tokens, ids, strict=True) if i >= 256
+        }
+        self._special_names = {i: name for name, i in self._special_ids.items()}
+        alternatives = sorted(self._special_ids, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, alternatives)))
 
     @property
     def vocab_size(self) -> int:
@@ -144,17 +162,104 @@ class ByteTokenizer:
         return self._pad
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text -> UTF-8 byte ids, with BOS first when ``add_special_tokens``."""
-        ids = list(text.encode("utf-8"))
-        return [self._bos, *ids] if add_special_tokens else ids
+        """Text -> UTF-8 byte ids (a special token's spelling -> its id), with BOS first when
+        ``add_special_tokens``."""
+        ids = [self._bos] if add_special_tokens else []
+        start = 0
+        for m in self._special_re.finditer(text) if self._special_ids else ():
+            ids.extend(text[start : m.start()].encode("utf-8"))
+            ids.append(self._special_ids[m.group()])
+            start = m.end()
+        ids.extend(text[start:].encode("utf-8"))
+        return ids
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """Ids -> raw bytes, dropping ids >= 256 (specials)."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Ids -> text; invalid UTF-8 becomes U+FFFD. Specials are always dropped."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        """Ids -> text; invalid UTF-8 becomes U+FFFD. Special ids are dropped, or spelled
+        (``"<bos>"``) with ``skip_special_tokens=False``; other ids >= 256 are dropped."""
+        if skip_special_tokens or not any(int(i) in self._special_names for i in ids):
+            return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        parts, run = [], []
+        for i in map(int, ids):
+            if i in self._special_names:
+                parts += [bytes(run).decode("utf-8", errors="replace"), self._special_names[i]]
+                run = []
+            elif 0 <= i < 256:
+                run.append(i)
+        parts.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def tokenizer_json(self) -> str:
+        """This tokenizer as an HF ``tokenizer.json``: byte-level BPE without merges (byte
+        ``b`` is id ``b``), the special tokens as added tokens, a post-processor that puts BOS
+        first. ``tokenizers`` encodes and decodes with it exactly as this class does."""
+        byte_chars = _byte_level_chars()
+        specials = sorted(self._special_names.items())
+        doc = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [
+                {
+                    "id": i,
+                    "content": name,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": True,
+                }
+                for i, name in specials
+            ],
+            "normalizer": None,
+            "pre_tokenizer": {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [
+                    {"SpecialToken": {"id": self.bos_token, "type_id": 0}},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                ],
+                "pair": [
+                    {"SpecialToken": {"id": self.bos_token, "type_id": 0}},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"Sequence": {"id": "B", "type_id": 1}},
+                ],
+                "special_tokens": {
+                    self.bos_token: {
+                        "id": self.bos_token,
+                        "ids": [self._bos],
+                        "tokens": [self.bos_token],
+                    }
+                },
+            },
+            "decoder": {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {byte_chars[b]: b for b in range(256)},
+                "merges": [],
+            },
+        }
+        return json.dumps(doc, ensure_ascii=False, indent=2) + "\n"
 
     def apply_chat_template(
         self,
@@ -164,6 +269,20 @@ class ByteTokenizer:
     ) -> str:
         """See ``SIMPLE_CHAT_TEMPLATE_DOC``."""
         return simple_chat_template(messages, add_generation_prompt, tools)
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte 0..255
+    (printable Latin-1 bytes stand for themselves, the others for ``chr(256 + k)``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra, keep = [], 0, set(printable)
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 def _token_content(tok: Any) -> str | None:
@@ -528,15 +647,18 @@ class IncrementalDecoder:
 def load_tokenizer(path: str | os.PathLike[str], config: Any | None = None) -> Tokenizer:
     """The tokenizer for a checkpoint directory.
 
-    ``tokenizer.json`` -> ``HFTokenizer``; otherwise a ``ByteTokenizer`` whose special ids come
-    from config.json (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) when set.
+    ``tokenizer.json`` -> ``HFTokenizer``; otherwise, or when ``tokenizer_config.json`` says
+    ``"paxcache_tokenizer": "byte"`` (the bundled model: its ``tokenizer.json`` is the same
+    tokenizer for HF clients), a ``ByteTokenizer`` whose special ids come from config.json
+    (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) when set.
     """
     path = Path(path)
     bos = getattr(config, "bos_token_id", None)
     eos = getattr(config, "eos_token_id", None)
     if isinstance(eos, tuple):
         eos = eos[0] if eos else None
-    if (path / "tokenizer.json").is_file():
+    byte = _read_tokenizer_config(path / "tokenizer_config.json").get("paxcache_tokenizer")
+    if (path / "tokenizer.json").is_file() and byte != "byte":
         return HFTokenizer(path, bos_token_id=bos, eos_token_id=eos)
     pad = getattr(config, "pad_token_id", None)
     kwargs = {}

@@ -15,8 +15,11 @@ inference extension, llm-d) work unchanged: ``vllm:num_requests_running``,
 ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``,
 ``vllm:request_success_total`` (by ``finished_reason``) and the histograms
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
-``vllm:time_per_output_token_seconds`` and ``vllm:e2e_request_latency_seconds``. Running and
-waiting count sequences (an ``n > 1`` request counts ``n``), as the scheduler sees them.
+``vllm:time_per_output_token_seconds`` and ``vllm:e2e_request_latency_seconds``. Every ending
+counts, as in vLLM: a request aborted (client disconnect, stream stall timeout, shutdown,
+explicit abort) counts its completions under ``finished_reason="abort"`` and its latency in
+the end-to-end and per-output-token histograms. Running and waiting count sequences (an
+``n > 1`` request counts ``n``), as the scheduler sees them.
 """
 
 from __future__ import annotations
@@ -184,7 +187,8 @@ class ServerMetrics:
     Attributes:
       registry: the ``CollectorRegistry`` that ``/metrics`` renders.
       ttft, e2e: histograms of time to first token and end-to-end request latency.
-      finished: engine completions finished, by ``finish_reason``.
+      finished: engine completions ended, by ``finish_reason`` (``"abort"``: aborted; every
+        ending counts, and its latency too).
       rejected, rejected_tenant: requests refused with 429 (queue full / tenant limit).
       stalled: streams dropped because the client stopped reading.
       vllm_ttft, vllm_itl, vllm_tpot, vllm_e2e, vllm_success: the same under vLLM's names,
@@ -298,16 +302,35 @@ class ServerMetrics:
         """Engine-thread hook: a request finished ``seconds`` after submission, its first
         token ``first_token_s`` after submission (None: it generated none), having generated
         ``num_tokens`` tokens over its ``n`` completions."""
+        reasons = [str(o.finish_reason) for o in out.outputs]
+        self._ended(reasons, seconds, first_token_s, num_tokens)
+
+    def request_aborted(
+        self,
+        reason: str,
+        completions: int,
+        seconds: float,
+        first_token_s: float | None = None,
+        num_tokens: int = 0,
+    ) -> None:
+        """Engine-thread hook: a request ended unfinished (``reason`` ``"abort"``: client
+        gone, stream stalled, shutdown, explicit abort; ``"error"``: an engine error) after
+        ``seconds``; its ``completions`` count under that reason and its latency is observed,
+        as vLLM counts aborted requests."""
+        self._ended([reason] * completions, seconds, first_token_s, num_tokens)
+
+    def _ended(
+        self, reasons: list[str], seconds: float, first_token_s: float | None, num_tokens: int
+    ) -> None:
         self.e2e.observe(seconds)
-        for o in out.outputs:
-            self.finished.labels(finish_reason=str(o.finish_reason)).inc()
+        for reason in reasons:
+            self.finished.labels(finish_reason=reason).inc()
         if self.model_name is None:
             return
         self.vllm_e2e.labels(self.model_name).observe(seconds)
-        for o in out.outputs:
-            reason = str(o.finish_reason)
+        for reason in reasons:
             self.vllm_success.labels(model_name=self.model_name, finished_reason=reason).inc()
-        per_completion = num_tokens / max(1, len(out.outputs))
+        per_completion = num_tokens / max(1, len(reasons))
         if first_token_s is not None and per_completion > 1:
             tpot = (seconds - first_token_s) / (per_completion - 1)
             self.vllm_tpot.labels(self.model_name).observe(max(0.0, tpot))

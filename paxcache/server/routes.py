@@ -84,6 +84,7 @@ def create_app(
         on_first_token=metrics.first_token,
         on_finish=metrics.request_finished,
         on_tokens=metrics.tokens,
+        on_abort=metrics.request_aborted,
     )
 
     @contextlib.asynccontextmanager

@@ -211,6 +211,7 @@ class Sink:
         self.first_token_s: float | None = None  # seconds from submission to the first token
         self.t_last_token = 0.0
         self.num_tokens = 0  # generated, over all completions
+        self.completions = 1  # the request's n, once the engine accepted it
 
     def put(self, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the handler's loop is gone (shutdown)
@@ -249,6 +250,10 @@ class EngineRunner:
         generated (all completions).
       on_tokens: called when a request that already had tokens gets more, with the seconds
         since its previous ones and how many came (inter-token latency).
+      on_abort: called when a request ends without finishing (aborted: client gone, stall,
+        shutdown, ``abort``; or failed by an engine error), with the reason (``"abort"`` /
+        ``"error"``), its completions, seconds since submission, seconds to its first token
+        (None without one) and the tokens it generated.
     """
 
     def __init__(
@@ -262,6 +267,7 @@ class EngineRunner:
         on_first_token: Callable[[float], None] | None = None,
         on_finish: Callable[[RequestOutput, float, float | None, int], None] | None = None,
         on_tokens: Callable[[float, int], None] | None = None,
+        on_abort: Callable[[str, int, float, float | None, int], None] | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -284,6 +290,7 @@ class EngineRunner:
         self.on_first_token = on_first_token
         self.on_finish = on_finish
         self.on_tokens = on_tokens
+        self.on_abort = on_abort
         self._multihost = process_count() > 1 if multihost is None else multihost
 
     # -- called from handlers (any thread) ----------------------------------------------------
@@ -355,6 +362,20 @@ class EngineRunner:
         with self._cond:
             self._inflight -= k
 
+    def _ended(self, sink: Sink, params: SamplingParams | None, reason: str) -> None:
+        """A request ended without finishing: tell ``on_abort`` (metrics count every ending)."""
+        if self.on_abort is None:
+            return
+        completions = sink.completions if params is None else max(1, int(params.n or 1))
+        with contextlib.suppress(Exception):
+            self.on_abort(
+                reason,
+                completions,
+                time.monotonic() - sink.t_submit,
+                sink.first_token_s,
+                sink.num_tokens,
+            )
+
     def _refresh_stats(self, force: bool) -> None:
         now = time.monotonic()
         if not force and now - self._last_stats_t < self._stats_interval_s:
@@ -414,6 +435,7 @@ class EngineRunner:
         for sub in pending:
             if sub.request_id in aborts:
                 self._done()
+                self._ended(sub.sink, sub.params, "abort")
             else:
                 self._add(sub)
         if self._has_work():
@@ -479,6 +501,7 @@ class EngineRunner:
             sub.sink.put(Failed(503, "engine error", "engine_error"))
             self._done()
             return
+        sub.sink.completions = max(1, int(sub.params.n or 1))
         self._sinks[sub.request_id] = sub.sink
         sub.sink.put(ACCEPTED)
 
@@ -490,15 +513,19 @@ class EngineRunner:
             logger.exception("engine.abort(%r) failed", rid)
         if sink is not None:
             self._done()
+            self._ended(sink, None, "abort")
 
     def _fail_all(
         self, status: int, message: str, type_: str, pending: Sequence[Submission] = ()
     ) -> None:
+        reason = "abort" if type_ == "service_unavailable" else "error"  # shutdown: aborted
         for sub in pending:
             sub.sink.put(Failed(status, message, type_))
+            self._ended(sub.sink, sub.params, reason)
         self._done(len(pending))
         for rid, sink in list(self._sinks.items()):
             sink.put(Failed(status, message, type_))
+            self._ended(sink, None, reason)
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
         self._done(len(self._sinks))

@@ -1,4 +1,5 @@
-"""The tokenizer routes: ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes).
+"""The tokenizer routes: ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``
+(vLLM's shapes).
 
 ``/tokenize`` takes ``{"model"?, "prompt", "add_special_tokens"?}`` or ``{"model"?,
 "messages", "add_generation_prompt"?, "add_special_tokens"?}`` (and ``return_token_strs``)
@@ -7,7 +8,13 @@ with the tokenizer's special tokens unless ``add_special_tokens`` is false (vLLM
 and what ``/v1/completions`` feeds); messages render through the checkpoint's chat template
 (sandboxed, as the chat endpoint does) and, when ``add_special_tokens`` is not given, tokenize
 to exactly the ids ``/v1/chat/completions`` feeds the model. ``/detokenize`` takes
-``{"model"?, "tokens"}`` and answers ``{"prompt"}``.
+``{"model"?, "tokens"}`` and answers ``{"prompt"}`` (special tokens spelled, e.g. ``<bos>``).
+``/tokenizer_info`` answers what vLLM's does (the tokenizer's ``tokenizer_config.json``
+settings plus ``tokenizer_class``): ``bos_token``, ``eos_token``, ``pad_token`` as strings,
+``add_bos_token`` (true when a text prompt gets BOS first, as ``/v1/completions`` feeds it; a
+token-id prompt is fed as sent), ``model_max_length`` and the ``chat_template`` when the
+checkpoint has one. lm-eval's ``tokenizer_backend=remote`` reads it, then calls ``/tokenize``
+and ``/detokenize``.
 
 Both routes sit behind the same middleware as the others (API key, ``Host`` check, body
 limits); tokenizing runs in a worker thread, off the event loop. Undeclared fields are refused
@@ -28,7 +35,13 @@ from paxcache.server.convert import chat_prompt
 from paxcache.server.middleware import request_id
 from paxcache.server.protocol import APIError, ChatMessage, Text, shown
 
-__all__ = ["DetokenizeRequest", "TokenizeRequest", "router"]
+__all__ = [
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "TokenizerInfoResponse",
+    "router",
+    "tokenizer_info",
+]
 
 router = APIRouter()
 
@@ -122,3 +135,59 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         raise APIError(400, msg, param="tokens")
     text = await asyncio.to_thread(ctx.tokenizer.decode, body.tokens, skip_special_tokens=False)
     return JSONResponse({"prompt": text})
+
+
+class TokenizerInfoResponse(BaseModel):
+    """Body of ``GET /tokenizer_info``: ``tokenizer_class`` plus the tokenizer's settings."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _json_safe(value: Any) -> Any:
+    """A tokenizer_config.json value as JSON: token dicts (``{"content": ...}``) -> strings."""
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str) and ("special" in value or "__type" in value):
+            return value["content"]
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def tokenizer_info(tokenizer: Any, max_model_len: int | None) -> dict[str, Any]:
+    """What ``GET /tokenizer_info`` answers for ``tokenizer`` (see the module docstring)."""
+    config = getattr(tokenizer, "config", None)
+    info: dict[str, Any] = _json_safe(dict(config)) if isinstance(config, dict) else {}
+    info.pop("chat_template", None)  # below: the one the server renders
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast" if config else "")
+    if not info["tokenizer_class"]:
+        info["tokenizer_class"] = type(tokenizer).__name__
+    for name in _SPECIAL_NAMES:
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, str):
+            info[name] = value
+        else:
+            info.setdefault(name, None)
+    bos = tokenizer.bos_token_id
+    info["add_bos_token"] = bos is not None and tokenizer.encode("", True)[:1] == [bos]
+    info.setdefault("add_eos_token", False)
+    if max_model_len is not None:
+        info["model_max_length"] = max_model_len
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        info["chat_template"] = template
+    return info
+
+
+@router.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+async def get_tokenizer_info(request: Request) -> JSONResponse:
+    """The tokenizer's settings in vLLM's ``/tokenizer_info`` shape (see the module docstring)."""
+    ctx = _ctx(request)
+    info = await asyncio.to_thread(tokenizer_info, ctx.tokenizer, ctx.max_model_len)
+    return JSONResponse(info)
