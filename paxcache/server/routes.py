@@ -100,7 +100,8 @@ def create_app(
     app.state.runner = runner
     app.state.registry = metrics.registry
     app.state.limits = limits
-    install_middleware(app, limits, key_tenants(keys), allowed_hosts)
+    app.state.shutdown = app.state.ctx.shutdown  # scripts/serve.py's DrainingServer drives it
+    install_middleware(app, limits, key_tenants(keys), allowed_hosts, app.state.ctx.shutdown)
     install_error_handlers(app)
     app.include_router(service_router)
     app.include_router(completions.router)
@@ -174,6 +175,8 @@ service_router = APIRouter()
 async def health(request: Request) -> Response:
     """200 once the engine is warmed up and its thread runs; 503 with the reason otherwise."""
     runner = request.app.state.ctx.runner
+    if request.app.state.ctx.shutdown.draining:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
     if runner.ready.is_set() and runner.alive:
         return JSONResponse({"status": "ok"})
     if runner.warmup_error:
