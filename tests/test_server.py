@@ -554,7 +554,8 @@ def real():
     reason = _real_skip_reason()
     if reason:
         pytest.skip(reason)
-    server = ServerProcess(env={"PAXCACHE_API_KEY": API_KEY})  # the recommended form
+    # The recommended key form; a short shutdown timeout for the last test (SIGTERM).
+    server = ServerProcess("--shutdown-timeout", "3", env={"PAXCACHE_API_KEY": API_KEY})
     try:
         yield server
     finally:
@@ -712,27 +713,49 @@ def test_real_40_concurrent_streams_some_disconnect_then_nothing_held(real):
     assert vals["paxcache_requests_waiting"] == 0 and vals["paxcache_requests_swapped"] == 0
 
 
-def test_real_sigterm_finishes_inflight_request_and_exits_zero(real):
-    # The last test using ``real``: it shuts the module's server down. SIGTERM arrives while the
-    # request is in flight (accepted: the response headers are in); it still completes.
-    body = {
-        "prompt": "x",
-        "max_tokens": 64,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    with httpx.stream(
-        "POST", f"{real.base}/v1/completions", headers=real.headers(), timeout=60, json=body
-    ) as s:
-        assert s.status_code == 200
-        real.proc.send_signal(signal.SIGTERM)
-        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 64
-    assert json.loads(lines[-3][6:])["choices"][0]["finish_reason"] == "length"
+def test_real_sigterm_finishes_short_requests_aborts_long_ones_and_exits_zero(real):
+    # The last test using ``real``: it shuts the module's server down (--shutdown-timeout 3).
+    # SIGTERM arrives while five requests run: the short stream finishes while draining; the
+    # long ones are aborted by the server before the timeout ends, each with an answer.
+    from test_shutdown import (
+        LONG,
+        check_503_json,
+        check_aborted_stream,
+        post_completion,
+        read_stream,
+    )
+
+    headers = real.headers()
+    short = {**LONG, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
+    long = {**LONG, "max_tokens": 900}  # minutes on CPU
+    out: dict = {}
+    jobs = [(read_stream, short, "short"), (post_completion, long, "plain")]
+    jobs += [(read_stream, {**long, "stream": True}, f"s{i}") for i in range(3)]
+    workers = [threading.Thread(target=f, args=(real.base, b, out, k, headers)) for f, b, k in jobs]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 30
+    while _metric_values(httpx.get(f"{real.base}/metrics", headers=headers).text).get(
+        "paxcache_requests_running", 0
+    ) < len(jobs):
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.05)
+    t_signal = time.monotonic()
+    real.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = httpx.post(f"{real.base}/v1/completions", json={"prompt": "x"}, headers=headers)
+    check_503_json(late)  # draining: the socket still answers
+    for w in workers:
+        w.join(30)
+    assert time.monotonic() - t_signal < 3 + 0.5, out  # every answer within the timeout
     assert real.proc.wait(60) == 0, real.output
+    status, lines = out["short"]
+    assert status == 200 and lines[-1] == "[DONE]", lines[-3:]
+    assert json.loads(lines[-2])["usage"]["completion_tokens"] == 64
+    assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "length"
+    for i in range(3):
+        check_aborted_stream(*out[f"s{i}"])
+    check_503_json(out["plain"])
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{real.base}/health", timeout=2)
 
