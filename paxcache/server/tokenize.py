@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from paxcache.server.context import ServerContext
 from paxcache.server.convert import chat_prompt
 from paxcache.server.middleware import request_id
+from paxcache.server.openapi import DetokenizeResponse, TokenizeResponse, responses
 from paxcache.server.protocol import APIError, ChatMessage, Text, shown
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "router"]
@@ -74,7 +75,7 @@ def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=None, responses=responses(400, 404, ok=TokenizeResponse))
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     """Token ids of a prompt or of a rendered chat (see the module docstring)."""
     ctx = _ctx(request)
@@ -110,7 +111,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     return JSONResponse(out)
 
 
-@router.post("/detokenize")
+@router.post(
+    "/detokenize", response_model=None, responses=responses(400, 404, ok=DetokenizeResponse)
+)
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     """The text of token ids (every id inside the vocabulary, else 400 naming it)."""
     ctx = _ctx(request)
