@@ -7,12 +7,13 @@ document says (no 422, errors as OpenAI's, /metrics as text, streams as SSE), ``
 
 from __future__ import annotations
 
-import time
+from collections import Counter
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -48,12 +49,20 @@ def _fuzz(base: str, max_examples: int) -> None:
     operation's first failing case."""
     live_schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     failures = []
-    timings: dict[str, float] = {}
+    statuses: dict[str, Counter] = {}
     for result in live_schema.get_all_operations():
         operation = result.ok()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        examples = live_schema.get_strategies_from_examples(operation)  # the documented ones
+        strategies = {
+            "examples": st.one_of(examples) if examples else None,
+            "positive": operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
+            "negative": operation.as_strategy(generation_mode=GenerationMode.NEGATIVE),
+        }
+        for mode, strategy in strategies.items():
+            if strategy is None:
+                continue
 
-            @given(case=operation.as_strategy(generation_mode=mode))
+            @given(case=strategy)
             @settings(
                 max_examples=max_examples,
                 deadline=None,
@@ -63,18 +72,21 @@ def _fuzz(base: str, max_examples: int) -> None:
                 phases=[Phase.explicit, Phase.generate],
             )
             def run(case) -> None:
-                case.call_and_validate(checks=CHECKS, timeout=30)
+                response = case.call_and_validate(checks=CHECKS, timeout=30)
+                statuses.setdefault(case.operation.label, Counter())[response.status_code] += 1
 
-            t0 = time.monotonic()
             try:
                 run()
             except Unsatisfiable:  # no parameter or body that can be made invalid
-                assert mode is GenerationMode.NEGATIVE, operation.label
-            except Exception as e:  # noqa: BLE001 - collect them all, then fail once
-                failures.append(f"{operation.label} ({mode.value}): {e}")
-            timings[f"{operation.label} {mode.value}"] = time.monotonic() - t0
-    print({k: round(v, 1) for k, v in timings.items()})
+                assert mode == "negative", operation.label
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - failures are exception groups; collect
+                failures.append(f"{operation.label} ({mode}): {e}")
     assert not failures, "\n\n".join(failures)
+    # The body checks were not vacuous: every route answered a 200 (its documented examples).
+    missing = [label for label, seen in statuses.items() if 200 not in seen]
+    assert missing == ["GET /v1/models/{model_id}"], statuses
 
 
 def test_every_answer_matches_the_openapi_schema(live):

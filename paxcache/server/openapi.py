@@ -202,7 +202,22 @@ _REQUEST_ID = {
         "schema": {"type": "string"},
     }
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event (OpenAPI 3.1: the schema of each event)",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "A chunk as JSON (`choices` with `delta` / `text` and "
+            "`finish_reason`; with `stream_options.include_usage`, a last chunk with `usage`), "
+            "or an ErrorResponse as JSON when the request fails mid-stream; the last event is "
+            "`[DONE]`",
+        },
+        "event": {"type": "string"},
+    },
+}
+_SSE = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def responses(

@@ -298,6 +298,18 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions`` (OpenAI legacy completions)."""
 
+    model_config = ConfigDict(
+        strict=True,
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0},
+                {"prompt": ["Hello", "Hi"], "max_tokens": 4, "n": 2, "logprobs": 1, "seed": 7},
+                {"prompt": "Hello", "max_tokens": 4, "stream": True},
+            ]
+        },
+    )
+
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # 0: echo only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -338,6 +350,24 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+                {
+                    "messages": [{"role": "user", "content": "Hello"}],
+                    "max_tokens": 4,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ]
+        },
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)

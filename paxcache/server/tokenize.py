@@ -43,6 +43,17 @@ class _Strict(BaseModel):
 class TokenizeRequest(_Strict):
     """Body of ``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
 
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"prompt": "Hello", "return_token_strs": True},
+                {"messages": [{"role": "user", "content": "Hello"}]},
+            ]
+        },
+    )
+
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -59,6 +70,10 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     """Body of ``POST /detokenize``."""
+
+    model_config = ConfigDict(
+        strict=True, extra="forbid", json_schema_extra={"examples": [{"tokens": [72, 105]}]}
+    )
 
     model: Text | None = None
     tokens: list[int]
