@@ -715,49 +715,10 @@ def test_real_40_concurrent_streams_some_disconnect_then_nothing_held(real):
 
 def test_real_sigterm_finishes_short_requests_aborts_long_ones_and_exits_zero(real):
     # The last test using ``real``: it shuts the module's server down (--shutdown-timeout 3).
-    # SIGTERM arrives while five requests run: the short stream finishes while draining; the
-    # long ones are aborted by the server before the timeout ends, each with an answer.
-    from test_shutdown import (
-        LONG,
-        check_503_json,
-        check_aborted_stream,
-        post_completion,
-        read_stream,
-    )
+    # The scenario and its checks are in tests/test_shutdown.py.
+    from test_shutdown import check_real_sigterm
 
-    headers = real.headers()
-    short = {**LONG, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
-    long = {**LONG, "max_tokens": 900}  # minutes on CPU
-    out: dict = {}
-    jobs = [(read_stream, short, "short"), (post_completion, long, "plain")]
-    jobs += [(read_stream, {**long, "stream": True}, f"s{i}") for i in range(3)]
-    workers = [threading.Thread(target=f, args=(real.base, b, out, k, headers)) for f, b, k in jobs]
-    for w in workers:
-        w.start()
-    deadline = time.monotonic() + 30
-    while _metric_values(httpx.get(f"{real.base}/metrics", headers=headers).text).get(
-        "paxcache_requests_running", 0
-    ) < len(jobs):
-        assert time.monotonic() < deadline, "the requests did not start"
-        time.sleep(0.05)
-    t_signal = time.monotonic()
-    real.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    late = httpx.post(f"{real.base}/v1/completions", json={"prompt": "x"}, headers=headers)
-    check_503_json(late)  # draining: the socket still answers
-    for w in workers:
-        w.join(30)
-    assert time.monotonic() - t_signal < 3 + 0.5, out  # every answer within the timeout
-    assert real.proc.wait(60) == 0, real.output
-    status, lines = out["short"]
-    assert status == 200 and lines[-1] == "[DONE]", lines[-3:]
-    assert json.loads(lines[-2])["usage"]["completion_tokens"] == 64
-    assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "length"
-    for i in range(3):
-        check_aborted_stream(*out[f"s{i}"])
-    check_503_json(out["plain"])
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{real.base}/health", timeout=2)
+    check_real_sigterm(real, shutdown_timeout_s=3)
 
 
 def test_completions_that_finish_at_different_steps_are_all_reported():

@@ -14,8 +14,9 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
-from server_harness import FakeEngine, free_port
+from server_harness import FakeEngine, free_port, metric_values
 
 from paxcache.server import create_app
 from paxcache.server.shutdown import DrainingServer
@@ -123,3 +124,45 @@ def test_shutdown_drains_then_aborts_streams_and_requests_before_the_timeout():
     assert reasons == {0: "abort", 1: "abort"}  # both choices of n=2 end
     check_503_json(out["plain"])
     assert len(engine.aborted) == 3 and not engine.reqs  # through the engine's abort path
+
+
+def check_real_sigterm(real, shutdown_timeout_s: float) -> None:
+    """SIGTERM while five requests run on ``real`` (tests/test_server.py's ``ServerProcess``,
+    started with ``--shutdown-timeout``): the short stream finishes while draining; the long
+    ones are aborted by the server before the timeout ends, each with an answer; a request
+    after the signal gets a 503; the process exits 0."""
+    headers = real.headers()
+    short = {**LONG, "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
+    long = {**LONG, "max_tokens": 900}  # minutes on CPU
+    out: dict = {}
+    jobs = [(read_stream, short, "short"), (post_completion, long, "plain")]
+    jobs += [(read_stream, {**long, "stream": True}, f"s{i}") for i in range(3)]
+    workers = [threading.Thread(target=f, args=(real.base, b, out, k, headers)) for f, b, k in jobs]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 30
+    while metric_values(httpx.get(f"{real.base}/metrics", headers=headers).text).get(
+        "paxcache_requests_running", 0
+    ) < len(jobs):
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.05)
+    t_signal = time.monotonic()
+    real.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = httpx.post(f"{real.base}/v1/completions", json={"prompt": "x"}, headers=headers)
+    check_503_json(late)  # draining: the socket still answers
+    for w in workers:
+        w.join(30)
+    assert time.monotonic() - t_signal < shutdown_timeout_s + 0.5, (
+        out
+    )  # every answer within the timeout
+    assert real.proc.wait(60) == 0, real.output
+    status, lines = out["short"]
+    assert status == 200 and lines[-1] == "[DONE]", lines[-3:]
+    assert json.loads(lines[-2])["usage"]["completion_tokens"] == 64
+    assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "length"
+    for i in range(3):
+        check_aborted_stream(*out[f"s{i}"])
+    check_503_json(out["plain"])
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{real.base}/health", timeout=2)
