@@ -67,7 +67,8 @@ def create_app(
 
     Returns:
       The FastAPI app; ``app.state.runner`` is its ``EngineRunner``, ``app.state.limits``
-      its limits, ``app.state.ctx`` the state its handlers share.
+      its limits, ``app.state.ctx`` the state its handlers share, ``app.state.shutdown`` the
+      :class:`paxcache.server.shutdown.ShutdownGate` a ``DrainingServer`` drives.
 
     Raises:
       ValueError: an empty or padded API key, or an invalid limit.
