@@ -7,13 +7,14 @@ events when ``"stream": true``, ending in ``data: [DONE]``), ``POST /tokenize`` 
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code", "request_id"}}``:
 400 for bad input (FastAPI's 422 is turned into 400; every limit names itself; a missing or
-non-JSON body says so), 401 for a
-missing/wrong API key, 404 for an unknown model, 408 for a body that does not arrive in time,
-413 for a body over the size limit, 429 when the server or the caller's tenant has too many
-requests in flight, 500 for an internal error, 503 while shutting down or when the engine
-failed; 405 names the ``Allow``-ed methods. ``/openapi.json`` lists each route's bodies and
-these statuses (:mod:`~paxcache.server.openapi`). SIGTERM drains, then aborts what is left
-before the shutdown timeout (:mod:`~paxcache.server.shutdown`). Every response carries an ``x-request-id`` header; the server logs failures with that
+non-JSON body says so), 401 for a missing/wrong API key, 404 for an unknown model, 405 with
+``Allow`` for a wrong method, 408 for a body that does not arrive in time, 413 for a body over
+the size limit, 429 when the server or the caller's tenant has too many requests in flight,
+500 for an internal error, 503 while shutting down or when the engine failed.
+``/openapi.json`` lists each route's bodies and these statuses
+(:mod:`~paxcache.server.openapi`). SIGTERM drains, then aborts what is left before the
+shutdown timeout (:mod:`~paxcache.server.shutdown`). Every response carries an
+``x-request-id`` header; the server logs failures with that
 id, and clients never see exception text or paths. A request field the server does not honour
 is refused, never silently dropped (:mod:`~paxcache.server.fields` holds the table; unknown
 non-OpenAI fields are ignored with one warning per name). Extensions beyond OpenAI's fields
