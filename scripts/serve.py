@@ -20,8 +20,10 @@ compiles every shape bucket (one log line each) before /health reports ready. Co
 are kept in JAX's persistent compilation cache (``--compile-cache DIR``, default
 ``$XDG_CACHE_HOME/paxcache/jax`` i.e. ``~/.cache/paxcache/jax``; ``--no-compile-cache`` turns
 it off), so a restart with the same model and flags loads them instead of compiling.
-SIGINT/SIGTERM stop accepting connections, let in-flight requests finish (up to
-``--shutdown-timeout`` seconds) and exit 0.
+SIGINT/SIGTERM drain (``paxcache.server.shutdown``): new requests get a 503 (the socket stays
+open), in-flight requests may finish until shortly before ``--shutdown-timeout`` seconds, then
+the server aborts the rest itself (streams end with ``finish_reason: "abort"``, an error event
+and ``[DONE]``; other requests get a JSON 503) and exits 0.
 
 Multi-host (one process per host, e.g. a TPU pod slice): start the same command with
 ``--multihost`` on every host (plus ``--coordinator-address/--num-processes/--process-id``
@@ -151,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds to let in-flight requests finish on SIGINT/SIGTERM",
+        help="on SIGINT/SIGTERM: seconds until the server has ended; in-flight requests may "
+        "finish until min(1, T/4) s before, then are aborted (new ones get 503 meanwhile)",
     )
     p.add_argument(
         "--multihost",
@@ -371,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     from paxcache.engine import Engine
     from paxcache.multihost import run_follower
     from paxcache.server import ServerLimits, create_app
+    from paxcache.server.shutdown import DrainingServer
 
     platform = jax.devices()[0].platform
     dtype_name = args.dtype
@@ -407,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"paxcache: {e}", file=sys.stderr)
         return 2
+    if args.shutdown_timeout < 0:
+        print("paxcache: --shutdown-timeout must be >= 0 seconds", file=sys.stderr)
+        return 2
     app = create_app(
         engine,
         api_key=keys,
@@ -427,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     config = uvicorn.Config(app, **uvicorn_config_kwargs(args))
-    server = uvicorn.Server(config)
-    # uvicorn handles SIGINT/SIGTERM gracefully, then re-raises the signal under the handlers
-    # that were installed before it started; make those no-ops so a graceful stop exits 0.
+    server = DrainingServer(config, app.state.shutdown, args.shutdown_timeout)
+    # The server drains on SIGINT/SIGTERM, then re-raises the signal under the handlers that
+    # were installed before it started (as uvicorn does); make those no-ops: a stop exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()

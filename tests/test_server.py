@@ -554,7 +554,8 @@ def real():
     reason = _real_skip_reason()
     if reason:
         pytest.skip(reason)
-    server = ServerProcess(env={"PAXCACHE_API_KEY": API_KEY})  # the recommended form
+    # The recommended key form; a short shutdown timeout for the last test (SIGTERM).
+    server = ServerProcess("--shutdown-timeout", "3", env={"PAXCACHE_API_KEY": API_KEY})
     try:
         yield server
     finally:
@@ -712,29 +713,12 @@ def test_real_40_concurrent_streams_some_disconnect_then_nothing_held(real):
     assert vals["paxcache_requests_waiting"] == 0 and vals["paxcache_requests_swapped"] == 0
 
 
-def test_real_sigterm_finishes_inflight_request_and_exits_zero(real):
-    # The last test using ``real``: it shuts the module's server down. SIGTERM arrives while the
-    # request is in flight (accepted: the response headers are in); it still completes.
-    body = {
-        "prompt": "x",
-        "max_tokens": 64,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    with httpx.stream(
-        "POST", f"{real.base}/v1/completions", headers=real.headers(), timeout=60, json=body
-    ) as s:
-        assert s.status_code == 200
-        real.proc.send_signal(signal.SIGTERM)
-        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 64
-    assert json.loads(lines[-3][6:])["choices"][0]["finish_reason"] == "length"
-    assert real.proc.wait(60) == 0, real.output
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{real.base}/health", timeout=2)
+def test_real_sigterm_finishes_short_requests_aborts_long_ones_and_exits_zero(real):
+    # The last test using ``real``: it shuts the module's server down (--shutdown-timeout 3).
+    # The scenario and its checks are in tests/test_shutdown.py.
+    from test_shutdown import check_real_sigterm
+
+    check_real_sigterm(real, shutdown_timeout_s=3)
 
 
 def test_completions_that_finish_at_different_steps_are_all_reported():

@@ -6,11 +6,15 @@ events when ``"stream": true``, ending in ``data: [DONE]``), ``POST /tokenize`` 
 (503 until the engine is warmed up), ``GET /metrics`` (Prometheus text).
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code", "request_id"}}``:
-400 for bad input (FastAPI's 422 is turned into 400; every limit names itself), 401 for a
-missing/wrong API key, 404 for an unknown model, 408 for a body that does not arrive in time,
-413 for a body over the size limit, 429 when the server or the caller's tenant has too many
-requests in flight, 500 for an internal error, 503 while shutting down or when the engine
-failed. Every response carries an ``x-request-id`` header; the server logs failures with that
+400 for bad input (FastAPI's 422 is turned into 400; every limit names itself; a missing or
+non-JSON body says so), 401 for a missing/wrong API key, 404 for an unknown model, 405 with
+``Allow`` for a wrong method, 408 for a body that does not arrive in time, 413 for a body over
+the size limit, 429 when the server or the caller's tenant has too many requests in flight,
+500 for an internal error, 503 while shutting down or when the engine failed.
+``/openapi.json`` lists each route's bodies and these statuses
+(:mod:`~paxcache.server.openapi`). SIGTERM drains, then aborts what is left before the
+shutdown timeout (:mod:`~paxcache.server.shutdown`). Every response carries an
+``x-request-id`` header; the server logs failures with that
 id, and clients never see exception text or paths. A request field the server does not honour
 is refused, never silently dropped (:mod:`~paxcache.server.fields` holds the table; unknown
 non-OpenAI fields are ignored with one warning per name). Extensions beyond OpenAI's fields
@@ -39,6 +43,8 @@ Modules (one job each; the import rules are in ARCHITECTURE.md):
 * :mod:`~paxcache.server.middleware`, :mod:`~paxcache.server.tenants`: request ids, API keys
   and the ``Host`` check, body limits; tenants, their cache salts and in-flight limits.
 * :mod:`~paxcache.server.metrics`: the Prometheus collector and the server's own metrics.
+* :mod:`~paxcache.server.shutdown`: the SIGTERM drain (``DrainingServer``);
+  :mod:`~paxcache.server.openapi`: the OpenAPI document.
 
 Security (the threat model is in SECURITY.md): authentication runs before the body is read;
 every limit of :class:`ServerLimits` answers a 400 or 429 naming it; each API key is a tenant

@@ -41,6 +41,7 @@ from paxcache.server.echo import (
 )
 from paxcache.server.fields import check_fields
 from paxcache.server.middleware import request_id
+from paxcache.server.openapi import ChatCompletionResponse, CompletionResponse, responses
 from paxcache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from paxcache.server.runner import Progress
 from paxcache.server.structured import (
@@ -75,7 +76,11 @@ async def _prompt_ids(ctx: ServerContext, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses=responses(400, 404, 429, 503, ok=CompletionResponse, stream=True),
+)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     ctx.check_model(body.model)
@@ -178,7 +183,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return JSONResponse({**head, "choices": choices, "usage": use, "system_fingerprint": None})
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=responses(400, 404, 429, 503, ok=ChatCompletionResponse, stream=True),
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
     ctx.check_model(body.model)

@@ -23,6 +23,7 @@ from paxcache.sampling import SamplingParams
 from paxcache.server.metrics import ServerMetrics
 from paxcache.server.protocol import APIError, ServerLimits, shown
 from paxcache.server.runner import EngineRunner, Exchange, Progress, Sink, Submission, fold
+from paxcache.server.shutdown import ShutdownGate
 from paxcache.server.streaming import ChunkFn, EventStream, stream_events
 from paxcache.server.tenants import TenantSlots, tenant_salt
 
@@ -46,6 +47,7 @@ class ServerContext:
       tokenizer: the engine's tokenizer (None: token-id prompts only, no chat).
       vocab_size: the model's vocabulary size (None: unknown).
       created: the ``created`` time of the model card.
+      shutdown: the shutdown state (draining, and the requests a shutdown must end).
     """
 
     runner: EngineRunner
@@ -58,6 +60,7 @@ class ServerContext:
     tokenizer: Any
     vocab_size: int | None
     created: int
+    shutdown: ShutdownGate
 
     @classmethod
     def create(
@@ -84,6 +87,7 @@ class ServerContext:
             vocab_size=getattr(model_cfg, "vocab_size", None)
             or getattr(tokenizer, "vocab_size", None),
             created=int(time.time()),
+            shutdown=ShutdownGate(),
         )
 
     # -- checks ----------------------------------------------------------------------------------
@@ -173,15 +177,18 @@ class ServerContext:
             Submission(rid, p, params, Sink(exchange, i), salt)
             for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
         ]
+        self.shutdown.track(exchange)  # 503 once a shutdown is aborting what runs
         try:
             self.runner.submit(subs)
         except APIError as e:
+            self.shutdown.untrack(exchange)
             if e.status == 429:
                 self.metrics.rejected.inc()
             raise
         try:
             await exchange.wait_accepted()
         except BaseException:
+            self.shutdown.untrack(exchange)
             self.runner.abort(ids)
             raise
         return base, ids, exchange
@@ -212,6 +219,7 @@ class ServerContext:
             raise
         finally:
             watcher.cancel()
+            self.shutdown.untrack(exchange)
         return results
 
     def stream(
@@ -232,6 +240,7 @@ class ServerContext:
             # The client left before the first event: the generator never ran, so abort here.
             if not exchange.streaming:
                 self.runner.abort(ids)
+            self.shutdown.untrack(exchange)
             release()
 
         events = stream_events(

@@ -2,8 +2,9 @@
 
 * :class:`RequestContextMiddleware` gives every request an id (``x-request-id`` on every
   response, ``request_id`` in error bodies, in the logs), checks the ``Host`` header when
-  ``allowed_hosts`` is set (DNS rebinding), and turns any exception that escapes the app into
-  a logged 500 without details.
+  ``allowed_hosts`` is set (DNS rebinding), answers 503 while the server drains for a shutdown
+  (:mod:`paxcache.server.shutdown`), and turns any exception that escapes the app into a
+  logged 500 without details.
 * :class:`AuthMiddleware`: with API keys, every route but ``/health`` needs
   ``Authorization: Bearer KEY`` (``/metrics``, ``/docs`` and ``/openapi.json`` too), checked
   *before* the body is read. It records the caller's tenant in the request state.
@@ -59,22 +60,34 @@ def _header(scope: dict, name: bytes) -> bytes | None:
     return value
 
 
-async def send_error(send: Any, scope: dict, err: APIError) -> None:
+async def send_error(
+    send: Any, scope: dict, err: APIError, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     """Answers ``err`` directly from middleware (no request body is read)."""
     body = json.dumps(err.body(request_id(scope)), ensure_ascii=True).encode("ascii")
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     if err.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    headers.extend(extra_headers)
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class RequestContextMiddleware:
-    """Request ids, the ``Host`` check, and a logged 500 for anything that escapes the app."""
+    """Request ids, the ``Host`` check, the shutdown drain, and a logged 500 for anything that
+    escapes the app.
 
-    def __init__(self, app: Any, allowed_hosts: frozenset[str] | None) -> None:
+    Args:
+      app: the ASGI app.
+      allowed_hosts: the ``Host`` values accepted (None: any).
+      gate: the shutdown state (a :class:`paxcache.server.shutdown.ShutdownGate`: its
+        ``refuses(path)`` and ``refusal()``; ``active`` counts the requests being handled).
+    """
+
+    def __init__(self, app: Any, allowed_hosts: frozenset[str] | None, gate: Any = None) -> None:
         self.app = app
         self.allowed_hosts = allowed_hosts
+        self.gate = gate
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -100,12 +113,22 @@ class RequestContextMiddleware:
                 APIError(400, "invalid Host header (not in --allowed-hosts)", code="invalid_host"),
             )
             return
+        gate = self.gate
+        if gate is not None and gate.refuses(scope["path"]):
+            closing = [(b"connection", b"close"), (b"retry-after", b"1")]
+            await send_error(send_with_id, scope, gate.refusal(), closing)
+            return
+        if gate is not None:
+            gate.active += 1
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:  # noqa: BLE001 - never a traceback to the client
             logger.exception("request %s (%s %s) failed", rid, scope.get("method"), scope["path"])
             if not started:
                 await send_error(send_with_id, scope, internal_error())
+        finally:
+            if gate is not None:
+                gate.active -= 1
 
     def _host_ok(self, scope: dict) -> bool:
         raw = _header(scope, b"host")
@@ -249,8 +272,10 @@ def install_middleware(
     limits: ServerLimits,
     tenants_by_key: Mapping[str, str],
     allowed_hosts: Sequence[str] | None,
+    gate: Any = None,
 ) -> None:
-    """Adds the three middlewares to ``app`` (the request context outermost)."""
+    """Adds the three middlewares to ``app`` (the request context outermost; ``gate``: the
+    shutdown state it drains with)."""
     # Added innermost first: the request context wraps auth, which wraps the body limits.
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s
@@ -259,4 +284,5 @@ def install_middleware(
     app.add_middleware(
         RequestContextMiddleware,
         allowed_hosts=frozenset(h.lower() for h in allowed_hosts) if allowed_hosts else None,
+        gate=gate,
     )

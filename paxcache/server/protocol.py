@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from paxcache.sampling import MAX_LOGPROBS, MAX_N
 
@@ -257,7 +257,7 @@ class FunctionCall(_Strict):
 class ToolCall(_Strict):
     """A tool call of an earlier assistant message (sent back with the conversation)."""
 
-    id: Text
+    id: Text = Field(min_length=1)
     type: Literal["function"]
     function: FunctionCall
 
@@ -298,6 +298,18 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     """Body of ``POST /v1/completions`` (OpenAI legacy completions)."""
 
+    model_config = ConfigDict(
+        strict=True,
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0},
+                {"prompt": ["Hello", "Hi"], "max_tokens": 4, "n": 2, "logprobs": 1, "seed": 7},
+                {"prompt": "Hello", "max_tokens": 4, "stream": True},
+            ]
+        },
+    )
+
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # 0: echo only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -312,15 +324,50 @@ class TextContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    """One chat message, checked as OpenAI checks it: a ``tool`` message answers a call
+    (``tool_call_id``, ``content``); only an ``assistant`` message carries ``tool_calls``
+    (then ``content`` may be null); the other roles need ``content``."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
 
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        role = self.role
+        if role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs 'tool_call_id' (the call it answers)")
+        if role != "tool" and self.tool_call_id is not None:
+            raise ValueError(f"'tool_call_id' belongs to 'tool' messages, not '{role}'")
+        if role != "assistant" and self.tool_calls is not None:
+            raise ValueError(f"'tool_calls' belongs to 'assistant' messages, not '{role}'")
+        if self.content is None and not (role == "assistant" and self.tool_calls):
+            raise ValueError(f"a '{role}' message needs 'content'")
+        return self
+
 
 class ChatCompletionRequest(SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+                {
+                    "messages": [{"role": "user", "content": "Hello"}],
+                    "max_tokens": 4,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ]
+        },
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
@@ -329,3 +376,16 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_answers(self) -> ChatCompletionRequest:
+        """Each ``tool`` message answers a call an earlier assistant message made."""
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):
+            called.update(c.id for c in m.tool_calls or ())
+            if m.role == "tool" and m.tool_call_id not in called:
+                raise ValueError(
+                    f"messages[{i}]: a 'tool' message must answer a preceding assistant "
+                    f"'tool_calls' entry; no call has id '{shown(m.tool_call_id or '')}'"
+                )
+        return self

@@ -26,6 +26,7 @@ from paxcache.server import completions, tokenize
 from paxcache.server.context import ServerContext
 from paxcache.server.metrics import CONTENT_TYPE, ServerMetrics
 from paxcache.server.middleware import install_middleware, request_id
+from paxcache.server.openapi import HealthResponse, ModelCard, ModelList, install_openapi, responses
 from paxcache.server.protocol import STATUS_TYPES, APIError, ServerLimits, shown
 from paxcache.server.runner import EngineRunner
 from paxcache.server.tenants import api_keys, key_tenants
@@ -66,7 +67,8 @@ def create_app(
 
     Returns:
       The FastAPI app; ``app.state.runner`` is its ``EngineRunner``, ``app.state.limits``
-      its limits, ``app.state.ctx`` the state its handlers share.
+      its limits, ``app.state.ctx`` the state its handlers share, ``app.state.shutdown`` the
+      :class:`paxcache.server.shutdown.ShutdownGate` a ``DrainingServer`` drives.
 
     Raises:
       ValueError: an empty or padded API key, or an invalid limit.
@@ -101,11 +103,13 @@ def create_app(
     app.state.runner = runner
     app.state.registry = metrics.registry
     app.state.limits = limits
-    install_middleware(app, limits, key_tenants(keys), allowed_hosts)
+    app.state.shutdown = app.state.ctx.shutdown  # scripts/serve.py's DrainingServer drives it
+    install_middleware(app, limits, key_tenants(keys), allowed_hosts, app.state.ctx.shutdown)
     install_error_handlers(app)
     app.include_router(service_router)
     app.include_router(completions.router)
     app.include_router(tokenize.router)
+    install_openapi(app, keyed=bool(keys))
     return app
 
 
@@ -131,9 +135,14 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     path = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int")]
     param = ".".join(path) or None
     kind = e.get("type")
+    if not path and kind in ("model_attributes_type", "dict_type", "model_type"):
+        msg = _not_a_json_object(request)
+        return APIError(400, msg).response(rid)
     if kind == "json_invalid":
         msg = "malformed JSON body"
         param = None
+    elif kind == "missing" and param is None:
+        msg = "missing request body: send a JSON object with 'Content-Type: application/json'"
     elif kind == "missing":
         msg = f"missing required field '{param}'"
     elif kind == "extra_forbidden":
@@ -142,15 +151,30 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         msg = f"invalid request body: {e.get('msg')}"
     else:
         msg = f"invalid value for '{shown(param)}': {e.get('msg')}"
+    msg = msg.replace(": Value error, ", ": ")  # pydantic's prefix on a validator's message
     return APIError(400, msg, param=param).response(rid)
 
 
+def _not_a_json_object(request: Request) -> str:
+    """The 400 message of a body that is not a JSON object (often: a wrong content type)."""
+    ctype = request.headers.get("content-type")
+    media = (ctype or "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        got = f"got '{shown(ctype)}'" if ctype else "no Content-Type header"
+        return f"the request body must be JSON sent with 'Content-Type: application/json' ({got})"
+    return "the request body must be a JSON object"
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return APIError(
+    """Starlette's errors (404 unknown route, 405 with its ``Allow`` header) as OpenAI's."""
+    response = APIError(
         exc.status_code,
         str(exc.detail),
         type=STATUS_TYPES.get(exc.status_code, "api_error"),
     ).response(request_id(request))
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
 
 
 async def _unicode_error(request: Request, exc: UnicodeError) -> JSONResponse:
@@ -171,10 +195,19 @@ def install_error_handlers(app: FastAPI) -> None:
 service_router = APIRouter()
 
 
-@service_router.get("/health")
+@service_router.get(
+    "/health",
+    response_model=None,
+    responses={
+        200: {"model": HealthResponse, "description": "Ready"},
+        503: {"model": HealthResponse, "description": "Warming up, failed or shutting down"},
+    },
+)
 async def health(request: Request) -> Response:
     """200 once the engine is warmed up and its thread runs; 503 with the reason otherwise."""
     runner = request.app.state.ctx.runner
+    if request.app.state.ctx.shutdown.draining:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
     if runner.ready.is_set() and runner.alive:
         return JSONResponse({"status": "ok"})
     if runner.warmup_error:
@@ -184,18 +217,29 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "warming up"}, status_code=503)
 
 
-@service_router.get("/metrics")
+@service_router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
     return Response(request.app.state.ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@service_router.get("/v1/models")
+@service_router.get("/v1/models", response_model=None, responses=responses(ok=ModelList))
 async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [request.app.state.ctx.model_card()]}
 
 
-@service_router.get("/v1/models/{model_id:path}")
+@service_router.get(
+    "/v1/models/{model_id:path}", response_model=None, responses=responses(404, ok=ModelCard)
+)
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     ctx: ServerContext = request.app.state.ctx
     ctx.check_model(model_id)

@@ -171,6 +171,18 @@ class Exchange:
         self.disconnected = True
         self.changed.set()
 
+    def shut_down(self, failure: Failed) -> bool:
+        """The server ends this request (shutdown): wakes the handler with ``failure`` (a
+        refusal while some engine request is not yet accepted). Returns whether it was still
+        waiting on the engine."""
+        waiting = not (self.disconnected or self.failure or self.refusal)
+        if len(self.accepted) < self.num:
+            self.refusal = self.refusal or failure
+        else:
+            self.failure = self.failure or failure
+        self.changed.set()
+        return waiting
+
     def deliver(self, tag: int, event: Any) -> None:  # on the event loop
         if event is ACCEPTED:
             self.accepted.add(tag)

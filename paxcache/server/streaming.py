@@ -2,7 +2,9 @@
 
 :func:`stream_events` turns an :class:`paxcache.server.runner.Exchange` into the SSE chunks of
 one response (ending in ``data: [DONE]``), and aborts the engine requests that are still
-running when it ends early (client gone, stalled, failure). :class:`EventStream` sends them:
+running when it ends early (client gone, stalled, failure). On a failure (engine error,
+shutdown) each unfinished choice gets a last chunk with ``finish_reason: "abort"`` (vLLM's
+value), then the error event and ``[DONE]``. :class:`EventStream` sends them:
 each send must complete within ``stream_stall_timeout_s``, so a client that stops reading is
 dropped and its KV blocks freed.
 """
@@ -63,9 +65,6 @@ async def stream_events(
             got, failure = await exchange.take()
             if exchange.disconnected:
                 return
-            if failure is not None:
-                yield sse(failure.error().body())
-                break
             for tag, prog in got.items():
                 if on_progress is not None:
                     on_progress(tag, prog)
@@ -81,6 +80,13 @@ async def stream_events(
                 err = request_error(totals[tag]) if prog.finished else None
                 if err is not None:
                     yield sse(err.body())
+            if failure is not None and not all(t.finished for t in totals):
+                # Engine error or shutdown: every choice still open ends, then the error.
+                for idx in range(len(ids) * n):
+                    if idx not in reported:
+                        yield sse(make_chunk(idx, "", "abort", None))
+                yield sse(failure.error().body())
+                break
         else:
             if usage_chunk is not None:
                 yield sse(usage_chunk(usage(totals)))

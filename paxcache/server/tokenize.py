@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from paxcache.server.context import ServerContext
 from paxcache.server.convert import chat_prompt
 from paxcache.server.middleware import request_id
+from paxcache.server.openapi import DetokenizeResponse, TokenizeResponse, responses
 from paxcache.server.protocol import APIError, ChatMessage, Text, shown
 
 __all__ = [
@@ -55,6 +56,17 @@ class _Strict(BaseModel):
 class TokenizeRequest(_Strict):
     """Body of ``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
 
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"prompt": "Hello", "return_token_strs": True},
+                {"messages": [{"role": "user", "content": "Hello"}]},
+            ]
+        },
+    )
+
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -72,6 +84,10 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     """Body of ``POST /detokenize``."""
 
+    model_config = ConfigDict(
+        strict=True, extra="forbid", json_schema_extra={"examples": [{"tokens": [72, 105]}]}
+    )
+
     model: Text | None = None
     tokens: list[int]
 
@@ -87,7 +103,7 @@ def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=None, responses=responses(400, 404, ok=TokenizeResponse))
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     """Token ids of a prompt or of a rendered chat (see the module docstring)."""
     ctx = _ctx(request)
@@ -123,7 +139,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     return JSONResponse(out)
 
 
-@router.post("/detokenize")
+@router.post(
+    "/detokenize", response_model=None, responses=responses(400, 404, ok=DetokenizeResponse)
+)
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     """The text of token ids (every id inside the vocabulary, else 400 naming it)."""
     ctx = _ctx(request)
