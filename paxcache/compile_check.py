@@ -44,7 +44,15 @@ from paxcache import allocator, kv_cache, sharding
 from paxcache.engine import Engine
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
 
-__all__ = ["AbstractEngine", "abstract_model", "check_engine", "check_kernels", "format_report"]
+__all__ = [
+    "AbstractEngine",
+    "abstract_model",
+    "check_engine",
+    "check_kernels",
+    "export_step",
+    "format_report",
+    "lower_step",
+]
 
 _GIB = float(1 << 30)
 
@@ -180,6 +188,56 @@ class AbstractEngine(Engine):
         if dims.get("num_host_blocks"):
             host = place(dims["num_host_blocks"], "pinned_host")
         return kv_cache.KVCache(device=place(dims["num_blocks"], None), host=host)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's step, lowered or exported (HLO inspection, other targets)
+# --------------------------------------------------------------------------------------------
+
+
+def _step_args(engine: Engine, num_tokens: int | None, decode: bool, masked: bool) -> tuple:
+    t = engine.buckets[-1] if num_tokens is None else int(num_tokens)
+    if t not in engine.buckets:
+        raise ValueError(f"num_tokens={t} is not one of the engine's buckets {engine.buckets}")
+    if decode and t not in engine.decode_buckets:
+        raise ValueError(
+            f"no decode-only program for T={t} (decode buckets: {engine.decode_buckets})"
+        )
+    return engine._empty_step_args(t, masked=masked, decode=decode)
+
+
+def lower_step(
+    engine: Engine, num_tokens: int | None = None, *, decode: bool = False, masked: bool = False
+) -> jax.stages.Lowered:
+    """The engine's fused step for the token bucket ``num_tokens`` (default: the largest),
+    lowered for the engine's own devices: ``.as_text()`` is its StableHLO,
+    ``.compile().as_text()`` the optimised HLO. ``decode`` / ``masked``: the decode-only /
+    constrained variants. Nothing runs and the engine's state is untouched.
+
+    Raises:
+      ValueError: ``num_tokens`` is not a bucket (or not a decode bucket with ``decode``).
+    """
+    args = _step_args(engine, num_tokens, decode, masked)
+    return engine._jit_step.trace(*args).lower()
+
+
+def export_step(
+    engine: Engine,
+    num_tokens: int | None = None,
+    *,
+    platforms: tuple[str, ...] = ("cuda",),
+    decode: bool = False,
+    masked: bool = False,
+) -> jax.export.Exported:
+    """The engine's fused step exported for ``platforms`` (``jax.export``): the whole program
+    the engine would run there, kernels included, from any host. Inside
+    ``kernels_pallas.aot.cuda_target("8.0")`` a CUDA export assumes that compute capability
+    (``kernels_pallas.kernel_info("cuda")`` then says what each op got); ``.mlir_module()``
+    is its StableHLO. Arguments as :func:`lower_step`.
+    """
+    args = _step_args(engine, num_tokens, decode, masked)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), args)
+    return jax.export.export(engine._jit_step, platforms=list(platforms))(*abstract)
 
 
 # --------------------------------------------------------------------------------------------
