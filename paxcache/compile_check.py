@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import kernels_pallas
 from kernels_pallas import aot
-from paxcache import allocator, kv_cache, sharding
+from paxcache import allocator, kv_cache, sharding, sizing
 from paxcache.engine import Engine
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
 
@@ -103,7 +103,8 @@ def _bytes_per_device(tree: Any) -> int:
 
 
 class AbstractEngine(Engine):
-    """The serving engine on abstract values for the devices of a TPU topology.
+    """The serving engine on abstract values for the devices of a TPU topology (or, with
+    ``target_backend="gpu"``, host devices standing in for a GPU: :meth:`export_step`).
 
     Construction runs ``Engine.__init__`` unchanged (sizing, buckets, scheduler, the jitted
     step); only the placement hooks return ``ShapeDtypeStruct``s on ``devices`` instead of
@@ -115,13 +116,22 @@ class AbstractEngine(Engine):
       model: from :func:`abstract_model`.
       devices: the target devices (``kernels_pallas.aot.tpu_devices(name)``).
       hbm_bytes: HBM of one chip (default ``kernels_pallas.aot.hbm_bytes(devices[0])``).
+      target_backend: whose defaults the engine takes (``"tpu"``; ``"gpu"`` for an engine
+        exported under ``aot.cuda_target``, placed on host devices: ``jax.devices("cpu")``).
       **kwargs: :class:`~paxcache.engine.Engine` arguments (``tp``, ``block_size``, ...).
     """
 
     def __init__(
-        self, model: Any, devices: list, *, hbm_bytes: int | None = None, **kwargs: Any
+        self,
+        model: Any,
+        devices: list,
+        *,
+        hbm_bytes: int | None = None,
+        target_backend: str = "tpu",
+        **kwargs: Any,
     ) -> None:
         self._devices = list(devices)
+        self._backend = target_backend
         self._hbm = hbm_bytes or aot.hbm_bytes(self._devices[0])
         if self._hbm is None:
             raise ValueError(
@@ -137,10 +147,20 @@ class AbstractEngine(Engine):
     # -- placement hooks (see Engine) ------------------------------------------------------
 
     def _target_backend(self) -> str:
-        return "tpu"  # the TPU defaults (batch limits, KV sizing), whatever this host is
+        return self._backend  # its defaults (batch limits, KV sizing), whatever this host is
+
+    def export_step(self, num_tokens: int | None = None, **kwargs: Any) -> jax.export.Exported:
+        """:func:`export_step` of this engine (e.g. under ``aot.cuda_target("9.0")``)."""
+        return export_step(self, num_tokens, **kwargs)
 
     def _memory_stats(self) -> dict[str, int]:
-        return {"bytes_limit": int(self._hbm), "bytes_in_use": self.weights_bytes_per_device}
+        stats = {"bytes_limit": int(self._hbm), "bytes_in_use": self.weights_bytes_per_device}
+        if self._backend == "gpu":  # XLA's pool as paxcache.sizing.configure_gpu_allocator sets it
+            stats.update(
+                bytes_limit=int(sizing.GPU_POOL_FRACTION * self._hbm),
+                device_total_bytes=int(self._hbm),
+            )
+        return stats
 
     def _shard_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
         if tp == 1:

@@ -167,3 +167,22 @@ def test_a_gpu_kernel_that_fails_to_build_falls_back_to_xla_at_warmup(
     assert info.startswith("xla (fallback: Mosaic GPU compile error: RuntimeError: Mosaic GPU")
     msgs = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
     assert len(msgs) == 1 and "ragged_paged_attention" in msgs[0], msgs
+
+
+def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
+    """No weights, no GPU: the engine sized for an 80 GiB GPU (GPU defaults), its step exported
+    with the Mosaic GPU kernel on Hopper only."""
+    cfg = LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    )  # fmt: skip
+    engine = compile_check.AbstractEngine(
+        compile_check.abstract_model(cfg, jnp.bfloat16), jax.devices("cpu"),
+        hbm_bytes=80 << 30, target_backend="gpu", num_blocks=256, max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    assert engine.decode_buckets == ()  # one program per bucket off the TPU kernels
+    for capability, hopper in (("9.0", True), ("8.0", False)):
+        with aot.cuda_target(capability):
+            text = engine.export_step(64).mlir_module()
+        assert (MOSAIC_GPU in text) == hopper, capability
