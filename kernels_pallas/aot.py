@@ -145,7 +145,7 @@ def cuda_target(capability: str) -> Iterator[CudaDevice]:
     the kernels' dispatch and the Mosaic GPU lowering read) and ``impl="auto"`` chooses per
     that capability: nothing is cached across targets, so several run in one process. Use
     ``ShapeDtypeStruct`` arguments without a sharding (or ``jax.export``); a program placed
-    on a concrete mesh is outside this target.
+    on a concrete mesh is outside this target, so build what runs (an engine) before entering.
 
     Raises:
       ValueError: ``capability`` is not a ``"major.minor"`` string.

@@ -159,10 +159,11 @@ def test_a_gpu_kernel_that_fails_to_build_falls_back_to_xla_at_warmup(
     monkeypatch.setattr(_dispatch, "_PROBED", {})
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
     fn, args = _ragged(m=5, t=40)  # shapes no other test traced (jit caches the kernel)
+    engine = _engine(bf16_model, num_blocks=48)  # built outside the target: it runs on CPU
     with aot.cuda_target("9.0"), kp.compile_probes():
         text = _export(fn, args)
         info = kp.kernel_info("cuda")["ragged_paged_attention"]
-        step = compile_check.export_step(_engine(bf16_model, num_blocks=48)).mlir_module()
+        step = compile_check.export_step(engine).mlir_module()
     assert MOSAIC_GPU not in text and MOSAIC_GPU not in step
     assert info.startswith("xla (fallback: Mosaic GPU compile error: RuntimeError: Mosaic GPU")
     msgs = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
