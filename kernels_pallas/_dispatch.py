@@ -409,6 +409,7 @@ def run(
     xla: Callable[..., Any],
     tpu: Callable[..., Any] | None,
     gpu: Callable[..., Any] | None,
+    gpu_xla: Callable[..., Any] | None = None,
     tpu_reason: str | None = None,
     gpu_reason: str | None = None,
     gpu_default: bool = True,
@@ -424,6 +425,8 @@ def run(
       interpret: forced kernels run in interpret mode (the callables already carry it).
       args: the array arguments every implementation takes.
       xla, tpu, gpu: the implementations (``None``: no such kernel).
+      gpu_xla: the XLA path ``auto`` runs on CUDA when the GPU kernel does not (default
+        ``xla``): tuned for a GPU rather than a CPU.
       tpu_reason, gpu_reason: why the TPU / GPU kernel cannot take these arguments.
       gpu_default: whether ``auto`` uses the GPU kernel (when it exists and takes them).
       static_key: hashable summary of the static options baked into ``tpu`` (probe cache).
@@ -464,21 +467,22 @@ def run(
             if error is not None:
                 _warn_once(op, f"the Mosaic TPU kernel failed to compile: {error}")
                 tpu_fn, tpu_impl = xla, _fallback(f"Mosaic compile error: {error}")
+    cuda_xla = gpu_xla or xla
     if gpu is None or not gpu_default:
-        gpu_fn, gpu_impl = xla, "xla"
+        gpu_fn, gpu_impl = cuda_xla, "xla"
     else:
         reason = gpu_reason or cuda_capability_reason(cuda_capability())
         if reason is not None:
             if platform == "cuda":
                 _warn_once(op, f"the Mosaic GPU kernel cannot run here: {reason}")
-            gpu_fn, gpu_impl = xla, _fallback(reason)
+            gpu_fn, gpu_impl = cuda_xla, _fallback(reason)
         else:
             gpu_fn, gpu_impl = gpu, "pallas_gpu"
             if _PROBE_DEPTH[0] and platform == "cuda":
                 error = _probe_gpu(op, gpu, args, static_key)
                 if error is not None:
                     _warn_once(op, f"the Mosaic GPU kernel failed to compile: {error}")
-                    gpu_fn, gpu_impl = xla, _fallback(f"Mosaic GPU compile error: {error}")
+                    gpu_fn, gpu_impl = cuda_xla, _fallback(f"Mosaic GPU compile error: {error}")
     _record(op, {"tpu": tpu_impl, "cuda": gpu_impl, "cpu": "xla"})
     if tpu_fn is xla and gpu_fn is xla:
         return xla(*args)

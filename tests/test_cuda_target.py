@@ -187,3 +187,41 @@ def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
         with aot.cuda_target(capability):
             text = engine.export_step(64).mlir_module()
         assert (MOSAIC_GPU in text) == hopper, capability
+
+
+# --------------------------------------------------------------------------------------------
+# The XLA path a GPU runs when no kernel does: large chunks, 16-bit operands
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_gpu_tuned_xla_path_meets_the_oracle_with_bf16_operands():
+    from test_attention_kernels import _check, _ragged_oracle, ragged_case
+
+    from kernels_pallas import reference
+
+    rng = np.random.default_rng(27)
+    q_lens, kv_lens, num_seqs = [1, 13, 5, 2, 0], [29, 13, 22, 9, 4], 4
+    t = sum(q_lens[:num_seqs]) + 2
+    case = ragged_case(rng, q_lens, kv_lens, num_seqs, t, 4, 2, 32, 8, 4, jnp.bfloat16)
+    for opts in ({}, dict(sliding_window=7, soft_cap=5.0)):
+        out = reference.ragged_paged_attention_xla(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
+            case.cu_q_lens, case.num_seqs, chunk_bytes=reference.XLA_GPU_CHUNK_BYTES,
+            native_operands=True, **opts,
+        )  # fmt: skip
+        _check(out, _ragged_oracle(case, **opts), jnp.bfloat16)
+
+
+def test_cuda_without_a_kernel_runs_the_xla_path_on_bf16_operands():
+    """On 8.0 the exported attention's matmuls take the pages' bf16 (f32 accumulation); the
+    CPU lowering of the same function keeps the exact f32 path."""
+    fn, args = _ragged(m=6)
+    with aot.cuda_target("8.0"):
+        cuda = _export(fn, args)
+    cpu = jax.jit(fn).trace(*args).lower().as_text()
+
+    def dots(text):
+        return [ln for ln in text.splitlines() if "dot_general" in ln]
+
+    assert any("bf16" in ln.split("->")[0] for ln in dots(cuda)), dots(cuda)[:4]
+    assert dots(cpu) and not any("bf16" in ln.split("->")[0] for ln in dots(cpu))
