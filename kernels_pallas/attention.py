@@ -337,6 +337,12 @@ def paged_attention_pages(
             "paged_attention_gpu", (q, lengths, tables), k, v, layer, dict(kw, interpret=interpret)
         )
 
+    def gpu_xla(q, k, v, lengths, tables, layer, ks, vs):
+        # Row b is sequence b's one token: the chunked ragged path, not a dense gather of
+        # every sequence's whole table (the CPU reference's form).
+        cu, n = jnp.arange(q.shape[0] + 1, dtype=jnp.int32), jnp.int32(q.shape[0])
+        return _ragged_reference(q, k, v, lengths, tables, cu, n, layer, ks, vs, True, **kw)
+
     tpu_reason, gpu_reason = _reasons(q, k_pages)
     return _dispatch.run(
         name,
@@ -346,6 +352,7 @@ def paged_attention_pages(
         xla=xla,
         tpu=tpu,
         gpu=gpu if _has_gpu_module() else None,
+        gpu_xla=gpu_xla,
         tpu_reason=tpu_reason,
         gpu_reason=gpu_reason,
         static_key=tuple(sorted(kw.items())),

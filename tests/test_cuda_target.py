@@ -212,10 +212,32 @@ def test_the_gpu_tuned_xla_path_meets_the_oracle_with_bf16_operands():
         _check(out, _ragged_oracle(case, **opts), jnp.bfloat16)
 
 
-def test_cuda_without_a_kernel_runs_the_xla_path_on_bf16_operands():
+def test_decode_rows_on_the_chunked_path_match_the_decode_oracle():
+    """The GPU fallback of ``paged_attention`` runs each sequence's token as a ragged row."""
+    from test_attention_kernels import _check, decode_case
+
+    from kernels_pallas import reference
+
+    rng = np.random.default_rng(28)
+    case = decode_case(rng, [13, 1, 0, 30], 4, 2, 32, 8, 4, jnp.bfloat16)
+    b = case.q.shape[0]
+    for opts in ({}, dict(sliding_window=5)):
+        out = reference.ragged_paged_attention_xla(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
+            jnp.arange(b + 1, dtype=jnp.int32), b, chunk_bytes=reference.XLA_GPU_CHUNK_BYTES,
+            native_operands=True, **opts,
+        )  # fmt: skip
+        want = reference.paged_attention_reference(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, **opts
+        )
+        _check(out, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("op", ["ragged", "decode"])
+def test_cuda_without_a_kernel_runs_the_xla_path_on_bf16_operands(op):
     """On 8.0 the exported attention's matmuls take the pages' bf16 (f32 accumulation); the
     CPU lowering of the same function keeps the exact f32 path."""
-    fn, args = _ragged(m=6)
+    fn, args = _ragged(m=6) if op == "ragged" else _decode()
     with aot.cuda_target("8.0"):
         cuda = _export(fn, args)
     cpu = jax.jit(fn).trace(*args).lower().as_text()
