@@ -21,7 +21,9 @@ with ONE warning per op (no kernel for it yet). The capability is, in order: the
 :func:`kernels_pallas.aot.cuda_target` sets (``cuda_target("8.0")``: lowering or exporting for
 CUDA from any host assumes it, several targets in one process), the live GPU's, else Hopper (a
 CUDA export with neither). A geometry the GPU kernel does not take (``unsupported_reason``)
-runs the XLA path, with ONE warning naming the op and the reason. Inside
+runs the XLA path, with ONE warning naming the op and the reason. The XLA path on CUDA is the
+op's GPU form where it has one (``run(gpu_xla=)``: attention in 64 MiB chunks with 16-bit
+operands, ``reference.XLA_GPU_CHUNK_BYTES``), not the CPU-sized one. Inside
 :func:`compile_probes` each GPU kernel call is first built on its own (compiled on a live GPU,
 exported for CUDA otherwise); a kernel that fails runs the XLA path, with ONE warning naming
 the op and the error.
