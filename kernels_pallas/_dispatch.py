@@ -15,10 +15,18 @@
   ``"pallas_tpu"`` / ``"pallas_gpu"``: force one family. Off its platform a forced kernel
   needs ``interpret=True`` (the CPU tests).
 
-GPU rules (``auto``): on a live GPU the Mosaic GPU kernels run only on compute capability 9.x
-(Hopper); lowering for CUDA with no GPU present assumes Hopper. A geometry the GPU kernel
-does not take (``unsupported_reason``) runs the XLA path, with ONE warning naming the op and
-the reason.
+GPU rules (``auto``): the Mosaic GPU kernels run only on compute capability 9.x (Hopper); every
+other generation runs the XLA path, recorded as ``"xla (fallback: compute capability 8.0 ...)"``
+with ONE warning per op (no kernel for it yet). The capability is, in order: the one
+:func:`kernels_pallas.aot.cuda_target` sets (``cuda_target("8.0")``: lowering or exporting for
+CUDA from any host assumes it, several targets in one process), the live GPU's, else Hopper (a
+CUDA export with neither). A geometry the GPU kernel does not take (``unsupported_reason``)
+runs the XLA path, with ONE warning naming the op and the reason. The XLA path on CUDA is the
+op's GPU form where it has one (``run(gpu_xla=)``: attention in 64 MiB chunks with 16-bit
+operands, ``reference.XLA_GPU_CHUNK_BYTES``), not the CPU-sized one. Inside
+:func:`compile_probes` each GPU kernel call is first built on its own (compiled on a live GPU,
+exported for CUDA otherwise); a kernel that fails runs the XLA path, with ONE warning naming
+the op and the error.
 
 TPU rules (``auto``): a geometry the TPU kernel does not take runs the XLA path (one warning).
 Inside :func:`compile_probes` (``Engine.warmup`` and ``scripts/compile_check.py`` use it)
@@ -38,6 +46,7 @@ default backend.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import logging
@@ -51,7 +60,10 @@ from jax.sharding import SingleDeviceSharding
 
 __all__ = [
     "FAMILIES",
+    "HOPPER",
     "compile_probes",
+    "cuda_capability",
+    "cuda_capability_reason",
     "forced_family",
     "gpu_attention_unsupported_reason",
     "kernel_info",
@@ -61,6 +73,7 @@ __all__ = [
     "run_forced_check",
     "target_device",
     "target_platform",
+    "targeting_cuda",
 ]
 
 logger = logging.getLogger("kernels_pallas")
@@ -126,8 +139,14 @@ def _record(op: str, per_platform: dict[str, str]) -> None:
     with _lock:
         for platform, impl in per_platform.items():
             _INFO[(platform, op)] = impl
+            if platform == "cuda":  # also per capability: a cached trace re-records nothing
+                _INFO[(_cuda_key(cuda_capability()), op)] = impl
             for rec in _RECORDERS:
                 rec.setdefault(platform, {})[op] = impl
+
+
+def _cuda_key(capability: str) -> str:
+    return f"cuda@{capability}"
 
 
 @contextlib.contextmanager
@@ -148,12 +167,17 @@ def kernel_info(platform: str | None = None) -> dict[str, str]:
 
     Values are ``"pallas_tpu"``, ``"pallas_gpu"``, ``"xla"`` or
     ``"xla (fallback: <why the kernel was not used>)"``; ops not traced yet are absent. The
-    record is process-wide: the last trace of an op decides its entry.
+    record is process-wide: the last trace of an op decides its entry (for ``"cuda"``, the
+    last trace for the compute capability targeted now, :func:`cuda_capability`).
     """
     platform = _normalize(platform) if platform else target_platform()
     key = platform if platform in _PLATFORMS else "cpu"
     with _lock:
-        return {op: impl for (p, op), impl in sorted(_INFO.items()) if p == key}
+        out = {op: impl for (p, op), impl in sorted(_INFO.items()) if p == key}
+        if key == "cuda":  # the choices for the capability targeted now (aot.cuda_target)
+            here = _cuda_key(cuda_capability())
+            out.update({op: impl for (p, op), impl in sorted(_INFO.items()) if p == here})
+        return out
 
 
 def _warn_once(op: str, reason: str) -> None:
@@ -175,11 +199,13 @@ def _fallback(reason: str) -> str:
 
 @contextlib.contextmanager
 def compile_probes() -> Iterator[None]:
-    """While active, every ``impl="auto"`` TPU kernel call is compiled on its own first.
+    """While active, every ``impl="auto"`` TPU or GPU kernel call is compiled on its own first.
 
-    Only when the target is a TPU device (live, or abstract from a topology). A kernel Mosaic
-    rejects is replaced by the XLA path (one warning naming the op and the error). Results
-    are cached per kernel signature, so each distinct call compiles once per process.
+    TPU: when the target is a TPU device (live, or abstract from a topology). GPU: when the
+    target platform is CUDA (a live GPU: compiled; :func:`kernels_pallas.aot.cuda_target`
+    with no GPU: exported, which runs the Mosaic GPU lowering). A kernel that fails is
+    replaced by the XLA path (one warning naming the op and the error). Results are cached
+    per kernel signature, so each distinct call is built once per process.
     """
     _PROBE_DEPTH[0] += 1
     try:
@@ -232,6 +258,40 @@ def _probe_tpu(
     return error
 
 
+def _first_line(e: BaseException) -> str:
+    first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    return f"{type(e).__name__}: {first}"[:500]
+
+
+def _probe_gpu(op: str, fn: Callable, args: Sequence[Any], static_key: Any) -> str | None:
+    """Build ``fn(*args)`` alone for the CUDA target; the error text, or None.
+
+    On a live GPU the kernel is compiled for it (Mosaic GPU and ptxas); with no GPU it is
+    exported for CUDA (the Mosaic GPU lowering, for :func:`cuda_capability`). Cached per
+    kernel signature and capability.
+    """
+    capability = cuda_capability()
+    sig = tuple((tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in args)
+    key = ("cuda", op, capability, sig, static_key)
+    with _lock:
+        if key in _PROBED:
+            return _PROBED[key]
+    device = target_device()
+    try:
+        if device is not None and device.platform == "gpu":
+            specs = [_abstract(a, device) for a in args]
+            jax.jit(fn).trace(*specs).lower().compile()
+        else:
+            specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
+            jax.export.export(jax.jit(fn), platforms=["cuda"])(*specs)
+        error = None
+    except Exception as e:  # noqa: BLE001 - any compiler rejection means "do not use it"
+        error = _first_line(e)
+    with _lock:
+        _PROBED[key] = error
+    return error
+
+
 # --------------------------------------------------------------------------------------------
 # GPU kernel availability
 # --------------------------------------------------------------------------------------------
@@ -255,17 +315,51 @@ def gpu_attention_unsupported_reason(
     )
 
 
+HOPPER = "9.0"
+"""The compute capability a CUDA lowering assumes with no target set and no GPU present."""
+
+# Set by kernels_pallas.aot.cuda_target (per thread / task, like JAX's mesh contexts).
+_CUDA_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kernels_pallas_cuda_target", default=None
+)
+
+
+@contextlib.contextmanager
+def targeting_cuda(capability: str) -> Iterator[None]:
+    """While active, CUDA lowerings assume compute capability ``capability`` ("8.0", ...);
+    :func:`kernels_pallas.aot.cuda_target` is the public way in (it also sets the abstract
+    mesh Mosaic GPU reads its architecture from)."""
+    token = _CUDA_TARGET.set(str(capability))
+    try:
+        yield
+    finally:
+        _CUDA_TARGET.reset(token)
+
+
 @functools.lru_cache(maxsize=1)
-def _live_gpu_reason() -> str | None:
-    """Why a live GPU cannot run the Mosaic GPU kernels (None: Hopper, or no GPU present)."""
+def _live_capability() -> str | None:
+    """The first live GPU's compute capability (None: no GPU in this process)."""
     try:
         devices = jax.devices("gpu")
     except RuntimeError:
-        return None  # lowering for CUDA without a GPU: assume Hopper
-    cc = str(getattr(devices[0], "compute_capability", ""))
-    if cc.startswith("9."):
         return None
-    return f"compute capability {cc or 'unknown'} (the Mosaic GPU kernels need Hopper, 9.x)"
+    return str(getattr(devices[0], "compute_capability", "")) or "unknown"
+
+
+def cuda_capability() -> str:
+    """The compute capability CUDA programs traced now are for: :func:`targeting_cuda`'s, the
+    live GPU's, else :data:`HOPPER`."""
+    return _CUDA_TARGET.get() or _live_capability() or HOPPER
+
+
+def cuda_capability_reason(capability: str) -> str | None:
+    """Why the Mosaic GPU kernels do not run on ``capability`` (None: they do, 9.x)."""
+    if capability.startswith("9."):
+        return None
+    return (
+        f"compute capability {capability}: no Pallas GPU kernel for this generation yet "
+        "(the Mosaic GPU kernels need Hopper, 9.x)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,6 +411,7 @@ def run(
     xla: Callable[..., Any],
     tpu: Callable[..., Any] | None,
     gpu: Callable[..., Any] | None,
+    gpu_xla: Callable[..., Any] | None = None,
     tpu_reason: str | None = None,
     gpu_reason: str | None = None,
     gpu_default: bool = True,
@@ -332,6 +427,8 @@ def run(
       interpret: forced kernels run in interpret mode (the callables already carry it).
       args: the array arguments every implementation takes.
       xla, tpu, gpu: the implementations (``None``: no such kernel).
+      gpu_xla: the XLA path ``auto`` runs on CUDA when the GPU kernel does not (default
+        ``xla``): tuned for a GPU rather than a CPU.
       tpu_reason, gpu_reason: why the TPU / GPU kernel cannot take these arguments.
       gpu_default: whether ``auto`` uses the GPU kernel (when it exists and takes them).
       static_key: hashable summary of the static options baked into ``tpu`` (probe cache).
@@ -372,16 +469,22 @@ def run(
             if error is not None:
                 _warn_once(op, f"the Mosaic TPU kernel failed to compile: {error}")
                 tpu_fn, tpu_impl = xla, _fallback(f"Mosaic compile error: {error}")
+    cuda_xla = gpu_xla or xla
     if gpu is None or not gpu_default:
-        gpu_fn, gpu_impl = xla, "xla"
+        gpu_fn, gpu_impl = cuda_xla, "xla"
     else:
-        reason = gpu_reason or _live_gpu_reason()
+        reason = gpu_reason or cuda_capability_reason(cuda_capability())
         if reason is not None:
             if platform == "cuda":
                 _warn_once(op, f"the Mosaic GPU kernel cannot run here: {reason}")
-            gpu_fn, gpu_impl = xla, _fallback(reason)
+            gpu_fn, gpu_impl = cuda_xla, _fallback(reason)
         else:
             gpu_fn, gpu_impl = gpu, "pallas_gpu"
+            if _PROBE_DEPTH[0] and platform == "cuda":
+                error = _probe_gpu(op, gpu, args, static_key)
+                if error is not None:
+                    _warn_once(op, f"the Mosaic GPU kernel failed to compile: {error}")
+                    gpu_fn, gpu_impl = cuda_xla, _fallback(f"Mosaic GPU compile error: {error}")
     _record(op, {"tpu": tpu_impl, "cuda": gpu_impl, "cpu": "xla"})
     if tpu_fn is xla and gpu_fn is xla:
         return xla(*args)

@@ -1,4 +1,5 @@
-"""Compile for a TPU without a TPU: libtpu's real compiler on abstract topology devices.
+"""Compile for a TPU without a TPU (libtpu's real compiler on abstract topology devices), and
+lower or export for a CUDA GPU generation without a GPU (:func:`cuda_target`).
 
 ``pip install "jax[tpu]"`` brings libtpu, whose compiler runs on any host: an abstract
 topology (``v5e:2x2``, ``v6e:2x2``, ``v4:2x2x1``, ``v5p:2x2x1`` ...) gives devices that
@@ -18,6 +19,16 @@ Inside :func:`tpu_target` the default device is the topology's first device, so
 ``impl="auto"`` picks the Mosaic TPU kernels exactly as on a live TPU (see
 :mod:`kernels_pallas._dispatch`). Set ``JAX_PLATFORMS=cpu`` when no TPU is attached, so
 backend initialisation does not probe for one.
+
+CUDA: inside ``cuda_target("8.0")`` (a compute capability) a CUDA lowering or
+``jax.export(..., platforms=["cuda"])`` assumes that GPU generation: ``impl="auto"`` chooses
+what a live GPU of that capability would (the Mosaic GPU kernels on 9.x, the XLA path
+elsewhere, ``kernel_info("cuda")`` says which and why), the Mosaic GPU lowering targets that
+architecture (it reads the abstract mesh's device) and the GPU work planning fills that
+generation's SM count. Targets nest and can follow each other in one process::
+
+    with aot.cuda_target("8.0"):
+        text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
 """
 
 from __future__ import annotations
@@ -25,18 +36,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Sharding, SingleDeviceSharding
+from jax.sharding import AbstractDevice, AbstractMesh, Sharding, SingleDeviceSharding
+
+from kernels_pallas import _dispatch
 
 __all__ = [
+    "CUDA_GENERATIONS",
+    "CudaDevice",
     "HBM_BYTES",
     "KERNEL_OPS",
     "KernelCase",
     "compile_case",
+    "cuda_device",
+    "cuda_target",
     "hbm_bytes",
     "kernel_grid",
     "spec",
@@ -60,6 +78,82 @@ HBM_BYTES = {
     "TPU v6 lite": 32 * _GIB,  # v6e (Trillium)
     "TPU7x": 192 * _GIB,
 }
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA targets
+# --------------------------------------------------------------------------------------------
+
+#: One representative GPU per compute capability (public specs): ``(device_kind, SMs, memory
+#: bytes)``. :func:`cuda_target` describes its device with it; a capability not listed gets
+#: the closest lower generation's SM count and memory under a generic name.
+CUDA_GENERATIONS: dict[str, tuple[str, int, int]] = {
+    "8.0": ("NVIDIA A100-SXM4-80GB", 108, 80 * _GIB),
+    "8.6": ("NVIDIA A10", 72, 24 * _GIB),
+    "8.9": ("NVIDIA L4", 58, 24 * _GIB),
+    "9.0": ("NVIDIA H100 80GB HBM3", 132, 80 * _GIB),
+    "10.0": ("NVIDIA B200", 148, 180 * _GIB),
+    "12.0": ("NVIDIA RTX PRO 6000 Blackwell", 188, 96 * _GIB),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaDevice(AbstractDevice):
+    """An abstract CUDA device: JAX's ``AbstractDevice`` plus the ``compute_capability`` a
+    live GPU reports (what the Mosaic GPU lowering reads) and its memory in bytes."""
+
+    compute_capability: str = _dispatch.HOPPER
+    memory_bytes: int | None = None
+
+
+def _capability_key(capability: str) -> tuple[int, int]:
+    if not re.fullmatch(r"\d+\.\d+", capability):
+        raise ValueError(
+            f"cuda_target: compute capability must look like '8.0' or '9.0', got {capability!r}"
+        )
+    major, minor = capability.split(".")
+    return int(major), int(minor)
+
+
+def cuda_device(capability: str) -> CudaDevice:
+    """The abstract device :func:`cuda_target` assumes for ``capability`` (see
+    :data:`CUDA_GENERATIONS`).
+
+    Raises:
+      ValueError: not a ``"major.minor"`` string.
+    """
+    key = _capability_key(str(capability))
+    known = sorted(CUDA_GENERATIONS, key=_capability_key)
+    if str(capability) in CUDA_GENERATIONS:
+        kind, sms, memory = CUDA_GENERATIONS[str(capability)]
+    else:
+        lower = [c for c in known if _capability_key(c) <= key] or known[:1]
+        _, sms, memory = CUDA_GENERATIONS[lower[-1]]
+        kind = f"NVIDIA GPU sm_{key[0]}{key[1]}"
+    return CudaDevice(
+        device_kind=kind, num_cores=sms, platform="gpu",
+        compute_capability=str(capability), memory_bytes=memory,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def cuda_target(capability: str) -> Iterator[CudaDevice]:
+    """Lower and export for a CUDA GPU of compute capability ``capability`` ("8.0", "8.9",
+    "9.0", "10.0", ...) with no GPU attached; yields its :class:`CudaDevice`.
+
+    Inside, the target platform is CUDA (an abstract mesh of one such device is set, which
+    the kernels' dispatch and the Mosaic GPU lowering read) and ``impl="auto"`` chooses per
+    that capability: nothing is cached across targets, so several run in one process. Use
+    ``ShapeDtypeStruct`` arguments without a sharding (or ``jax.export``); a program placed
+    on a concrete mesh is outside this target, so build what runs (an engine) before entering.
+
+    Raises:
+      ValueError: ``capability`` is not a ``"major.minor"`` string.
+    """
+    device = cuda_device(capability)
+    mesh = AbstractMesh((1,), ("cuda_target",), abstract_device=device)
+    with _dispatch.targeting_cuda(device.compute_capability), jax.sharding.use_abstract_mesh(mesh):
+        yield device
 
 
 @functools.cache

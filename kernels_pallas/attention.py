@@ -216,10 +216,14 @@ def _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, k_scale,
     )
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "gpu_tuned"))
 def _ragged_reference(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scale, v_scale, **kw
-):
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scale, v_scale,
+    gpu_tuned=False, **kw,
+):  # fmt: skip
+    # gpu_tuned: the CUDA fallback (large chunks, 16-bit operands; reference.XLA_GPU_CHUNK_BYTES).
+    if gpu_tuned:
+        kw = dict(kw, chunk_bytes=reference.XLA_GPU_CHUNK_BYTES, native_operands=True)
     # Stacked pages go in whole: the XLA path gathers (layer, block) rows directly, where
     # slicing pages[layer] first would copy the layer's whole cache every call.
     return reference.ragged_paged_attention_xla(
@@ -334,6 +338,12 @@ def paged_attention_pages(
             "paged_attention_gpu", (q, lengths, tables), k, v, layer, dict(kw, interpret=interpret)
         )
 
+    def gpu_xla(q, k, v, lengths, tables, layer, ks, vs):
+        # Row b is sequence b's one token: the chunked ragged path, not a dense gather of
+        # every sequence's whole table (the CPU reference's form).
+        cu, n = jnp.arange(q.shape[0] + 1, dtype=jnp.int32), jnp.int32(q.shape[0])
+        return _ragged_reference(q, k, v, lengths, tables, cu, n, layer, ks, vs, True, **kw)
+
     tpu_reason, gpu_reason = _reasons(q, k_pages)
     return _dispatch.run(
         name,
@@ -343,6 +353,7 @@ def paged_attention_pages(
         xla=xla,
         tpu=tpu,
         gpu=gpu if _has_gpu_module() else None,
+        gpu_xla=gpu_xla,
         tpu_reason=tpu_reason,
         gpu_reason=gpu_reason,
         static_key=tuple(sorted(kw.items())),
@@ -439,6 +450,9 @@ def ragged_paged_attention_pages(
     def xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, **kw)
 
+    def gpu_xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
+        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, True, **kw)
+
     def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         if max_q_len == 1:
             return _decode_rows_tpu(q, k, v, kv_lens, tables, n, layer, interpret, kw)
@@ -463,6 +477,7 @@ def ragged_paged_attention_pages(
         xla=xla,
         tpu=tpu,
         gpu=gpu if _has_gpu_module() else None,
+        gpu_xla=gpu_xla,
         tpu_reason=tpu_reason,
         gpu_reason=gpu_reason,
         static_key=(*sorted(kw.items()), ("max_q_len", max_q_len)),

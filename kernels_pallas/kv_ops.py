@@ -7,7 +7,8 @@ pages), with semantics defined by the oracles in :mod:`kernels_pallas.reference`
 * :func:`write_pages`: scatter T tokens' K/V into their slots (``block * S + offset``); slots
   < 0 are padding and skipped.
 * :func:`copy_pages`: copy whole blocks ``src[i] -> dst[i]``; pairs with a negative id are
-  skipped.
+  skipped, and with traced ids the copy sits under a ``lax.cond`` on "any pair", so a program
+  (the engine's step) whose call has no pair does no work over the pages.
 * :func:`swap_pages`: move blocks between two page arrays that may live in different memory
   kinds (device HBM and ``pinned_host``), in either direction.
 
@@ -422,7 +423,9 @@ def copy_pages(
     _check_distinct_dst(name, src, dst, dst_not_src=True)
     _check_impl(name, impl)
     loops = _resolve_moves(name, xla_moves, swap=False) == "loop"
-    if p == 0:
+    host_src, host_dst = _host_value(src), _host_value(dst)
+    known = host_src is not None and host_dst is not None
+    if p == 0 or (known and not np.any((host_src >= 0) & (host_dst >= 0))):
         return k_pages, v_pages
     args = (k_pages, v_pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
 
@@ -432,16 +435,24 @@ def copy_pages(
     def tpu(kp_, vp_, s_, d_):
         return _kernels("tpu").copy_blocks_tpu(kp_, vp_, s_, d_, interpret=interpret)
 
-    return _dispatch.run(
-        name,
-        impl,
-        interpret,
-        args,
-        xla=xla,
-        tpu=tpu,
-        gpu=None,  # no Mosaic GPU KV kernels (module doc)
-        donate=(0, 1),
-    )
+    def copy(*operands):
+        return _dispatch.run(
+            name,
+            impl,
+            interpret,
+            operands,
+            xla=xla,
+            tpu=tpu,
+            gpu=None,  # no Mosaic GPU KV kernels (module doc)
+            donate=(0, 1),
+        )
+
+    if known:
+        return copy(*args)
+    # Traced ids (the step's copy-on-write pairs): the copy runs under a data-dependent cond,
+    # so a step without a pair does no work over the pages (the kept branch aliases them).
+    any_pair = jnp.any((args[2] >= 0) & (args[3] >= 0))
+    return jax.lax.cond(any_pair, copy, lambda kp_, vp_, *_: (kp_, vp_), *args)
 
 
 # --------------------------------------------------------------------------------------------

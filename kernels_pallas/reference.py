@@ -219,11 +219,19 @@ def ragged_paged_attention_reference(
 #: one has a fixed cost on CPU), small enough to stay in cache.
 XLA_CHUNK_BYTES = 2 << 20
 
+#: The same on a GPU with no kernel for it (``impl="auto"``'s CUDA fallback): each loop
+#: iteration is a kernel launch and a GPU's caches do not hold the chunk anyway, so the chunk
+#: is as large as memory allows and the gathered pages stay in their 16-bit dtype.
+XLA_GPU_CHUNK_BYTES = 64 << 20
 
-def _chunk_blocks(t: int, k_heads: int, s: int, d: int, m: int, itemsize: int) -> int:
-    """Block columns per loop iteration of the XLA path (static): ~``XLA_CHUNK_BYTES``."""
-    per_block = t * k_heads * s * d * max(itemsize, 4)
-    return int(max(1, min(m, XLA_CHUNK_BYTES // per_block)))
+
+def _chunk_blocks(
+    t: int, k_heads: int, s: int, d: int, m: int, itemsize: int, chunk_bytes: int | None = None
+) -> int:
+    """Block columns per loop iteration of the XLA path (static): ~``chunk_bytes`` (default
+    :data:`XLA_CHUNK_BYTES`) of gathered K in operands of ``itemsize`` bytes."""
+    per_block = t * k_heads * s * d * itemsize
+    return int(max(1, min(m, (chunk_bytes or XLA_CHUNK_BYTES) // per_block)))
 
 
 def ragged_paged_attention_xla(
@@ -241,6 +249,8 @@ def ragged_paged_attention_xla(
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     layer: jax.Array | int | None = None,
+    chunk_bytes: int | None = None,
+    native_operands: bool = False,
 ) -> jax.Array:
     """Same math as :func:`ragged_paged_attention_reference`, fast and memory-light on XLA.
 
@@ -259,6 +269,11 @@ def ragged_paged_attention_xla(
       k_pages, v_pages: ``[K, N, S, D]``, or stacked ``[L, K, N, S, D]`` with ``layer``: the
         gathers index the stacked pages directly (no copy of the layer's pages is made).
       layer: layer index (int or traced ``i32`` scalar) into stacked pages.
+      chunk_bytes: the gathered K of one chunk (default :data:`XLA_CHUNK_BYTES`, sized for
+        a CPU's caches; :data:`XLA_GPU_CHUNK_BYTES` on a GPU).
+      native_operands: bf16 / f16 pages (not 8-bit) stay in their dtype: the query is
+        rounded to it and both matmuls take 16-bit operands with f32 accumulation (the
+        softmax stays f32). False: every operand is upcast to f32 (exact).
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -276,7 +291,13 @@ def ragged_paged_attention_xla(
     _, k_heads, _, s, _ = k_pages.shape
     g = h // k_heads
     m = block_tables.shape[1]
-    c = _chunk_blocks(t, k_heads, s, d, m, jnp.dtype(k_pages.dtype).itemsize)
+    native = (
+        native_operands
+        and k_scale is None
+        and jnp.dtype(k_pages.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    )
+    itemsize = jnp.dtype(k_pages.dtype).itemsize if native else 4
+    c = _chunk_blocks(t, k_heads, s, d, m, itemsize, chunk_bytes)
     num_chunks = -(-m // c)
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     seq, pos, valid = ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)
@@ -284,6 +305,8 @@ def ragged_paged_attention_xla(
     if num_chunks * c > m:  # pad to whole chunks; padded columns are never visible
         tables = jnp.pad(tables, ((0, 0), (0, num_chunks * c - m)))
     qg = q.reshape(t, k_heads, g, d).astype(jnp.float32) * sm_scale
+    if native:
+        qg = qg.astype(k_pages.dtype)
     lo = pos - (sliding_window if sliding_window is not None else (m * s + 1))  # exclusive
     first_col = jnp.maximum(lo + 1, 0) // s  # [T] first block column a row sees
     last_col = pos // s  # [T] last one
@@ -295,14 +318,15 @@ def ragged_paged_attention_xla(
         seen = (cols[None, :] >= first_col[:, None]) & (cols[None, :] <= last_col[:, None])
         blk = jnp.where(seen & valid[:, None], jax.lax.dynamic_slice_in_dim(tables, i * c, c, 1), 0)
         # [T, C, K, S, D] -> [T, K, C*S, D]
-        kb = _real(k_pages[layer, :, blk], k_scale)
-        vb = _real(v_pages[layer, :, blk], v_scale)
+        kb, vb = k_pages[layer, :, blk], v_pages[layer, :, blk]
+        if not native:
+            kb, vb = _real(kb, k_scale), _real(vb, v_scale)
         kb = jnp.swapaxes(kb, 1, 2).reshape(t, k_heads, c * s, d)
         vb = jnp.swapaxes(vb, 1, 2).reshape(t, k_heads, c * s, d)
         kpos = i * c * s + offs[None, :]  # [1, C*S]
         mask = (kpos <= pos[:, None]) & (kpos > lo[:, None]) & valid[:, None]  # [T, C*S]
-        vb = jnp.where(mask[:, None, :, None], vb, 0.0)
-        logits = jnp.einsum("tkgd,tksd->tkgs", qg, kb)
+        vb = jnp.where(mask[:, None, :, None], vb, jnp.zeros((), vb.dtype))
+        logits = jnp.einsum("tkgd,tksd->tkgs", qg, kb, preferred_element_type=jnp.float32)
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         mask4 = mask[:, None, None, :]
@@ -312,7 +336,10 @@ def ragged_paged_attention_xla(
         alpha = jnp.where(jnp.isfinite(m_i), jnp.exp(m_i - m_safe), 0.0)
         p = jnp.where(mask4, jnp.exp(logits - m_safe[..., None]), 0.0)
         l_new = alpha * l_i + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("tkgs,tksd->tkgd", p, vb)
+        pv = jnp.einsum(
+            "tkgs,tksd->tkgd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32
+        )
+        acc = alpha[..., None] * acc + pv
         return m_new, l_new, acc
 
     init = (

@@ -40,11 +40,19 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import kernels_pallas
 from kernels_pallas import aot
-from paxcache import allocator, kv_cache, sharding
+from paxcache import allocator, kv_cache, sharding, sizing
 from paxcache.engine import Engine
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
 
-__all__ = ["AbstractEngine", "abstract_model", "check_engine", "check_kernels", "format_report"]
+__all__ = [
+    "AbstractEngine",
+    "abstract_model",
+    "check_engine",
+    "check_kernels",
+    "export_step",
+    "format_report",
+    "lower_step",
+]
 
 _GIB = float(1 << 30)
 
@@ -95,7 +103,8 @@ def _bytes_per_device(tree: Any) -> int:
 
 
 class AbstractEngine(Engine):
-    """The serving engine on abstract values for the devices of a TPU topology.
+    """The serving engine on abstract values for the devices of a TPU topology (or, with
+    ``target_backend="gpu"``, host devices standing in for a GPU: :meth:`export_step`).
 
     Construction runs ``Engine.__init__`` unchanged (sizing, buckets, scheduler, the jitted
     step); only the placement hooks return ``ShapeDtypeStruct``s on ``devices`` instead of
@@ -107,13 +116,22 @@ class AbstractEngine(Engine):
       model: from :func:`abstract_model`.
       devices: the target devices (``kernels_pallas.aot.tpu_devices(name)``).
       hbm_bytes: HBM of one chip (default ``kernels_pallas.aot.hbm_bytes(devices[0])``).
+      target_backend: whose defaults the engine takes (``"tpu"``; ``"gpu"`` for an engine
+        exported under ``aot.cuda_target``, placed on host devices: ``jax.devices("cpu")``).
       **kwargs: :class:`~paxcache.engine.Engine` arguments (``tp``, ``block_size``, ...).
     """
 
     def __init__(
-        self, model: Any, devices: list, *, hbm_bytes: int | None = None, **kwargs: Any
+        self,
+        model: Any,
+        devices: list,
+        *,
+        hbm_bytes: int | None = None,
+        target_backend: str = "tpu",
+        **kwargs: Any,
     ) -> None:
         self._devices = list(devices)
+        self._backend = target_backend
         self._hbm = hbm_bytes or aot.hbm_bytes(self._devices[0])
         if self._hbm is None:
             raise ValueError(
@@ -129,10 +147,20 @@ class AbstractEngine(Engine):
     # -- placement hooks (see Engine) ------------------------------------------------------
 
     def _target_backend(self) -> str:
-        return "tpu"  # the TPU defaults (batch limits, KV sizing), whatever this host is
+        return self._backend  # its defaults (batch limits, KV sizing), whatever this host is
+
+    def export_step(self, num_tokens: int | None = None, **kwargs: Any) -> jax.export.Exported:
+        """:func:`export_step` of this engine (e.g. under ``aot.cuda_target("9.0")``)."""
+        return export_step(self, num_tokens, **kwargs)
 
     def _memory_stats(self) -> dict[str, int]:
-        return {"bytes_limit": int(self._hbm), "bytes_in_use": self.weights_bytes_per_device}
+        stats = {"bytes_limit": int(self._hbm), "bytes_in_use": self.weights_bytes_per_device}
+        if self._backend == "gpu":  # XLA's pool as paxcache.sizing.configure_gpu_allocator sets it
+            stats.update(
+                bytes_limit=int(sizing.GPU_POOL_FRACTION * self._hbm),
+                device_total_bytes=int(self._hbm),
+            )
+        return stats
 
     def _shard_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
         if tp == 1:
@@ -180,6 +208,56 @@ class AbstractEngine(Engine):
         if dims.get("num_host_blocks"):
             host = place(dims["num_host_blocks"], "pinned_host")
         return kv_cache.KVCache(device=place(dims["num_blocks"], None), host=host)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's step, lowered or exported (HLO inspection, other targets)
+# --------------------------------------------------------------------------------------------
+
+
+def _step_args(engine: Engine, num_tokens: int | None, decode: bool, masked: bool) -> tuple:
+    t = engine.buckets[-1] if num_tokens is None else int(num_tokens)
+    if t not in engine.buckets:
+        raise ValueError(f"num_tokens={t} is not one of the engine's buckets {engine.buckets}")
+    if decode and t not in engine.decode_buckets:
+        raise ValueError(
+            f"no decode-only program for T={t} (decode buckets: {engine.decode_buckets})"
+        )
+    return engine._empty_step_args(t, masked=masked, decode=decode)
+
+
+def lower_step(
+    engine: Engine, num_tokens: int | None = None, *, decode: bool = False, masked: bool = False
+) -> jax.stages.Lowered:
+    """The engine's fused step for the token bucket ``num_tokens`` (default: the largest),
+    lowered for the engine's own devices: ``.as_text()`` is its StableHLO,
+    ``.compile().as_text()`` the optimised HLO. ``decode`` / ``masked``: the decode-only /
+    constrained variants. Nothing runs and the engine's state is untouched.
+
+    Raises:
+      ValueError: ``num_tokens`` is not a bucket (or not a decode bucket with ``decode``).
+    """
+    args = _step_args(engine, num_tokens, decode, masked)
+    return engine._jit_step.trace(*args).lower()
+
+
+def export_step(
+    engine: Engine,
+    num_tokens: int | None = None,
+    *,
+    platforms: tuple[str, ...] = ("cuda",),
+    decode: bool = False,
+    masked: bool = False,
+) -> jax.export.Exported:
+    """The engine's fused step exported for ``platforms`` (``jax.export``): the whole program
+    the engine would run there, kernels included, from any host. Inside
+    ``kernels_pallas.aot.cuda_target("8.0")`` a CUDA export assumes that compute capability
+    (``kernels_pallas.kernel_info("cuda")`` then says what each op got); ``.mlir_module()``
+    is its StableHLO. Arguments as :func:`lower_step`.
+    """
+    args = _step_args(engine, num_tokens, decode, masked)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), args)
+    return jax.export.export(engine._jit_step, platforms=list(platforms))(*abstract)
 
 
 # --------------------------------------------------------------------------------------------

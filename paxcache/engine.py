@@ -260,10 +260,10 @@ class Engine:
         cls,
         model: str = "tiny",
         *,
-        dtype: Any = jnp.float32,
+        dtype: Any = None,
         **kwargs: Any,
     ) -> Engine:
-        """Loads ``"tiny"`` (the bundled model) or an HF-format directory and builds an engine.
+        """Loads ``"tiny"`` or an HF-format directory (``dtype`` None: bf16 on TPU/GPU, f32 on CPU).
 
         Keyword arguments are those of :class:`Engine` (``num_blocks``, ``block_size``,
         ``max_num_seqs``, ``max_num_batched_tokens``, ``num_host_blocks``,
@@ -272,14 +272,14 @@ class Engine:
         from paxcache.models import load_pretrained
 
         t0 = time.perf_counter()
-        m, tok = load_pretrained(model, dtype=dtype)
+        m, tok = load_pretrained(model, dtype=step_lib.default_dtype() if dtype is None else dtype)
         name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
         logger.info(
             "loaded %s (%s, %d layers, %s) in %.1fs",
             name,
             m.config.model_type,
             m.config.num_hidden_layers,
-            jnp.dtype(dtype).name,
+            jnp.dtype(m.dtype).name,
             time.perf_counter() - t0,
         )
         return cls(m, tok, model_name=name, **kwargs)
@@ -382,7 +382,7 @@ class Engine:
         """Device KV blocks on an accelerator (see :mod:`paxcache.sizing`): the largest step
         is compiled over a small cache to measure what it needs besides its arguments."""
         device = jax.devices()[0]
-        stats = self._memory_stats() or device.memory_stats()  # before the probe cache exists
+        stats = self._memory_stats() or sizing.device_memory_stats(device)  # before the probe
         build(max(1, min(64, max_blocks_per_seq)))
         probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()
         self.step_reserve_bytes = sizing.step_reserve_bytes(probe)

@@ -8,17 +8,39 @@
   cache (:func:`step_reserve_bytes`), as vLLM profiles a forward pass before sizing its cache.
   Sized from free memory alone, the cache and the step do not fit together: Llama-3-8B in
   bf16 on one v6e chip needed 31.7 GiB of 31.25 (``scripts/compile_check.py``).
+* On a CUDA GPU, from the device's real memory: XLA's allocator pool (``bytes_limit``) is
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of it, 0.75 by default, which would leave a quarter of
+  the GPU unused. :func:`configure_gpu_allocator` (``scripts/serve.py`` calls it before JAX
+  starts; call it yourself before the first JAX call, or set the variable) makes the pool
+  :data:`GPU_POOL_FRACTION` of the GPU, and the cache gets ``0.9 x the GPU's memory - the
+  memory in use (weights) - the step's reserve``, within what the pool has free (with a
+  warning naming the variable when the pool is what limits it). The device's total comes
+  from the CUDA driver (``cuDeviceTotalMem``), else from ``bytes_limit`` and the fraction.
+  Preallocation (``XLA_PYTHON_CLIENT_PREALLOCATE``, on by default) does not change the pool
+  size, only when it is taken; ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool, and the
+  device's total is then the limit.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from paxcache import kv_cache
 
-__all__ = ["DEVICE_MEMORY_FRACTION", "device_num_blocks", "host_num_blocks", "step_reserve_bytes"]
+__all__ = [
+    "DEVICE_MEMORY_FRACTION",
+    "GPU_POOL_FRACTION",
+    "configure_gpu_allocator",
+    "cuda_total_memory",
+    "device_memory_stats",
+    "device_num_blocks",
+    "host_num_blocks",
+    "step_reserve_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +49,81 @@ DEVICE_MEMORY_FRACTION = 0.9
 
 HOST_KV_BYTES = 1 << 30
 """The default KV budget off an accelerator."""
+
+GPU_POOL_FRACTION = 0.95
+"""XLA's GPU allocator pool, as a fraction of the GPU's memory, that
+:func:`configure_gpu_allocator` asks for (room above the 0.9 the engine sizes for)."""
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+_XLA_DEFAULT_MEM_FRACTION = 0.75
+
+
+def configure_gpu_allocator(fraction: float = GPU_POOL_FRACTION) -> bool:
+    """Make XLA's GPU allocator pool ``fraction`` of each GPU's memory (instead of 0.75) by
+    setting ``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless it or ``XLA_PYTHON_CLIENT_ALLOCATOR``
+    is already set. Takes effect only before JAX initialises its GPU backend; no effect on
+    other backends.
+
+    Returns:
+      Whether the variable was set here.
+
+    Raises:
+      ValueError: ``fraction`` is not in ``(0, 1]``.
+    """
+    if not 0.0 < float(fraction) <= 1.0:
+        raise ValueError(f"GPU pool fraction must be in (0, 1], got {fraction!r}")
+    if MEM_FRACTION_ENV in os.environ or "XLA_PYTHON_CLIENT_ALLOCATOR" in os.environ:
+        return False
+    os.environ[MEM_FRACTION_ENV] = f"{float(fraction):g}"
+    return True
+
+
+def cuda_total_memory(ordinal: int) -> int | None:
+    """The memory of CUDA device ``ordinal`` (visible numbering) from the CUDA driver
+    (``cuDeviceTotalMem``), or None when the driver cannot be asked."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        device, total = ctypes.c_int(), ctypes.c_size_t()
+        if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(device), int(ordinal)) != 0:
+            return None
+        if lib.cuDeviceTotalMem_v2(ctypes.byref(total), device) != 0:
+            return None
+        return int(total.value) or None
+    except (OSError, AttributeError):
+        return None
+
+
+def device_memory_stats(device: Any) -> dict[str, int] | None:
+    """``device.memory_stats()``; on a CUDA GPU also ``"device_total_bytes"``, the device's
+    real memory (:func:`cuda_total_memory`, else ``bytes_limit`` over the pool fraction)."""
+    stats = device.memory_stats()
+    if not stats or getattr(device, "platform", None) != "gpu" or "bytes_limit" not in stats:
+        return stats
+    stats = dict(stats)
+    total = cuda_total_memory(getattr(device, "local_hardware_id", None) or 0)
+    if total is None and "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ:
+        fraction = float(os.environ.get(MEM_FRACTION_ENV, _XLA_DEFAULT_MEM_FRACTION))
+        total = int(stats["bytes_limit"] / fraction)
+    if total:
+        stats["device_total_bytes"] = total
+    return stats
+
+
+def _gpu_budget(stats: Mapping[str, int], reserve_bytes: int) -> int:
+    """KV bytes on a GPU: 0.9 of its memory less what is in use and the step's reserve,
+    within what XLA's pool has free."""
+    in_use = int(stats.get("bytes_in_use", 0))
+    want = int(DEVICE_MEMORY_FRACTION * int(stats["device_total_bytes"])) - in_use
+    pool = int(stats["bytes_limit"]) - in_use
+    if pool < want:
+        logger.warning(
+            "KV sizing: XLA's GPU pool (%.1f of the device's %.1f GiB) limits the cache to "
+            "%.1f GiB instead of %.1f; set %s=%g before JAX starts "
+            "(paxcache.sizing.configure_gpu_allocator)",
+            int(stats["bytes_limit"]) / 2**30, int(stats["device_total_bytes"]) / 2**30,
+            max(pool, 0) / 2**30, max(want, 0) / 2**30, MEM_FRACTION_ENV, GPU_POOL_FRACTION,
+        )  # fmt: skip
+    return min(want, pool) - int(reserve_bytes)
 
 
 def host_num_blocks(
@@ -61,11 +158,13 @@ def device_num_blocks(
     dtype: Any,
     device: Any = None,
 ) -> int:
-    """Blocks for :data:`DEVICE_MEMORY_FRACTION` of the free memory less ``reserve_bytes``.
+    """Blocks for :data:`DEVICE_MEMORY_FRACTION` of the free memory less ``reserve_bytes``
+    (on a GPU, of the device's memory: see the module doc).
 
     Args:
       memory_stats: ``{"bytes_limit", "bytes_in_use"}`` of one device, taken after the weights
-        are placed (None: ``device.memory_stats()``).
+        are placed, plus ``"device_total_bytes"`` on a GPU (:func:`device_memory_stats`;
+        None: ``device.memory_stats()``).
       reserve_bytes: what the largest step needs besides its arguments (:func:`step_reserve_bytes`).
       num_layers, num_kv_heads_per_device, head_dim, block_size, dtype: the cache's dimensions.
       device: the device whose stats to read when ``memory_stats`` is None.
@@ -73,6 +172,17 @@ def device_num_blocks(
     Raises:
       ValueError: no block fits (the message gives the budget and the reserve).
     """
+    if memory_stats and "device_total_bytes" in memory_stats and "bytes_limit" in memory_stats:
+        budget = _gpu_budget(memory_stats, reserve_bytes)
+        per_block = kv_cache.bytes_per_block(
+            num_layers, num_kv_heads_per_device, head_dim, block_size, dtype
+        )
+        if budget < per_block:
+            raise ValueError(
+                f"no KV block fits on the GPU: {max(budget, 0)} bytes left after the weights "
+                f"and the step's reserve of {reserve_bytes} bytes; one block takes {per_block}"
+            )
+        return budget // per_block
     num_blocks, _ = kv_cache.num_blocks_for_budget(
         DEVICE_MEMORY_FRACTION,
         num_layers,

@@ -59,6 +59,7 @@ __all__ = [
     "StepVariant",
     "apply_allowed",
     "default_batch_limits",
+    "default_dtype",
     "resolve_batch_limits",
     "empty_inputs",
     "log_first_use",
@@ -95,6 +96,13 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
 #   each token row's context) the bottleneck: 3x slower (bench/results/step_profile_*.md).
 DEFAULT_BATCH_LIMITS = {"cpu": (64, 256)}
 DEFAULT_BATCH_LIMITS_ACCELERATOR = (256, 2048)
+
+
+def default_dtype(backend: str | None = None) -> Any:
+    """The weights / activations / KV dtype the engine loads a model in by default on
+    ``backend`` (default: JAX's): float32 on the CPU (XLA:CPU has no native bf16 and upcasts
+    it over whole arrays), bfloat16 on TPU and GPU (the kernels' dtype)."""
+    return jnp.float32 if (backend or jax.default_backend()) == "cpu" else jnp.bfloat16
 
 
 def default_batch_limits(backend: str) -> tuple[int, int]:

@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             "binding %s without --api-key: anyone who can reach it can use it", args.host
         )
 
+    from paxcache.sizing import configure_gpu_allocator
+
+    configure_gpu_allocator()  # before JAX starts: XLA's GPU pool spans 0.95 of the GPU
     import jax
 
     if args.multihost:
@@ -375,11 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     from paxcache.multihost import run_follower
     from paxcache.server import ServerLimits, create_app
     from paxcache.server.shutdown import DrainingServer
+    from paxcache.step import default_dtype
 
     platform = jax.devices()[0].platform
     dtype_name = args.dtype
     if dtype_name == "auto":
-        dtype_name = "float32" if platform == "cpu" else "bfloat16"
+        dtype_name = jnp.dtype(default_dtype(platform)).name  # as Engine.from_pretrained
     preemption = args.preemption_mode or ("swap" if args.host_blocks > 0 else "recompute")
 
     t0 = time.monotonic()

@@ -20,6 +20,8 @@ heads, R rows of one tile, D head dim, T query tokens, B sequences.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -31,12 +33,13 @@ __all__ = [
     "combine",
     "decode_work",
     "default_item_budget",
+    "num_sms",
     "plan_items",
     "ragged_work",
     "split_work",
 ]
 
-NUM_SMS = 132  # H100 SXM / H200
+NUM_SMS = 132  # H100 SXM / H200: the count when neither a target nor a GPU says otherwise
 INTERPRET_SMS = 4  # the budget rule in interpret mode, at toy size
 BLOCK_KV = 64  # tokens per KV pipeline step
 
@@ -47,6 +50,26 @@ META = 8
 M_FIRST, M_STEPS = META, META + 1
 
 _NEG_INF = float("-inf")
+
+
+@functools.lru_cache(maxsize=1)
+def _live_sms() -> int | None:
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+    return getattr(device, "core_count", None) or None
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the GPU programs are traced for: the abstract mesh's device
+    (``kernels_pallas.aot.cuda_target`` sets one of that generation), else the live GPU's
+    ``core_count``, else :data:`NUM_SMS`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if getattr(mesh, "empty", True) else getattr(mesh, "abstract_device", None)
+    if device is not None and getattr(device, "platform", None) == "gpu" and device.num_cores:
+        return int(device.num_cores)
+    return _live_sms() or NUM_SMS
 
 
 def default_item_budget(num_tiles: int, kv_heads: int, num_sms: int = NUM_SMS) -> int:
@@ -173,7 +196,7 @@ def split_work(
       tiles: ``i32[W, 8]`` from :func:`decode_work` or :func:`ragged_work`.
       num_items: I, static (the kernel grid), at least W.
       splits_per_tile: fixed splits per live tile, or None for the proportional rule.
-      target_items: items worth having in flight (default ``2 * NUM_SMS``; pass it divided
+      target_items: items worth having in flight (default ``2 * num_sms()``; pass it divided
         by the kv heads, which form the grid's other axis).
 
     Returns:
@@ -193,7 +216,7 @@ def split_work(
         splits = jnp.where(live, jnp.minimum(splits_per_tile, steps), 0)
     else:
         n_live = jnp.sum(live, dtype=jnp.int32)
-        target = 2 * NUM_SMS if target_items is None else int(target_items)
+        target = 2 * num_sms() if target_items is None else int(target_items)
         budget = jnp.minimum(num_items, jnp.maximum(n_live, target))
         extra = budget - n_live  # items beyond one per live tile
         total = jnp.maximum(jnp.sum(steps), 1)
@@ -226,7 +249,7 @@ def plan_items(tiles: jax.Array, kv_heads: int, num_splits: int | None, interpre
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         return split_work(tiles, w * num_splits, splits_per_tile=num_splits)
-    sms = INTERPRET_SMS if interpret else NUM_SMS
+    sms = INTERPRET_SMS if interpret else num_sms()
     return split_work(
         tiles, default_item_budget(w, kv_heads, sms), target_items=-(-2 * sms // kv_heads)
     )
