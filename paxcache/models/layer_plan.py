@@ -12,9 +12,10 @@ is specialised per layer kind, with no branch at run time.
 How the loop is laid out (:func:`layer_segments`): if the kinds repeat with a short period
 ``p`` (Gemma 2: 2, Gemma 3: 6; uniform models: 1), one ``lax.scan`` runs the ``L // p``
 groups, each an unrolled body of ``p`` layers, and the ``L % p`` layers left over (a prefix of
-the pattern: Gemma-3-27B's 62 = 10 x 6 + 2) run unrolled after it. Otherwise (Qwen2's first
-``max_window_layers`` full, the rest windowed) each run of equal kinds is its own scan.
-Compile time thus grows with the period, not the depth. The alternative, one scan over all
+the pattern: Gemma-3-27B's 62 = 10 x 6 + 2) run unrolled after it. When runs of equal kinds
+are fewer than those ``p + L % p`` bodies (Qwen2's first ``max_window_layers`` full, the rest
+windowed), each run is its own scan instead. Compile time thus grows with the number of
+distinct layer bodies traced, never with the depth. The alternative, one scan over all
 layers with ``lax.switch`` on a per-layer kind index, compiles every kind once but passes the
 whole KV cache through a conditional, where the kernel's in-place cache update is no longer
 guaranteed to alias (a copy of the cache per layer); the grouped scan keeps the uniform
@@ -97,18 +98,21 @@ def layer_segments(kinds: Sequence[Hashable], max_period: int = MAX_PERIOD) -> l
     n = len(kinds)
     if n == 0:
         raise ValueError("layer_segments needs at least one layer")
+    runs, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or kinds[i] != kinds[start]:
+            runs.append(Segment(start, (kinds[start],), i - start))
+            start = i
     for p in range(1, min(max_period, n) + 1):
         if all(kinds[i] == kinds[i % p] for i in range(n)):
+            # Compile cost = layer bodies traced: p + the tail, against one per run.
+            if p + n % p > len(runs):
+                break
             segs = [Segment(0, kinds[:p], n // p)]
             if n % p:
                 segs.append(Segment(n - n % p, kinds[: n % p], 1))
             return segs
-    segs, start = [], 0
-    for i in range(1, n + 1):
-        if i == n or kinds[i] != kinds[start]:
-            segs.append(Segment(start, (kinds[start],), i - start))
-            start = i
-    return segs
+    return runs
 
 
 def run_layers(
