@@ -116,3 +116,21 @@ def test_engine_greedy_equals_dense_with_short_windows_chunks_and_prefix_hits(
     assert again.num_cached_tokens and again.num_cached_tokens >= 4
     assert again.outputs[0].token_ids == want[0]
     assert len(set(want[0])) > 1
+
+
+def test_compile_check_reads_the_gemma3_27b_config() -> None:
+    """The committed hub config (older keys): 62 layers, 5 sliding (window 1024, base 1e4) to 1
+    full (base 1e6, linear x8); the layer loop scans the period of 6 ten times plus 2 layers."""
+    from paxcache.compile_check import abstract_model, load_hf_config
+    from paxcache.models.layer_plan import layer_segments
+
+    cfg = load_hf_config(Path(__file__).parent / "fixtures" / "gemma3_27b_config.json")
+    assert isinstance(cfg, GemmaConfig) and cfg.num_hidden_layers == 62
+    assert cfg.layer_windows()[:6] == (1024,) * 5 + (None,)
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    segs = layer_segments(cfg.layer_attention())
+    assert [(s.start, len(s.pattern), s.repeats) for s in segs] == [(0, 6, 10), (60, 2, 1)]
+    assert 27.0e9 < cfg.num_params() < 27.5e9
+    model = abstract_model(cfg, jnp.bfloat16)
+    assert isinstance(model, GemmaForCausalLM)
+    assert model.layers.pre_feedforward_layernorm.shape == (62, 5376)
