@@ -43,6 +43,7 @@ from kernels_pallas import aot
 from paxcache import allocator, kv_cache, sharding, sizing
 from paxcache.engine import Engine
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
+from paxcache.models.loading import model_class
 
 __all__ = [
     "AbstractEngine",
@@ -82,7 +83,8 @@ def load_hf_config(path: str | Path) -> LlamaConfig:
 
 def abstract_model(config: LlamaConfig, dtype: Any) -> LlamaForCausalLM:
     """The model with ``ShapeDtypeStruct`` parameters: shapes and dtypes, no weights."""
-    return nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    cls = model_class(config)
+    return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
 class _NoTokenizer:

@@ -50,6 +50,7 @@ from paxcache import step as step_lib
 from paxcache.config import CacheConfig
 from paxcache.errors import DuplicateSequenceError
 from paxcache.manager import BlockManager
+from paxcache.models.layer_plan import shared_window
 from paxcache.models.tokenizer import IncrementalDecoder
 from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, RequestState
 from paxcache.sampling import SamplingParams
@@ -152,13 +153,8 @@ class Engine:
         for name, val in (("block_size", block_size), ("tp", tp)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        windows = set(cfg.layer_windows())
-        if len(windows) > 1:
-            raise ValueError(
-                "layers with different sliding windows are not supported by the paged engine "
-                f"(got {sorted(windows, key=str)})"
-            )
-        self.sliding_window = next(iter(windows))
+        # The allocator frees blocks behind a window only when every layer has that window.
+        self.sliding_window = shared_window(cfg.layer_windows())
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name

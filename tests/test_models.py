@@ -330,7 +330,7 @@ def test_bad_configs_raise_clear_errors(change: dict, message: str) -> None:
     "change, message",
     [
         ({"qk_norm": "layer"}, "qk_norm"),
-        ({"norm_placement": "sandwich"}, "norm_placement"),
+        ({"norm_placement": "middle"}, "norm_placement"),
     ],
 )
 def test_bad_family_flags_name_the_field(change: dict, message: str) -> None:
@@ -368,12 +368,17 @@ def test_layers_run_under_a_single_scan() -> None:
 # -- paged split -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_paged_forward_with_its_own_attention_layer_equals_dense(model_type: str) -> None:
     """Two sequences: prefill in two chunks, then decode steps, pages prefilled with NaN. The
     model's own ``PagedAttention`` layer runs the XLA reference kernels (the metadata says so)
-    and reads only what was written (the window comes from the model's config)."""
-    hf = {"sliding_window": 5} if model_type == "mistral" else {}
+    and reads only what was written (the window comes from the model's config; Qwen2's
+    ``layered`` windows: layer 0 full, layer 1 windowed, one paged forward)."""
+    hf = {
+        "llama": {},
+        "mistral": {"sliding_window": 5},
+        "qwen2": {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+    }[model_type]
     model = randomize(make(model_type, **hf), seed=12)
     cfg = model.config
     s, n = 4, 12
@@ -429,18 +434,34 @@ def test_forward_paged_logits_indices_selects_rows() -> None:
     chex.assert_trees_all_close(logits, dense[jnp.asarray([5, 2])], atol=1e-4)
 
 
-def test_paged_forward_refuses_layers_with_different_windows() -> None:
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_windows=(4, None),
+def test_layer_segments_group_layers_by_their_pattern_period() -> None:
+    from paxcache.models.layer_plan import Segment, layer_segments
+
+    assert layer_segments("aaaa") == [Segment(0, ("a",), 4)]
+    # Gemma 3's 5 sliding + 1 full: 26 layers (Gemma-3-1B) scan the period (6 + a 2-layer tail
+    # = 8 bodies, against 9 runs); with 8 layers its three runs are fewer bodies.
+    gemma3 = "sssssf" * 4 + "ss"
+    assert layer_segments(gemma3) == [Segment(0, tuple("sssssf"), 4), Segment(24, ("s", "s"), 1)]
+    assert layer_segments(gemma3[:8]) == [
+        Segment(0, ("s",), 5),
+        Segment(5, ("f",), 1),
+        Segment(6, ("s",), 2),
+    ]
+    assert layer_segments("sfsfsfs") == [Segment(0, ("s", "f"), 3), Segment(6, ("s",), 1)]
+    # Qwen2 layered (no short period): one scan per run of equal kinds.
+    assert layer_segments("fffffffffsss") == [Segment(0, ("f",), 9), Segment(9, ("s",), 3)]
+
+
+def test_model_with_full_and_windowed_layers_scans_each_run_once() -> None:
+    model = make(
+        "qwen2",
+        num_hidden_layers=6,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=4,
     )
-    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
-    one = jnp.ones(1, jnp.int32)
-    md = build_metadata(jnp.zeros((1, 2), jnp.int32), one, one, 1, 1, 4)
-    with pytest.raises(ValueError, match="one sliding window"):
-        model.forward_paged(jnp.zeros(1, jnp.int32), model.init_kv_cache(2, 4), md)
+    assert model.config.layer_windows() == (None,) * 4 + (3, 3)
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids(1, 4))
+    lengths = [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert lengths == [4, 2]

@@ -1,4 +1,4 @@
-"""Llama-family models in Flax NNX, HF-format checkpoint loading, and the bundled tiny model.
+"""Llama-family and Gemma 2/3 models in Flax NNX, HF checkpoint loading, the bundled tiny model.
 
 Example:
     >>> from paxcache.models import load_pretrained
@@ -6,6 +6,7 @@ Example:
     >>> logits = model(jnp.asarray([tok.encode("def ")]))  # f32[1, 4, V]
 """
 
+from paxcache.models.gemma import GemmaConfig, GemmaForCausalLM
 from paxcache.models.llama import (
     NO_WINDOW,
     ConfigError,
@@ -42,6 +43,8 @@ __all__ = [
     "ByteTokenizer",
     "CheckpointError",
     "ConfigError",
+    "GemmaConfig",
+    "GemmaForCausalLM",
     "HFTokenizer",
     "IncrementalDecoder",
     "LlamaConfig",

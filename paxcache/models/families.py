@@ -1,10 +1,14 @@
-"""The HF model families the one Llama code path serves, and how each maps onto it.
+"""The HF model families the Llama code path serves, and how each maps onto it.
 
 Llama, Mistral, Qwen2, Qwen3, OLMo 2 and Phi-3 share one decoder (:mod:`paxcache.models.llama`);
-they differ only in
+Gemma 2 and Gemma 3 text reuse its layer weights, norms, RoPE and attention call in their own
+module (:mod:`paxcache.models.gemma`: scaled embeddings, sandwich norms, GeLU-tanh, soft caps,
+per-layer-type RoPE). They differ in
 
 * where the RMSNorms sit (``norm_placement``: ``"pre"`` = before attention and MLP, Llama;
-  ``"post"`` = on the attention and MLP outputs before the residual add, OLMo 2),
+  ``"post"`` = on the attention and MLP outputs before the residual add, OLMo 2;
+  ``"sandwich"`` = both, with a separate pre-MLP norm, Gemma),
+* the RMSNorm scale (``norm_offset``: Gemma scales by ``1 + w``),
 * a q/k RMSNorm before RoPE (``qk_norm``: ``"none"``; ``"head"`` = per head over D, Qwen3;
   ``"full"`` = over the whole H*D / K*D projection, OLMo 2),
 * which projections have a bias, the sliding-window rule, and
@@ -30,7 +34,7 @@ __all__ = [
 ]
 
 QK_NORMS = ("none", "head", "full")
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +45,19 @@ class Family:
         model_type: HF ``model_type``.
         architecture: HF ``architectures[0]`` written by ``save_pretrained``.
         qk_norm: "none", "head" (RMSNorm over D of each head) or "full" (over H*D / K*D).
-        norm_placement: "pre" (Llama) or "post" (OLMo 2: norms on the sublayer outputs).
+        norm_placement: "pre" (Llama), "post" (OLMo 2: norms on the sublayer outputs) or
+            "sandwich" (Gemma: input, post-attention, pre- and post-feed-forward norms).
         bias: "attention_bias" (q/k/v/o biased iff config ``attention_bias``), "qkv" (always
             q/k/v, never o: Qwen2) or "none" (Phi-3).
         windows: "none", "all" (config ``sliding_window`` on every layer: Mistral, Phi-3) or
-            "layered" (``use_sliding_window``/``max_window_layers``/``layer_types``: Qwen2/3).
+            "layered" (``use_sliding_window``/``max_window_layers``/``layer_types``: Qwen2/3)
+            or "pattern" (``layer_types`` / ``sliding_window_pattern``: Gemma).
         fused: the checkpoint holds ``qkv_proj`` and ``gate_up_proj`` (Phi-3).
         norm_weight_f32: RMSNorm scales by its weight in float32 before casting back (OLMo 2);
             otherwise it casts first, then scales (Llama). Equal in float32.
+        norm_offset: RMSNorm scales by ``norm_offset + w`` (Gemma: 1; its weights start at 0).
+        config_class: the config class, when not the Llama one (``"gemma"``:
+            :class:`paxcache.models.gemma.GemmaConfig`, read by the loader).
     """
 
     model_type: str
@@ -59,6 +68,8 @@ class Family:
     windows: str = "none"
     fused: bool = False
     norm_weight_f32: bool = False
+    norm_offset: float = 0.0
+    config_class: str = "llama"
 
 
 FAMILIES: dict[str, Family] = {
@@ -76,6 +87,22 @@ FAMILIES: dict[str, Family] = {
             norm_weight_f32=True,
         ),
         Family("phi3", "Phi3ForCausalLM", bias="none", windows="all", fused=True),
+        *(
+            Family(
+                mt,
+                arch,
+                qk_norm=qk,
+                norm_placement="sandwich",
+                windows="pattern",
+                norm_weight_f32=True,
+                norm_offset=1.0,
+                config_class="gemma",
+            )
+            for mt, arch, qk in (
+                ("gemma2", "Gemma2ForCausalLM", "none"),
+                ("gemma3_text", "Gemma3ForCausalLM", "head"),
+            )
+        ),
     )
 }
 
@@ -93,10 +120,12 @@ def layer_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hd, kd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     out: dict[str, tuple[int, ...]] = {}
-    if cfg.norm_placement == "pre":
+    if cfg.norm_placement != "post":
         out["input_layernorm"] = (e,)
     out["post_attention_layernorm"] = (e,)
-    if cfg.norm_placement == "post":
+    if cfg.norm_placement == "sandwich":
+        out["pre_feedforward_layernorm"] = (e,)
+    if cfg.norm_placement != "pre":
         out["post_feedforward_layernorm"] = (e,)
     out.update(q_proj=(e, hd), k_proj=(e, kd), v_proj=(e, kd), o_proj=(hd, e))
     if cfg.qkv_bias:
@@ -129,6 +158,7 @@ def hf_layer_sources(cfg: Any) -> dict[str, tuple[str, bool, tuple[int, int] | N
     names = {
         "input_layernorm": "input_layernorm.weight",
         "post_attention_layernorm": "post_attention_layernorm.weight",
+        "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",
         "post_feedforward_layernorm": "post_feedforward_layernorm.weight",
         "q_proj": "self_attn.q_proj.weight",
         "k_proj": "self_attn.k_proj.weight",

@@ -35,6 +35,7 @@ from flax import nnx
 
 import kernels_pallas as kp
 from paxcache.attention import AttentionMetadata
+from paxcache.models.layer_plan import LayerAttention, run_layers
 from paxcache.models.llama_config import (  # re-exported: the model's configuration
     NO_WINDOW,
     SUPPORTED_MODEL_TYPES,
@@ -132,20 +133,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, weight_in_f32: bool = False) -> jax.Array:
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array,
+    eps: float,
+    weight_in_f32: bool = False,
+    offset: float = 0.0,
+) -> jax.Array:
     """RMSNorm over the last axis with float32 statistics; returns ``x.dtype``.
 
     Args:
         x: [..., N]; weight: [N].
         eps: epsilon.
-        weight_in_f32: scale in float32, then cast (HF OLMo 2); default: cast, then scale
-            (HF Llama). The same in float32.
+        weight_in_f32: scale in float32, then cast (HF OLMo 2, Gemma); default: cast, then
+            scale (HF Llama). The same in float32.
+        offset: scale by ``offset + weight`` (Gemma's ``1 + w``, added in float32).
     """
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = weight.astype(jnp.float32) + offset if offset else weight
     if weight_in_f32:
-        return (weight.astype(jnp.float32) * y).astype(x.dtype)
-    return weight.astype(x.dtype) * y.astype(x.dtype)  # HF order: cast, then scale
+        return (w.astype(jnp.float32) * y).astype(x.dtype)
+    return w.astype(x.dtype) * y.astype(x.dtype)  # HF order: cast, then scale
 
 
 def _dense(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: Any) -> jax.Array:
@@ -165,6 +174,9 @@ def dense_attention(
     k_pos: jax.Array,
     window: jax.Array | int,
     k_valid: jax.Array | None = None,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal (optionally windowed) GQA attention over explicit positions.
 
@@ -175,6 +187,8 @@ def dense_attention(
         window: i32 scalar; query at p sees keys at p - window < pos <= p.
             Use ``NO_WINDOW`` for full causal attention.
         k_valid: optional bool[B, S]; False keys are never attended.
+        sm_scale: logit scale (default ``D ** -0.5``); soft_cap: optional logit soft cap
+            (``cap * tanh(logits / cap)``, after the scale), as the paged kernels.
 
     Returns:
         [B, T, H, D] in q's dtype. Softmax is float32. A query with no visible key
@@ -185,7 +199,9 @@ def dense_attention(
     g = h // kh
     qg = q.reshape(b, t, kh, g, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
+    scores = scores * (d**-0.5 if sm_scale is None else sm_scale)
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     qp = q_pos[:, :, None]
     kp = k_pos[:, None, :]
     mask = (kp <= qp) & (kp > qp - window)  # [B, T, S]
@@ -210,9 +226,10 @@ class LlamaLayers(nnx.Module):
     """All decoder layers' weights, stacked on a leading ``[L]`` axis.
 
     Attributes (shapes; linear weights are ``[in, out]``; None where the config has none):
-        input_layernorm: [L, E] (``norm_placement="pre"``);  post_attention_layernorm: [L, E]
-            (before the MLP when "pre", on the attention output when "post")
-        post_feedforward_layernorm: [L, E] (on the MLP output; "post" only)
+        input_layernorm: [L, E] ("pre", "sandwich");  post_attention_layernorm: [L, E]
+            (before the MLP when "pre", on the attention output when "post" / "sandwich")
+        pre_feedforward_layernorm: [L, E] (before the MLP; "sandwich" only)
+        post_feedforward_layernorm: [L, E] (on the MLP output; "post", "sandwich")
         q_proj: [L, E, H*D]; k_proj, v_proj: [L, E, K*D]; o_proj: [L, H*D, E]
         q_bias: [L, H*D]; k_bias, v_bias: [L, K*D] (when ``qkv_bias``); o_bias: [L, E]
         q_norm, k_norm: [L, D] (``qk_norm="head"``) or [L, H*D], [L, K*D] ("full")
@@ -233,10 +250,12 @@ class LlamaLayers(nnx.Module):
         def zeros(*shape: int) -> nnx.Param:
             return nnx.Param(jnp.zeros(shape, param_dtype))
 
-        pre = cfg.norm_placement == "pre"
-        self.input_layernorm = ones(n, e) if pre else None
-        self.post_attention_layernorm = ones(n, e)
-        self.post_feedforward_layernorm = None if pre else ones(n, e)
+        placement = cfg.norm_placement
+        norm = zeros if cfg.norm_offset else ones  # Gemma's 1 + w starts at w = 0
+        self.input_layernorm = None if placement == "post" else norm(n, e)
+        self.post_attention_layernorm = norm(n, e)
+        self.pre_feedforward_layernorm = norm(n, e) if placement == "sandwich" else None
+        self.post_feedforward_layernorm = None if placement == "pre" else norm(n, e)
         self.q_proj = w(n, e, hd)
         self.k_proj = w(n, e, kd)
         self.v_proj = w(n, e, kd)
@@ -248,8 +267,8 @@ class LlamaLayers(nnx.Module):
         qn, kn = {"none": (0, 0), "head": (cfg.head_dim, cfg.head_dim), "full": (hd, kd)}[
             cfg.qk_norm
         ]
-        self.q_norm = ones(n, qn) if qn else None
-        self.k_norm = ones(n, kn) if kn else None
+        self.q_norm = norm(n, qn) if qn else None
+        self.k_norm = norm(n, kn) if kn else None
         self.gate_proj = w(n, e, f)
         self.up_proj = w(n, e, f)
         self.down_proj = w(n, f, e)
@@ -257,6 +276,7 @@ class LlamaLayers(nnx.Module):
     PARAM_NAMES = (
         "input_layernorm",
         "post_attention_layernorm",
+        "pre_feedforward_layernorm",
         "post_feedforward_layernorm",
         "q_proj",
         "k_proj",
@@ -297,8 +317,9 @@ class LlamaForCausalLM(nnx.Module):
         layers: LlamaLayers (stacked [L, ...] weights).
         norm: [E] final RMSNorm weight.
         lm_head: [E, V], or None when embeddings are tied.
-        attention: the paged attention layer of every layer (no weights; built with the
-            model's heads, head dim and sliding window).
+        attention: the paged attention layer of the first layer (no weights; built with
+            the model's heads, head dim and the layer's :class:`LayerAttention` options);
+            layers of another kind get their own (:meth:`paged_attention`).
     """
 
     def __init__(
@@ -321,26 +342,32 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = nnx.Param(init(rngs.params(), (e, v), jnp.float32).astype(param_dtype))
-        windows = set(config.layer_windows())
-        self.attention = PagedAttention(
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            # Layers with different windows cannot share one layer: forward_paged refuses.
-            sliding_window=next(iter(windows)) if len(windows) == 1 else None,
-        )
+        self.attention = self.paged_attention(config.layer_attention()[0])
 
     # -- shared per-layer pieces -----------------------------------------------------------
 
-    def _windows(self) -> jax.Array:
-        return jnp.asarray(
-            [NO_WINDOW if w is None else w for w in self.config.layer_windows()], jnp.int32
+    def paged_attention(self, kind: LayerAttention) -> PagedAttention:
+        """The paged attention layer for layers of ``kind`` (the model's heads and head dim)."""
+        cfg = self.config
+        return PagedAttention(
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            sm_scale=kind.sm_scale,
+            soft_cap=kind.soft_cap,
+            sliding_window=kind.sliding_window,
         )
+
+    def rope_tables(
+        self, positions: jax.Array, seq_lens: jax.Array | None = None
+    ) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """RoPE name (:attr:`LayerAttention.rope`) -> (cos, sin) of :func:`rope_cos_sin`."""
+        return {"default": rope_cos_sin(self.config, positions, seq_lens)}
 
     def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         """RMSNorm over the last axis in this family's order (see :func:`rms_norm`)."""
         cfg = self.config
-        return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_f32)
+        return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_f32, cfg.norm_offset)
 
     def _qkv(
         self, lp: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array
@@ -388,11 +415,18 @@ class LlamaForCausalLM(nnx.Module):
         o = _dense(attn, lp["o_proj"], lp.get("o_bias"), dt)
         x = x + (self._norm(o, lp["post_attention_layernorm"]) if post else o)
         h = x if post else self._norm(x, lp["post_attention_layernorm"])
+        mlp = self._mlp(lp, h)
+        return x + (self._norm(mlp, lp["post_feedforward_layernorm"]) if post else mlp)
+
+    def _mlp(
+        self, lp: Mapping[str, jax.Array], h: jax.Array, act: Callable = jax.nn.silu
+    ) -> jax.Array:
+        """Gated MLP ``down(act(gate(h)) * up(h))``, the gate in float32: [..., E] -> [..., E]."""
+        dt = self.dtype
         gate = _dense(h, lp["gate_proj"], None, dt)
         up = _dense(h, lp["up_proj"], None, dt)
-        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
-        mlp = _dense(act, lp["down_proj"], None, dt)
-        return x + (self._norm(mlp, lp["post_feedforward_layernorm"]) if post else mlp)
+        a = (act(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
+        return _dense(a, lp["down_proj"], None, dt)
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         """i32[...] -> [..., E] embeddings in the compute dtype."""
@@ -436,16 +470,25 @@ class LlamaForCausalLM(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if seq_lens is not None:
             seq_lens = jnp.asarray(seq_lens)[:, None]
-        cos, sin = rope_cos_sin(self.config, positions, seq_lens)
+        ropes = self.rope_tables(positions, seq_lens)
         x = self.embed(token_ids)
 
-        def body(x, xs):
-            lp, window = xs
-            q, k, v = self._qkv(lp, x, cos, sin)
-            attn = dense_attention(q, k, v, positions, positions, window)
-            return self._finish_layer(lp, x, attn), None
+        def body(x, lp, layer, kind: LayerAttention):
+            q, k, v = self._qkv(lp, x, *ropes[kind.rope])
+            window = NO_WINDOW if kind.sliding_window is None else kind.sliding_window
+            attn = dense_attention(
+                q,
+                k,
+                v,
+                positions,
+                positions,
+                window,
+                sm_scale=kind.sm_scale,
+                soft_cap=kind.soft_cap,
+            )
+            return self._finish_layer(lp, x, attn)
 
-        x, _ = jax.lax.scan(body, x, (self.layers.stacked(), self._windows()))
+        x = run_layers(body, x, self.layers.stacked(), self.config.layer_attention())
         return self._norm(x, self.norm[...])
 
     def __call__(
@@ -481,34 +524,26 @@ class LlamaForCausalLM(nnx.Module):
         Returns:
             (hidden [T, E] final-normed, the cache with this step's K/V written).
 
-        Raises:
-            ValueError: layers with different sliding windows (one layer serves them all).
+        Layers of different kinds (windows, soft caps, scales, RoPE tables:
+        ``config.layer_attention()``) each call the attention op with their own static
+        options, laid out by :func:`paxcache.models.layer_plan.run_layers`.
         """
-        windows = set(self.config.layer_windows())
-        if len(windows) > 1:
-            raise ValueError(
-                "the paged forward needs one sliding window for every layer, got "
-                f"{sorted(windows, key=str)}"
-            )
         positions = metadata.positions
         # Longrope switches on each sequence's length after this step (HF's rule per step).
         seq_lens = jnp.take(metadata.kv_lens, metadata.row_seq)
-        cos, sin = rope_cos_sin(self.config, positions, seq_lens)
+        ropes = self.rope_tables(positions, seq_lens)
         x = self.embed(token_ids)
-        n_layers = self.config.num_hidden_layers
+        kinds = self.config.layer_attention()
+        layers = {kind: self.paged_attention(kind) for kind in set(kinds)}
+        layers[kinds[0]] = self.attention
 
-        def body(carry, xs):
+        def body(carry, lp, layer, kind: LayerAttention):
             x, kv_cache = carry
-            lp, layer = xs
-            q, k, v = self._qkv(lp, x, cos, sin)
-            attn, kv_cache = self.attention(q, k, v, kv_cache, metadata, layer=layer)
-            return (self._finish_layer(lp, x, attn), kv_cache), None
+            q, k, v = self._qkv(lp, x, *ropes[kind.rope])
+            attn, kv_cache = layers[kind](q, k, v, kv_cache, metadata, layer=layer)
+            return self._finish_layer(lp, x, attn), kv_cache
 
-        (x, kv_cache), _ = jax.lax.scan(
-            body,
-            (x, kv_cache),
-            (self.layers.stacked(), jnp.arange(n_layers, dtype=jnp.int32)),
-        )
+        x, kv_cache = run_layers(body, (x, kv_cache), self.layers.stacked(), kinds)
         return self._norm(x, self.norm[...]), kv_cache
 
     def forward_paged(

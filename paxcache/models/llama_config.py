@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from paxcache.errors import PaxcacheError
 from paxcache.models.families import FAMILIES, NORM_PLACEMENTS, QK_NORMS
+from paxcache.models.layer_plan import LayerAttention
 
 __all__ = [
     "NO_WINDOW",
@@ -182,6 +183,15 @@ class LlamaConfig:
         return FAMILIES[self.model_type].norm_weight_f32
 
     @property
+    def norm_offset(self) -> float:
+        """RMSNorm scales by ``norm_offset + weight`` (Gemma: 1), else by the weight (0)."""
+        return FAMILIES[self.model_type].norm_offset
+
+    def layer_attention(self) -> tuple[LayerAttention, ...]:
+        """Each layer's static attention options (length L): here only its window."""
+        return tuple(LayerAttention(sliding_window=w) for w in self.layer_windows())
+
+    @property
     def num_kv_groups(self) -> int:
         """H // K: query heads per kv head."""
         return self.num_attention_heads // self.num_key_value_heads
@@ -219,7 +229,8 @@ class LlamaConfig:
         """Number of parameters (counting a tied embedding once)."""
         e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         h, k = self.num_attention_heads, self.num_key_value_heads
-        per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f + 2 * e
+        norms = 4 if self.norm_placement == "sandwich" else 2
+        per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f + norms * e
         if self.qk_norm == "head":
             per_layer += 2 * d
         elif self.qk_norm == "full":
@@ -254,6 +265,10 @@ class LlamaConfig:
                 f"supported: {SUPPORTED_MODEL_TYPES}"
             )
         fam = FAMILIES[model_type]
+        if fam.config_class == "gemma" and cls is LlamaConfig:
+            from paxcache.models.gemma import GemmaConfig  # noqa: PLC0415 (it imports us)
+
+            return GemmaConfig.from_hf_dict(d)
         required = (
             "vocab_size",
             "hidden_size",

@@ -44,6 +44,7 @@ from safetensors.numpy import save_file
 
 from paxcache.errors import CheckpointError
 from paxcache.models.families import hf_layer_sources, layer_shapes
+from paxcache.models.gemma import GemmaConfig, GemmaForCausalLM
 from paxcache.models.llama import (
     SUPPORTED_MODEL_TYPES,
     ConfigError,
@@ -70,6 +71,7 @@ CONFIG_LIMITS: dict[str, tuple[int, int]] = {
     "sliding_window": (1, 1 << 24),
     "max_window_layers": (0, 1024),
     "original_max_position_embeddings": (1, 1 << 24),
+    "sliding_window_pattern": (1, 1024),
 }
 """Inclusive ``(min, max)`` of the integer ``config.json`` fields, checked before anything is
 sized from them. The largest released models are well inside (vocabularies ~256K, hidden size
@@ -79,6 +81,10 @@ _FLOAT_LIMITS: dict[str, tuple[float, float]] = {
     "rms_norm_eps": (0.0, 1.0),  # exclusive min
     "rope_theta": (0.0, 1e12),
     "partial_rotary_factor": (0.0, 1.0),
+    "rope_local_base_freq": (0.0, 1e12),
+    "query_pre_attn_scalar": (0.0, 1e8),
+    "attn_logit_softcapping": (0.0, 1e6),
+    "final_logit_softcapping": (0.0, 1e6),
 }
 _REQUIRED_FIELDS = (
     "vocab_size",
@@ -87,7 +93,13 @@ _REQUIRED_FIELDS = (
     "num_hidden_layers",
     "num_attention_heads",
 )
-_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
+_BOOL_FIELDS = (
+    "tie_word_embeddings",
+    "attention_bias",
+    "use_sliding_window",
+    "mlp_bias",
+    "use_bidirectional_attention",
+)
 _MAX_CONFIG_BYTES = 16 << 20
 _MAX_INDEX_BYTES = 64 << 20
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
@@ -136,6 +148,12 @@ def hf_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, e)
     return shapes
+
+
+def model_class(cfg: LlamaConfig) -> type[LlamaForCausalLM]:
+    """The model class a config builds: :class:`GemmaForCausalLM` for a Gemma config, else
+    :class:`LlamaForCausalLM`."""
+    return GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM
 
 
 def load_config(path: str | os.PathLike[str]) -> LlamaConfig:
@@ -196,6 +214,7 @@ def check_config_values(d: Mapping[str, Any], where: str = "config.json") -> Non
             "head_dim",
             "sliding_window",
             "original_max_position_embeddings",
+            "sliding_window_pattern",
         )
         if v is None and (optional or field not in _REQUIRED_FIELDS):
             continue
@@ -216,7 +235,7 @@ def check_config_values(d: Mapping[str, Any], where: str = "config.json") -> Non
         v = d.get(field)
         if v is not None and not isinstance(v, bool):
             raise bad(field, v, "true or false")
-    for field in ("hidden_act", "torch_dtype"):
+    for field in ("hidden_act", "hidden_activation", "torch_dtype"):
         v = d.get(field)
         if v is not None and not isinstance(v, str):
             raise bad(field, v, "a string")
@@ -464,7 +483,7 @@ def load_model(
         )
 
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+        lambda: model_class(cfg)(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
 
     def put(param: nnx.Param, arr: np.ndarray) -> None:
