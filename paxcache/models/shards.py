@@ -118,9 +118,9 @@ def read_block(
       hooks in here, after the cast.)
     """
     arr = read(source.tensor(layer), source.hf_block(block))
-    if source.transpose:
-        return arr.T.astype(dtype, order="C")  # one copy: transposed and cast
-    return np.ascontiguousarray(arr.astype(dtype, copy=False))
+    # Always one copy (transposed and cast as needed) that owns its memory: a device array
+    # made from the read-only slice itself may keep it alive (JAX's CPU client aliases it).
+    return np.array(arr.T if source.transpose else arr, dtype=dtype, order="C", copy=True)
 
 
 def _block_of(index: tuple[slice, ...], shape: Sequence[int]) -> Block:
