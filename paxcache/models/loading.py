@@ -478,7 +478,8 @@ def load_model(
         param_dtype: storage dtype of parameters.
         mesh: a mesh with a ``"tp"`` axis (:func:`paxcache.sharding.make_mesh`): the
             parameters are split over it by :func:`paxcache.sharding.param_specs`, as
-            ``Engine(..., tp=)`` expects. None: every parameter on ``jax.devices()[0]``.
+            ``Engine(..., tp=)`` expects. None: every parameter on this process's first
+            device (``jax.local_devices()[0]``).
 
     Raises:
         MissingFileError, MissingTensorError, TensorShapeError, UnsupportedModelError,
@@ -551,7 +552,7 @@ def _param_targets(
     state = nnx.state(model, nnx.Param)
     tp = 1 if mesh is None else mesh.shape[sharding.TP_AXIS]
     specs = sharding.param_specs(state, cfg, tp)
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     out = []
     spec_leaves = jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)

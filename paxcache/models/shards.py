@@ -171,12 +171,12 @@ def layer_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     raise ValueError(f"unsupported sharding for a stacked parameter: {sharding!r}")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)
 def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Any:
     return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)
 def _set_layer_fn(sharding: jax.sharding.Sharding) -> Any:
     def set_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
         return jax.lax.dynamic_update_index_in_dim(stacked, layer, i, 0)
