@@ -95,6 +95,24 @@ def test_stacked_parameter_is_built_layer_by_layer_from_transposed_row_blocks(tm
     assert reads == [(f"w.{i}", ((4, 10), (0, 3))) for i in range(3)]
 
 
+def test_per_expert_tensors_fill_the_expert_axis_of_a_stacked_parameter():
+    """``{expert}`` sources: expert j of layer i is ``e.{i}.{j}`` ``[out, in]``, transposed."""
+    tensors = {
+        f"e.{i}.{j}": np.arange(12, dtype=np.float32).reshape(4, 3) + 10 * j + 100 * i
+        for i in range(2)
+        for j in range(3)
+    }
+
+    def read(name, block):
+        return tensors[name][tuple(slice(a, b) for a, b in block)]
+
+    src = TensorSource("e.{layer}.{expert}", transpose=True)
+    one = SingleDeviceSharding(jax.devices()[0])
+    arr = place_param(src, (2, 3, 3, 4), np.float32, one, read)
+    want = np.stack([np.stack([tensors[f"e.{i}.{j}"].T for j in range(3)]) for i in range(2)])
+    np.testing.assert_array_equal(np.asarray(arr), want)
+
+
 def test_single_device_load_is_the_mesh_of_one_case(checkpoints):
     model = load_model(checkpoints["qwen2_bias"])
     for leaf in jax.tree.leaves(model.layers):

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "EXPERT",
     "LAYER",
     "Block",
     "TensorSource",
@@ -56,6 +57,10 @@ __all__ = [
 LAYER = "{layer}"
 """The placeholder of the layer index in a :class:`TensorSource` name."""
 
+EXPERT = "{expert}"
+"""The placeholder of the expert index: the (per-layer) parameter's first axis enumerates
+tensors stored one per expert (``...experts.{expert}.w1.weight``)."""
+
 Block = tuple[tuple[int, int], ...]
 """A block of an array: ``(start, stop)`` per axis."""
 
@@ -66,10 +71,13 @@ class TensorSource:
 
     Attributes:
       name: the HF tensor name; with ``{layer}`` (:data:`LAYER`) for a layer-stacked
-        parameter ``[L, ...]``, whose layer ``i`` is the tensor named with ``i``.
-      transpose: the HF tensor is a linear weight ``[out, in]``; ours is ``[in, out]``.
-      rows: ``(start, stop)`` rows of HF's axis 0 (``out``) that this parameter is, for a
-        fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``); None for the whole tensor.
+        parameter ``[L, ...]``, whose layer ``i`` is the tensor named with ``i``; with
+        ``{expert}`` (:data:`EXPERT`) as well when the next axis enumerates per-expert tensors.
+      transpose: the HF tensor holds linear weights ``[..., out, in]``; ours are
+        ``[..., in, out]`` (the last two axes swapped; 2-D, or 3-D fused experts).
+      rows: ``(start, stop)`` of HF's ``out`` axis (axis -2 of a transposed source, else axis
+        0) that this parameter is, for a fused tensor (Phi-3's ``qkv_proj``,
+        ``gate_up_proj``); None for the whole tensor.
     """
 
     name: str
@@ -81,20 +89,29 @@ class TensorSource:
         """Whether the parameter has a leading layer axis filled from one tensor per layer."""
         return LAYER in self.name
 
-    def tensor(self, layer: int | None) -> str:
-        """The HF tensor name for ``layer`` (None for an unstacked parameter)."""
-        return self.name.replace(LAYER, str(layer)) if self.stacked else self.name
+    @property
+    def per_expert(self) -> bool:
+        """Whether the (per-layer) parameter's first axis enumerates per-expert tensors."""
+        return EXPERT in self.name
+
+    def tensor(self, layer: int | None, expert: int | None = None) -> str:
+        """The HF tensor name for ``layer`` (and ``expert``); None where it has none."""
+        name = self.name.replace(LAYER, str(layer)) if self.stacked else self.name
+        return name.replace(EXPERT, str(expert)) if self.per_expert else name
 
     def hf_block(self, block: Block) -> Block:
-        """The block of the HF tensor that holds ``block`` of (one layer of) our parameter."""
+        """The block of the HF tensor that holds ``block`` of (one layer, one expert of) our
+        parameter."""
+        out = list(block)
         if self.transpose:
-            if len(block) != 2:
-                raise ValueError(f"{self.name}: a transposed source must be 2-D, got {block}")
-            block = (block[1], block[0])
+            if len(out) < 2:
+                raise ValueError(f"{self.name}: a transposed source needs 2 axes, got {block}")
+            out[-2], out[-1] = out[-1], out[-2]
         if self.rows is not None:
-            (start, stop), rest = block[0], block[1:]
-            block = ((self.rows[0] + start, self.rows[0] + stop), *rest)
-        return block
+            axis = len(out) - 2 if self.transpose else 0
+            start, stop = out[axis]
+            out[axis] = (self.rows[0] + start, self.rows[0] + stop)
+        return tuple(out)
 
 
 ReadSlice = Callable[[str, Block], np.ndarray]
@@ -117,10 +134,18 @@ def read_block(
       The block, shape ``[stop - start per axis]``: read, transposed, cast. (Quantize-at-load
       hooks in here, after the cast.)
     """
+    if source.per_expert:  # one tensor per expert along our first axis
+        (first, last), rest = block[0], block[1:]
+        out = np.empty([b - a for a, b in block], dtype)
+        for k, expert in enumerate(range(first, last)):
+            arr = read(source.tensor(layer, expert), source.hf_block(rest))
+            out[k] = np.swapaxes(arr, -1, -2) if source.transpose else arr
+        return out
     arr = read(source.tensor(layer), source.hf_block(block))
     # Always one copy (transposed and cast as needed) that owns its memory: a device array
     # made from the read-only slice itself may keep it alive (JAX's CPU client aliases it).
-    return np.array(arr.T if source.transpose else arr, dtype=dtype, order="C", copy=True)
+    arr = np.swapaxes(arr, -1, -2) if source.transpose else arr
+    return np.array(arr, dtype=dtype, order="C", copy=True)
 
 
 def _block_of(index: tuple[slice, ...], shape: Sequence[int]) -> Block:
