@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +50,6 @@ __all__ = [
     "layer_sharding",
     "place_param",
     "read_block",
-    "shard_bytes",
 ]
 
 LAYER = "{layer}"
@@ -243,11 +241,3 @@ def place_param(
         stacked = set_layer(stacked, layer, np.int32(i))
         del layer
     return stacked
-
-
-def shard_bytes(arr: jax.Array) -> dict[str, int]:
-    """Bytes of ``arr`` held by each of this process's devices (``str(device)`` -> bytes)."""
-    return {
-        str(s.device): math.prod(s.data.shape) * s.data.dtype.itemsize
-        for s in arr.addressable_shards
-    }
