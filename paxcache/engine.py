@@ -268,7 +268,8 @@ class Engine:
         from paxcache.models import load_pretrained
 
         t0 = time.perf_counter()
-        m, tok = load_pretrained(model, dtype=step_lib.default_dtype() if dtype is None else dtype)
+        dtype = step_lib.default_dtype() if dtype is None else dtype
+        m, tok = load_pretrained(model, dtype=dtype, tp=kwargs.get("tp", 1))  # into shards
         name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
         logger.info(
             "loaded %s (%s, %d layers, %s) in %.1fs",

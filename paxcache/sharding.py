@@ -39,9 +39,12 @@ same requests (multi-controller SPMD); :func:`broadcast_from_leader` sends proce
 requests to the others as JSON (never pickle: a follower must not run whatever reaches the
 channel), and :func:`place` puts values on devices of other processes.
 
-Limitation: the weights are sharded *after* the model is built, so the whole model must
-first fit on one device (the engine also keeps the unsharded model object, whose arrays
-stay on that device); loading a checkpoint straight into shards is not implemented.
+Loading: ``load_pretrained(..., tp=)`` / ``Engine.from_pretrained(..., tp=)`` read a
+checkpoint straight into these shards (:mod:`paxcache.models.shards`: each device receives
+only its block, read from the memory-mapped safetensors files, on every host only its own
+devices'); :func:`place` then leaves them where they are. A model built in memory
+(``Engine(model, tp=)``) is still sharded after it was built, so it must first fit on one
+device.
 """
 
 from __future__ import annotations
@@ -240,7 +243,8 @@ def param_specs(params: Any, config: Any, tp: int) -> Any:
 def place(tree: Any, shardings: Any) -> Any:
     """``jax.device_put`` that also works across hosts.
 
-    With one process this is ``jax.device_put(tree, shardings)``. When a sharding spans
+    A leaf already placed as asked (e.g. loaded into its shards) is returned as it is.
+    Otherwise, with one process this is ``jax.device_put``. When a sharding spans
     devices of other processes (multi-host, after ``jax.distributed.initialize()``), each
     process builds its own shards from its (identical) host copy of the value with
     ``jax.make_array_from_callback``, so every host must call this with the same ``tree``.
@@ -249,13 +253,13 @@ def place(tree: Any, shardings: Any) -> Any:
       tree: a pytree of arrays.
       shardings: one ``Sharding`` for every leaf, or a pytree of them matching ``tree``.
     """
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, tree)
 
     def put(x: Any, s: jax.sharding.Sharding) -> jax.Array:
-        if s.is_fully_addressable:
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
+            return x  # already there (loaded into its shards): no copy, no host round trip
+        if jax.process_count() == 1 or s.is_fully_addressable:
             return jax.device_put(x, s)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])

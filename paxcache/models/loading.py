@@ -2,12 +2,17 @@
 
 A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or shards
 listed in ``model.safetensors.index.json`` (any other ``*.safetensors`` set is also accepted).
-Tensors are read one at a time with the ``safetensors`` library (numpy framework), converted
-to the requested dtype, and stacked per layer into our ``[L, ...]`` parameters. HF linear
-weights ``[out, in]`` are transposed to ``[in, out]``; q/k rows keep HF's rotate-half order.
-Fused tensors (Phi-3's ``qkv_proj``, ``gate_up_proj``) are split into our separate q/k/v and
-gate/up parameters (:func:`paxcache.models.families.hf_layer_sources`), and fused again by
-:func:`save_pretrained`.
+Every parameter of ours has one :class:`~paxcache.models.shards.TensorSource` (:func:`hf_sources`,
+the per-family table built from :func:`paxcache.models.families.hf_layer_sources`): HF linear
+weights ``[out, in]`` are transposed to ``[in, out]``, q/k rows keep HF's rotate-half order,
+fused tensors (Phi-3's ``qkv_proj``, ``gate_up_proj``) give our separate q/k/v and gate/up
+parameters by rows (fused again by :func:`save_pretrained`), and layer ``i``'s tensor is row
+``i`` of our stacked ``[L, ...]`` parameter. The model is built abstractly (``nnx.eval_shape``)
+and each parameter is materialised on its target sharding by
+:func:`paxcache.models.shards.place_param`, which reads from the memory-mapped safetensors
+files only the block each of this process's devices holds, one layer at a time: a model loads
+across a ``tp`` mesh (``load_model(..., mesh=)``, ``load_pretrained(..., tp=)``) without ever
+being whole on a host or a device. One device is the same path with a one-device sharding.
 
 A checkpoint is untrusted input (see SECURITY.md). Loading therefore:
 
@@ -42,6 +47,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from paxcache import sharding
 from paxcache.errors import CheckpointError
 from paxcache.models.families import hf_layer_sources, layer_shapes
 from paxcache.models.gemma import GemmaConfig, GemmaForCausalLM
@@ -51,6 +57,7 @@ from paxcache.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
 )
+from paxcache.models.shards import LAYER, Block, TensorSource, place_param
 from paxcache.models.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -154,6 +161,28 @@ def model_class(cfg: LlamaConfig) -> type[LlamaForCausalLM]:
     """The model class a config builds: :class:`GemmaForCausalLM` for a Gemma config, else
     :class:`LlamaForCausalLM`."""
     return GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM
+
+
+def hf_sources(cfg: LlamaConfig) -> dict[tuple[str, ...], TensorSource]:
+    """Where every parameter of the model lives in an HF checkpoint (the per-family table).
+
+    Args:
+        cfg: the model config.
+
+    Returns:
+        Our parameter's attribute path (``("embed_tokens",)``, ``("layers", "q_proj")``) ->
+        its source. A family with other tensors adds entries (in
+        :func:`paxcache.models.families.hf_layer_sources` for per-layer ones), not a loader.
+    """
+    out: dict[tuple[str, ...], TensorSource] = {
+        ("embed_tokens",): TensorSource("model.embed_tokens.weight"),
+        ("norm",): TensorSource("model.norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head",] = TensorSource("lm_head.weight", transpose=True)
+    for ours, (suffix, transpose, rows) in hf_layer_sources(cfg).items():
+        out["layers", ours] = TensorSource(f"model.layers.{LAYER}.{suffix}", transpose, rows)
+    return out
 
 
 def load_config(path: str | os.PathLike[str]) -> LlamaConfig:
@@ -375,6 +404,7 @@ class _Reader:
         self._total = total
         self._t0 = time.monotonic()
         self._next_log = _LOG_BYTES
+        self.slices = 0
         try:
             size = sum(p.stat().st_size for p in set(files.values()))
         except OSError as e:
@@ -412,19 +442,23 @@ class _Reader:
                     f"tensor {name!r} in {fpath.name} has shape {got}, expected {tuple(shape)}"
                 )
 
-    def get(self, name: str, shape: tuple[int, ...], np_dtype: Any) -> np.ndarray:
+    def block(self, name: str, block: Block) -> np.ndarray:
+        """``block`` (``(start, stop)`` per axis) of tensor ``name``, as stored, read from the
+        memory-mapped file without reading the rest of the tensor."""
         fpath, f = self._file(name)
         try:
-            arr = f.get_tensor(name)
+            arr = f.get_slice(name)[tuple(slice(a, b) for a, b in block)]
         except Exception as e:  # noqa: BLE001 - SafetensorError (not a ValueError)
             raise MissingTensorError(
                 f"cannot read tensor {name!r} from {fpath.name}: {type(e).__name__}: {e}"
             ) from None
-        if tuple(arr.shape) != tuple(shape):
+        want = tuple(b - a for a, b in block)
+        if tuple(arr.shape) != want:
             raise TensorShapeError(
-                f"tensor {name!r} in {fpath.name} has shape {tuple(arr.shape)}, "
-                f"expected {tuple(shape)}"
+                f"block {block} of tensor {name!r} in {fpath.name} read as shape "
+                f"{tuple(arr.shape)}, expected {want}"
             )
+        self.slices += 1
         self._done += arr.nbytes
         if self.big and self._done >= self._next_log:
             self._next_log += _LOG_BYTES
@@ -434,30 +468,52 @@ class _Reader:
                 self._total / 2**20,
                 time.monotonic() - self._t0,
             )
-        return arr.astype(np_dtype, copy=False)
+        return arr
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of tensor data read so far (only this process's devices' blocks)."""
+        return self._done
 
 
 def load_model(
     path: str | os.PathLike[str],
     dtype: Any = jnp.float32,
     param_dtype: Any | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> LlamaForCausalLM:
-    """Loads an HF-format checkpoint directory into a ``LlamaForCausalLM``.
+    """Loads an HF-format checkpoint directory into a ``LlamaForCausalLM``, straight into
+    shards.
+
+    Each parameter is read block by block from the memory-mapped safetensors files, only the
+    blocks this process's devices hold (:func:`paxcache.models.shards.place_param`), so peak
+    host memory is about two copies of the largest block one device receives and each device
+    holds only its shard (plus one layer's shard of one weight while it loads).
 
     Args:
         path: directory with config.json and safetensors weights.
         dtype: compute dtype (and parameter dtype unless ``param_dtype`` is given).
         param_dtype: storage dtype of parameters.
+        mesh: a mesh with a ``"tp"`` axis (:func:`paxcache.sharding.make_mesh`): the
+            parameters are split over it by :func:`paxcache.sharding.param_specs`, as
+            ``Engine(..., tp=)`` expects. None: every parameter on this process's first
+            device (``jax.local_devices()[0]``).
 
     Raises:
         MissingFileError, MissingTensorError, TensorShapeError, UnsupportedModelError,
             CheckpointError: all ``CheckpointError`` (a ``ValueError``), messages naming the
             file and the tensor or field.
+        ValueError: the model cannot be split over ``mesh`` (:func:`sharding.validate_tp`).
     """
     path = Path(path)
     if not path.is_dir():
         raise MissingFileError(f"checkpoint directory not found: {path}")
     cfg = load_config(path)
+    if mesh is not None:
+        if sharding.TP_AXIS not in mesh.shape:
+            raise ValueError(f"mesh needs a {sharding.TP_AXIS!r} axis, got {dict(mesh.shape)}")
+        sharding.validate_tp(cfg, mesh.shape[sharding.TP_AXIS], num_devices=mesh.size)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     np_dtype = np.dtype(param_dtype)
     files = _tensor_files(path)
@@ -485,33 +541,61 @@ def load_model(
     model = nnx.eval_shape(
         lambda: model_class(cfg)(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
-
-    def put(param: nnx.Param, arr: np.ndarray) -> None:
-        param.set_value(jnp.asarray(arr))
-
-    put(
-        model.embed_tokens,
-        reader.get("model.embed_tokens.weight", shapes["model.embed_tokens.weight"], np_dtype),
+    sources = hf_sources(cfg)
+    for key, param, target in _param_targets(model, cfg, sources, mesh):
+        param.set_value(place_param(sources[key], param.shape, np_dtype, target, reader.block))
+    logger.log(
+        logging.INFO if reader.big else logging.DEBUG,
+        "loaded %s in %.1fs: read %.1f MiB in %d slices (this process's shards of %.1f MiB)",
+        path,
+        time.monotonic() - t0,
+        reader.bytes_read / 2**20,
+        reader.slices,
+        total / 2**20,
     )
-    put(model.norm, reader.get("model.norm.weight", shapes["model.norm.weight"], np_dtype))
-    if model.lm_head is not None:
-        put(model.lm_head, reader.get("lm_head.weight", shapes["lm_head.weight"], np_dtype).T)
-    for suffix, targets in _hf_layer_groups(cfg).items():
-        # One read per tensor; a fused one (Phi-3) fills several of our params by rows.
-        stacked = {
-            t[0]: np.empty(getattr(model.layers, t[0]).get_value().shape, np_dtype) for t in targets
-        }
-        for i in range(cfg.num_hidden_layers):
-            name = f"model.layers.{i}.{suffix}"
-            arr = reader.get(name, shapes[name], np_dtype)
-            for ours, transpose, rows in targets:
-                part = arr if rows is None else arr[rows[0] : rows[1]]
-                stacked[ours][i] = part.T if transpose else part
-        for ours, arr in stacked.items():
-            put(getattr(model.layers, ours), arr)
-    if reader.big:
-        logger.info("loaded %s in %.1fs", path, time.monotonic() - t0)
     return model
+
+
+def _param_targets(
+    model: LlamaForCausalLM,
+    cfg: LlamaConfig,
+    sources: Mapping[tuple[str, ...], TensorSource],
+    mesh: jax.sharding.Mesh | None,
+) -> list[tuple[tuple[str, ...], nnx.Param, jax.sharding.Sharding]]:
+    """``(attribute path, abstract Param, target sharding)`` of every parameter of ``model``.
+
+    Raises:
+        UnsupportedModelError: a parameter has no checkpoint source, or a source names a
+            parameter the model lacks (the family table and the model disagree).
+    """
+    state = nnx.state(model, nnx.Param)
+    tp = 1 if mesh is None else mesh.shape[sharding.TP_AXIS]
+    specs = sharding.param_specs(state, cfg, tp)
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    out = []
+    spec_leaves = jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    for path, spec in spec_leaves:
+        key = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        while key and key[-1] in ("value", "raw_value"):
+            key = key[:-1]
+        if key not in sources:
+            raise UnsupportedModelError(
+                f"{cfg.model_type}: parameter {'.'.join(key)} has no checkpoint source"
+            )
+        param = model
+        for attr in key:
+            param = getattr(param, attr)
+        target = one_device if mesh is None else jax.sharding.NamedSharding(mesh, spec)
+        out.append((key, param, target))
+    missing = set(sources) - {k for k, _, _ in out}
+    if missing:
+        raise UnsupportedModelError(
+            f"{cfg.model_type}: the model has no parameter for the checkpoint source(s) "
+            f"{sorted('.'.join(k) for k in missing)}"
+        )
+    return out
 
 
 def model_to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
@@ -562,6 +646,8 @@ def load_pretrained(
     path: str | os.PathLike[str] = "tiny",
     dtype: Any = jnp.float32,
     param_dtype: Any | None = None,
+    *,
+    tp: int = 1,
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Loads a model and its tokenizer.
 
@@ -570,15 +656,23 @@ def load_pretrained(
             (config.json, ``*.safetensors``; tokenizer.json / tokenizer_config.json optional).
         dtype: compute dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``.
         param_dtype: parameter storage dtype (default: ``dtype``).
+        tp: tensor-parallel degree: the weights are read straight into their shards on the
+            mesh ``Engine(..., tp=tp)`` uses (:func:`paxcache.sharding.make_mesh`); 1: one
+            device.
 
     Returns:
         (model, tokenizer). The tokenizer is byte-level when the directory has no tokenizer.json.
 
     Raises:
-        CheckpointError (a ValueError) subclasses naming the problem.
+        CheckpointError (a ValueError) subclasses naming the problem; ValueError for a ``tp``
+            the model cannot be split by (:func:`paxcache.sharding.validate_tp`).
     """
     p = TINY_DIR if str(path) == "tiny" else Path(path)
-    model = load_model(p, dtype=dtype, param_dtype=param_dtype)
+    mesh = None
+    if isinstance(tp, bool) or tp != 1:
+        sharding.validate_tp(load_config(p), tp)  # before any weight is read
+        mesh = sharding.make_mesh(tp)
+    model = load_model(p, dtype=dtype, param_dtype=param_dtype, mesh=mesh)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         _confined(p, p / name)
     tok = load_tokenizer(p, model.config)
