@@ -26,6 +26,7 @@ kc = importlib.util.module_from_spec(_spec)
 sys.modules["kernel_cycles"] = kc
 _spec.loader.exec_module(kc)
 bd = sys.modules["bundle_dump"]  # the parser, imported by the script from its folder
+kt = sys.modules["kernel_trips"]  # the trip-count models, likewise
 
 DUMP = """= control target key start
 LH: loop header
@@ -94,16 +95,16 @@ def test_forward_branch_makes_regions_and_a_guard_owned_by_the_parent(dump):
 
 def test_iteration_cycles_weighs_regions_by_the_fraction_that_runs(dump):
     (loop,) = dump.loops
-    assert kc.iteration_cycles(loop, lambda _: None) == 14
-    assert kc.iteration_cycles(loop, lambda _: None, lambda *_: 0.0) == 12
-    assert kc.iteration_cycles(loop, lambda _: None, lambda *_: 0.5) == 13
+    assert bd.iteration_cycles(loop, lambda _: None) == 14
+    assert bd.iteration_cycles(loop, lambda _: None, lambda *_: 0.0) == 12
+    assert bd.iteration_cycles(loop, lambda _: None, lambda *_: 0.5) == 13
 
 
 def test_program_cost_is_straight_code_plus_trips_and_skips_a_zero_trip_guard(dump):
-    root = kc._unit_loop(dump)
+    root = kt._unit_loop(dump)
     (loop,) = dump.loops
-    assert kc.iteration_cycles(root, lambda c: 3 * 14 if c is loop else None) == 22 - 14 + 42
-    assert kc.iteration_cycles(root, lambda _: None) == 8  # 0x0-0x5 and 0x14-0x15
+    assert bd.iteration_cycles(root, lambda c: 3 * 14 if c is loop else None) == 22 - 14 + 42
+    assert bd.iteration_cycles(root, lambda _: None) == 8  # 0x0-0x5 and 0x14-0x15
 
 
 def test_find_dumps_maps_kernel_names_to_final_bundles(tmp_path):
@@ -147,8 +148,8 @@ def test_cli_takes_comma_lists_and_rejects_unknown_values():
 
 def test_search_trips_follow_the_kernels_binary_search():
     cu = list(range(65))  # 64 one-row sequences
-    assert kc._search_trips(cu, 64, 0) == 7  # hi: 64, 32, ..., 1, 0
-    assert kc._search_trips([0, 8], 1, 0) == 1
+    assert kt._search_trips(cu, 64, 0) == 7  # hi: 64, 32, ..., 1, 0
+    assert kt._search_trips([0, 8], 1, 0) == 1
 
 
 @pytest.mark.slow
