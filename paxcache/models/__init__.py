@@ -26,8 +26,10 @@ from paxcache.models.loading import (
     load_config,
     load_model,
     load_pretrained,
+    model_class,
     save_pretrained,
 )
+from paxcache.models.moe import MoeConfig, MoeForCausalLM
 from paxcache.models.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -47,6 +49,8 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "MissingFileError",
+    "MoeConfig",
+    "MoeForCausalLM",
     "MissingTensorError",
     "TensorShapeError",
     "Tokenizer",
@@ -58,6 +62,7 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "load_tokenizer",
+    "model_class",
     "rope_cos_sin",
     "save_pretrained",
 ]

@@ -50,6 +50,13 @@ from paxcache.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
 )
+from paxcache.models.moe import (
+    MoeConfig,
+    MoeForCausalLM,
+    hf_expert_shapes,
+    load_expert_params,
+    moe_hf_tensors,
+)
 from paxcache.models.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -117,6 +124,11 @@ def _hf_layer_groups(
     for ours, (suffix, transpose, rows) in hf_layer_sources(cfg).items():
         groups.setdefault(suffix, []).append((ours, transpose, rows))
     return groups
+
+
+def model_class(cfg: LlamaConfig) -> type[LlamaForCausalLM]:
+    """The model class of a config: :class:`MoeForCausalLM` for a mixture of experts."""
+    return MoeForCausalLM if isinstance(cfg, MoeConfig) else LlamaForCausalLM
 
 
 def hf_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -443,6 +455,8 @@ def load_model(
     np_dtype = np.dtype(param_dtype)
     files = _tensor_files(path)
     shapes = hf_param_shapes(cfg)
+    if isinstance(cfg, MoeConfig):  # the MLP tensors, in the layout the checkpoint holds
+        shapes.update(hf_expert_shapes(cfg, files))
     total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
     reader = _Reader(files, total)
     reader.check(shapes)
@@ -463,9 +477,8 @@ def load_model(
             rs["original_max_position_embeddings"],
         )
 
-    model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
-    )
+    cls = model_class(cfg)
+    model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
 
     def put(param: nnx.Param, arr: np.ndarray) -> None:
         param.set_value(jnp.asarray(arr))
@@ -490,6 +503,8 @@ def load_model(
                 stacked[ours][i] = part.T if transpose else part
         for ours, arr in stacked.items():
             put(getattr(model.layers, ours), arr)
+    if isinstance(model, MoeForCausalLM):
+        load_expert_params(model, reader.get, shapes, np_dtype, put)
     if reader.big:
         logger.info("loaded %s in %.1fs", path, time.monotonic() - t0)
     return model
@@ -509,6 +524,8 @@ def model_to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             parts = [p[i].T if t[1] else p[i] for p, t in zip(params, targets, strict=True)]
             arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
             out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(arr)
+    if isinstance(model, MoeForCausalLM):
+        out.update(moe_hf_tensors(model))
     return out
 
 
