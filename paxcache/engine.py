@@ -94,7 +94,7 @@ class Engine:
       enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
       preemption_mode: ``"swap"`` (needs host blocks) or ``"recompute"``.
       policy: scheduling policy, ``"fifo"`` or ``"prefill_first"``.
-      tp: tensor-parallel degree (shards KV heads and weights over a ``tp`` mesh axis).
+      tp, ep: tensor- and expert-parallel degrees (mesh axes ``tp``, ``ep``: :mod:`.sharding`).
       max_model_len: longest sequence (prompt + output); default the model's
         ``max_position_embeddings``.
       kv_memory_bytes: KV cache budget in bytes (alternative to ``num_blocks``).
@@ -131,6 +131,7 @@ class Engine:
         preemption_mode: str = "recompute",
         policy: str = "fifo",
         tp: int = 1,
+        ep: int = 1,
         max_model_len: int | None = None,
         kv_memory_bytes: int | None = None,
         watermark: float = 0.01,
@@ -149,7 +150,7 @@ class Engine:
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute': {preemption_mode!r}")
         if preemption_mode == "swap" and num_host_blocks <= 0:
             raise ValueError("preemption_mode='swap' needs num_host_blocks > 0")
-        for name, val in (("block_size", block_size), ("tp", tp)):
+        for name, val in (("block_size", block_size), ("tp", tp), ("ep", ep)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         windows = set(cfg.layer_windows())
@@ -166,7 +167,7 @@ class Engine:
         self.interpret = interpret
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.tp = tp
+        self.tp, self.ep = tp, ep
         self._rng = np.random.default_rng(seed)
         self.compile_cache_dir = None if cache_dir is None else compile_cache_lib.enable(cache_dir)
         self._auto_warmup = bool(warmup)
@@ -266,8 +267,7 @@ class Engine:
         """Loads ``"tiny"`` (the bundled model) or an HF-format directory and builds an engine.
 
         Keyword arguments are those of :class:`Engine` (``num_blocks``, ``block_size``,
-        ``max_num_seqs``, ``max_num_batched_tokens``, ``num_host_blocks``,
-        ``enable_prefix_caching``, ``preemption_mode``, ``tp``, ...).
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``tp``, ``ep``, ...).
         """
         from paxcache.models import load_pretrained
 
@@ -301,11 +301,11 @@ class Engine:
 
     def _place_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
         """``(mesh, params)``: no mesh for ``tp == 1``, else sharded over a ``tp`` mesh."""
-        if tp == 1:
+        if tp == self.ep == 1:
             return None, params
         from paxcache import sharding
 
-        return sharding.setup_tensor_parallel(model, params, tp)
+        return sharding.setup_tensor_parallel(model, params, tp, self.ep)
 
     def _init_state(self) -> allocator.BlockState:
         """The empty block state, committed to the device like every later (jit-produced)
@@ -756,7 +756,7 @@ class Engine:
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
             "kv_cache_bytes": self.bytes_per_block * total,
-            "device": ", ".join(str(d) for d in jax.devices()[: max(1, self.tp)]),
+            "device": ", ".join(str(d) for d in jax.devices()[: self.tp * self.ep]),
             "kernel_impls": kernels_pallas.kernel_info(),
             "max_model_len": self.max_model_len,
         }
