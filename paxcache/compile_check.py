@@ -465,7 +465,8 @@ def format_report(report: dict[str, Any]) -> str:
         m, e = report["model"], report.get("engine", {})
         lines.append(
             f"{report['target']} ({report['chip']}, {_gib(report['hbm_bytes_per_chip'])} GiB "
-            f"HBM per chip), tp={report['tp']}, ep={report.get('ep', 1)}, {report['dtype']}: {m['model_type']} "
+            f"HBM per chip), tp={report['tp']}, ep={report.get('ep', 1)}, {report['dtype']}: "
+            f"{m['model_type']} "
             f"L={m['layers']} E={m['hidden']} H={m['heads']} K={m['kv_heads']} "
             f"D={m['head_dim']} V={m['vocab']}"
         )
