@@ -7,7 +7,6 @@ chunked prefill and prefix hits; ``tp``/``ep`` on 4 simulated devices give the s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -61,7 +60,7 @@ def _logits(model, ids) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("variant", "layout"),
-    [(v, "legacy") for v in sorted(VARIANTS)]
+    [(v, "legacy") for v in sorted(VARIANTS) if v != "mixtral"]
     + [("mixtral", "fused"), ("qwen3_moe_mlp_only_layer", "fused")],
 )
 def test_logits_match_numpy_hf_reference(tmp_path: Path, variant: str, layout: str) -> None:
@@ -134,7 +133,7 @@ def _loop_reference(x, weights, experts, wg, wu, wd) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize(("n", "x", "k"), [(1, 4, 1), (7, 4, 2), (13, 8, 3)])
+@pytest.mark.parametrize(("n", "x", "k"), [(1, 4, 1), (13, 8, 3)])
 def test_grouped_matmul_equals_a_loop_over_experts_and_shards_sum_to_it(n, x, k) -> None:
     rng = np.random.default_rng(n)
     e, f = 8, 6
@@ -143,11 +142,12 @@ def test_grouped_matmul_equals_a_loop_over_experts_and_shards_sum_to_it(n, x, k)
     wd = rng.standard_normal((x, f, e)).astype(np.float32)
     weights, experts = route(jnp.asarray(rng.standard_normal((n, x)) * 3), k, normalize=False)
     want = _loop_reference(xs, np.asarray(weights), np.asarray(experts), wg, wu, wd)
-    got = jax.jit(expert_mlp)(xs, weights, experts, wg, wu, wd)
+    mlp = jax.jit(expert_mlp)
+    got = mlp(xs, weights, experts, wg, wu, wd)
     chex.assert_trees_all_close(np.asarray(got), want, atol=1e-4, rtol=1e-4)
     half = x // 2  # expert parallelism: two shards of the experts, each its own share
     parts = [
-        expert_mlp(xs, weights, experts, wg[s], wu[s], wd[s], first_expert=s.start)
+        mlp(xs, weights, experts, wg[s], wu[s], wd[s], first_expert=s.start)
         for s in (slice(0, half), slice(half, x))
     ]
     chex.assert_trees_all_close(np.asarray(parts[0] + parts[1]), want, atol=1e-4, rtol=1e-4)
@@ -175,7 +175,7 @@ def test_engine_paged_greedy_equals_dense_greedy(tmp_path: Path, variant: str) -
     assert len({t for w in want for t in w}) > 2  # not a degenerate constant output
 
 
-def _tiny_moe() -> MoeForCausalLM:
+def _abstract_moe() -> MoeForCausalLM:
     cfg = MoeConfig(
         vocab_size=64,
         hidden_size=16,
@@ -186,7 +186,7 @@ def _tiny_moe() -> MoeForCausalLM:
         num_experts_per_tok=2,
         model_type="mixtral",
     )
-    return MoeForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return nnx.eval_shape(lambda: MoeForCausalLM(cfg, rngs=nnx.Rngs(0)))  # refused before use
 
 
 @pytest.mark.parametrize(
@@ -200,11 +200,11 @@ def _tiny_moe() -> MoeForCausalLM:
 )
 def test_engine_refuses_bad_ep_clearly(which: str, ep: int, match: str) -> None:
     if which == "dense":
-        model = LlamaForCausalLM(
-            dataclasses.replace(LlamaConfig(64, 16, 16, 1, 2)), rngs=nnx.Rngs(0)
+        model = nnx.eval_shape(
+            lambda: LlamaForCausalLM(LlamaConfig(64, 16, 16, 1, 2), rngs=nnx.Rngs(0))
         )
     else:
-        model = _tiny_moe()
+        model = _abstract_moe()
     with pytest.raises(ValueError, match=match):
         Engine(model, ByteTokenizer(), num_blocks=8, block_size=4, ep=ep, warmup=False)
 
