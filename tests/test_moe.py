@@ -86,6 +86,11 @@ def test_config_reads_num_experts_and_num_local_experts_and_hf_defaults() -> Non
     assert q.moe_layer_flags() == (False, True, False, False)
 
 
+def test_a_plain_llama_config_refuses_an_moe_model_type() -> None:
+    with pytest.raises(ValueError, match="mixture of experts"):
+        LlamaConfig(64, 16, 16, 1, 2, model_type="mixtral")
+
+
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [

@@ -137,6 +137,11 @@ class LlamaConfig:
             raise ConfigError(
                 f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
+        if FAMILIES[self.model_type].moe and not hasattr(self, "num_experts"):
+            raise ConfigError(
+                f"model_type {self.model_type!r} is a mixture of experts: use "
+                "paxcache.models.MoeConfig (LlamaConfig.from_hf_dict returns one)"
+            )
         if self.qk_norm not in QK_NORMS:
             raise ConfigError(
                 f"config field qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}"
