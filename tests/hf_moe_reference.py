@@ -4,13 +4,14 @@ layouts, and a float64 numpy forward of HF's MoE code (transformers 5.24's
 optional renormalization, per-expert SwiGLU, weighted ``index_add_``; Qwen3-MoE's dense
 ``mlp_only_layers`` / ``decoder_sparse_step`` rule), independent of paxcache's model code.
 
-Checked once by hand against transformers 5.24 in /work/hfvenv: checkpoints written by
-``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM.save_pretrained`` (random weights, configs
-like :func:`moe_config`'s) load in paxcache with logits within 1.2e-7 of transformers' and
-greedy engine tokens equal to ``generate``; transformers writes the per-expert ("legacy")
-layout, its in-memory modules hold the fused one (``mlp.experts.gate_up_proj [X, 2Fm, E]``,
-``mlp.experts.down_proj [X, E, Fm]``, what ``save_pretrained(save_original_format=False)``
-writes).
+Checked once by hand against transformers 5.24 in /work/hfvenv on random-weight
+``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` checkpoints (4 experts, top-2; the Qwen3-MoE
+one with ``mlp_only_layers=[1]`` and ``norm_topk_prob=False``): :func:`moe_forward_np` on the
+``save_pretrained`` files is within 1.2e-7 of transformers' logits, and paxcache loads both
+layouts within 1.2e-7 with greedy engine tokens equal to ``generate``. ``save_pretrained``
+writes the per-expert ("legacy") layout; the in-memory modules hold the fused one
+(``mlp.experts.gate_up_proj [X, 2Fm, E]``, ``mlp.experts.down_proj [X, E, Fm]``), which
+``save_pretrained(save_original_format=False)`` writes.
 
 Attention, norms and RoPE are :mod:`tests.hf_reference`'s (Mixtral is Mistral's attention,
 Qwen3-MoE Qwen3's), with the MLP swapped through ``forward_np(..., mlp=)``.
