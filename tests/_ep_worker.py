@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
@@ -21,7 +23,18 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from paxcache import Engine, SamplingParams, sharding  # noqa: E402
-from paxcache.models import ByteTokenizer, MoeConfig, MoeForCausalLM  # noqa: E402
+from paxcache.models import (  # noqa: E402
+    ByteTokenizer,
+    MoeConfig,
+    MoeForCausalLM,
+    load_model,
+    load_pretrained,
+)
+from paxcache.models.moe import MoeLayers  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_moe_reference import moe_config, random_moe_tensors  # noqa: E402
+from hf_reference import write_checkpoint  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 # (tp, ep) layouts compared with one device.
@@ -97,6 +110,44 @@ def run(model: MoeForCausalLM, tp: int, ep: int) -> dict:
     return rep
 
 
+# (HF config, expert layout) checkpoints loaded straight into tp=2, ep=2 shards.
+CHECKPOINTS = {
+    "mixtral_legacy": (moe_config("mixtral"), "legacy"),
+    "qwen3_moe_dense_layer_fused": (
+        moe_config("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1]),
+        "fused",
+    ),
+}
+
+
+def sharded_loads(tp: int = 2, ep: int = 2) -> dict:
+    """Per checkpoint: whether ``load_pretrained(tp=, ep=)`` equals the one-device load, and
+    each MLP parameter's spec and shard shape."""
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (cfg, layout) in CHECKPOINTS.items():
+            path = write_checkpoint(Path(tmp) / name, cfg, random_moe_tensors(cfg, 3, layout))
+            one = load_model(path)
+            model, _ = load_pretrained(path, tp=tp, ep=ep)
+            same = jax.tree.map(
+                lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+                nnx.state(one, nnx.Param),
+                nnx.state(model, nnx.Param),
+            )
+            rep: dict = {"equal": all(jax.tree.leaves(same))}
+            for n in MoeLayers.MLP_NAMES:
+                leaf = getattr(model.layers, n)
+                if leaf is not None:
+                    arr = leaf.get_value()
+                    rep[n] = {
+                        "spec": list(map(str, arr.sharding.spec)),
+                        "shard_shape": list(arr.addressable_shards[0].data.shape),
+                        "devices": len(arr.sharding.device_set),
+                    }
+            out[name] = rep
+    return out
+
+
 def main() -> None:
     t0 = time.perf_counter()
     model = make_model()
@@ -105,6 +156,7 @@ def main() -> None:
     suite = sys.argv[2] if len(sys.argv) > 2 else "fast"
     for tp, ep in LAYOUTS[suite]:
         report[f"tp{tp}_ep{ep}"] = run(model, tp, ep)
+    report["loads"] = sharded_loads()
     report["dense_argmax"] = [int(i) for i in dense_ref.argmax(-1)]
     report["seconds"] = time.perf_counter() - t0
     with open(sys.argv[1], "w") as f:

@@ -271,11 +271,32 @@ def _check_layouts(report: dict) -> None:
         assert rep["mesh"] == ({"ep": ep, "tp": tp} if ep > 1 else {"tp": tp}), key
 
 
-def test_tp2_ep2_gives_the_single_device_tokens_with_experts_split(tmp_path: Path) -> None:
-    report = _run_worker(tmp_path, "fast")
+@pytest.fixture(scope="module")
+def fast_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fast ep worker's report, run once for the tests below."""
+    return _run_worker(tmp_path_factory.mktemp("ep_fast"), "fast")
+
+
+def test_tp2_ep2_gives_the_single_device_tokens_with_experts_split(fast_report: dict) -> None:
+    report = fast_report
     assert report["num_devices"] == 4
     _check_layouts(report)
     assert "tp2_ep2" in report
+
+
+def test_checkpoints_load_straight_into_their_ep_tp_shards(fast_report: dict) -> None:
+    loads = fast_report["loads"]
+    assert set(loads) == {"mixtral_legacy", "qwen3_moe_dense_layer_fused"}
+    for name, rep in loads.items():
+        assert rep["equal"], name  # the same values as the one-device load, both layouts
+        assert rep["expert_gate"]["spec"] == ["None", "ep", "None", "tp"], name
+        assert rep["expert_down"]["spec"] == ["None", "ep", "tp", "None"], name
+        sparse = 2  # Mixtral: both layers; Qwen3-MoE: layers 0 and 2
+        assert rep["expert_gate"]["shard_shape"] == [sparse, 4 // 2, 32, 16 // 2], name
+        assert rep["expert_down"]["shard_shape"] == [sparse, 4 // 2, 16 // 2, 32], name
+        assert rep["expert_up"]["devices"] == 4, name
+    assert "gate_proj" in loads["qwen3_moe_dense_layer_fused"]  # its dense layer, loaded too
+    assert "gate_proj" not in loads["mixtral_legacy"]
 
 
 @pytest.mark.slow
