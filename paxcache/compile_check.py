@@ -82,7 +82,7 @@ def load_hf_config(path: str | Path) -> LlamaConfig:
 
 
 def abstract_model(config: LlamaConfig, dtype: Any) -> LlamaForCausalLM:
-    """The model with ``ShapeDtypeStruct`` parameters: shapes and dtypes, no weights."""
+    """The model (its family's class) with ``ShapeDtypeStruct`` parameters: no weights."""
     cls = model_class(config)
     return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
@@ -139,8 +139,9 @@ class AbstractEngine(Engine):
             raise ValueError(
                 f"unknown HBM size for {self._devices[0].device_kind!r}; pass hbm_bytes"
             )
-        tp = int(kwargs.get("tp", 1))
+        tp, self.ep = int(kwargs.get("tp", 1)), int(kwargs.get("ep", 1))
         sharding.validate_tp(model.config, tp, num_devices=len(self._devices))
+        sharding.validate_ep(model.config, tp, self.ep, num_devices=len(self._devices))
         self.weights_bytes_per_device = _bytes_per_device(
             self._shard_params(model, nnx.split(model)[1], tp)[1]
         )
@@ -165,11 +166,11 @@ class AbstractEngine(Engine):
         return stats
 
     def _shard_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
-        if tp == 1:
+        if tp == self.ep == 1:
             one = SingleDeviceSharding(self._devices[0])
             return None, jax.tree.map(lambda x: _abstract(x, one), params)
-        mesh = sharding.make_mesh(tp, self._devices)
-        specs = sharding.param_specs(params, model.config, tp)
+        mesh = sharding.make_mesh(tp, self._devices, ep=self.ep)
+        specs = sharding.param_specs(params, model.config, tp, self.ep)
         return mesh, jax.tree.map(lambda x, s: _abstract(x, NamedSharding(mesh, s)), params, specs)
 
     def _place_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
@@ -322,6 +323,7 @@ def check_engine(
     *,
     dtype: Any = jnp.bfloat16,
     tp: int = 1,
+    ep: int = 1,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int = 16,
@@ -336,7 +338,7 @@ def check_engine(
       target: topology name, e.g. ``"v5e:2x2"`` (its first ``tp`` chips are used).
       config: the model (see :func:`load_hf_config`).
       dtype: weights, activations and KV cache dtype.
-      tp, max_num_seqs, max_num_batched_tokens, block_size, max_model_len: as for
+      tp, ep, max_num_seqs, max_num_batched_tokens, block_size, max_model_len: as for
         :class:`~paxcache.engine.Engine` (``None``: the engine's defaults for a TPU).
       num_host_blocks: host swap pool (default: 4 sequences of ``max_model_len``; 0: no
         swap programs).
@@ -355,6 +357,7 @@ def check_engine(
         "chip": chip,
         "num_devices": len(devices),
         "tp": tp,
+        "ep": ep,
         "dtype": jnp.dtype(dtype).name,
         "hbm_bytes_per_chip": hbm,
         "model": {
@@ -380,6 +383,7 @@ def check_engine(
             devices,
             hbm_bytes=hbm,
             tp=tp,
+            ep=ep,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size,
@@ -420,7 +424,7 @@ def check_engine(
             for x in jax.tree.leaves(nnx.state(engine.model))
         )
         report["engine"]["weights_bytes_total"] = weights_total
-        if tp > 1 and weights_total > hbm:
+        if tp * ep > 1 and weights_total > hbm:
             report["notes"].append(
                 f"loading: the model is built whole on one chip before it is sharded "
                 f"(paxcache.sharding limitation); its {weights_total / _GIB:.1f} GiB of "
@@ -539,7 +543,8 @@ def format_report(report: dict[str, Any]) -> str:
         m, e = report["model"], report.get("engine", {})
         lines.append(
             f"{report['target']} ({report['chip']}, {_gib(report['hbm_bytes_per_chip'])} GiB "
-            f"HBM per chip), tp={report['tp']}, {report['dtype']}: {m['model_type']} "
+            f"HBM per chip), tp={report['tp']}, ep={report.get('ep', 1)}, {report['dtype']}: "
+            f"{m['model_type']} "
             f"L={m['layers']} E={m['hidden']} H={m['heads']} K={m['kv_heads']} "
             f"D={m['head_dim']} V={m['vocab']}"
         )

@@ -95,7 +95,7 @@ class Engine:
       enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
       preemption_mode: ``"swap"`` (needs host blocks) or ``"recompute"``.
       policy: scheduling policy, ``"fifo"`` or ``"prefill_first"``.
-      tp: tensor-parallel degree (shards KV heads and weights over a ``tp`` mesh axis).
+      tp, ep: tensor- and expert-parallel degrees (mesh axes ``tp``, ``ep``: :mod:`.sharding`).
       max_model_len: longest sequence (prompt + output); default the model's
         ``max_position_embeddings``.
       kv_memory_bytes: KV cache budget in bytes (alternative to ``num_blocks``).
@@ -132,6 +132,7 @@ class Engine:
         preemption_mode: str = "recompute",
         policy: str = "fifo",
         tp: int = 1,
+        ep: int = 1,
         max_model_len: int | None = None,
         kv_memory_bytes: int | None = None,
         watermark: float = 0.01,
@@ -150,7 +151,7 @@ class Engine:
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute': {preemption_mode!r}")
         if preemption_mode == "swap" and num_host_blocks <= 0:
             raise ValueError("preemption_mode='swap' needs num_host_blocks > 0")
-        for name, val in (("block_size", block_size), ("tp", tp)):
+        for name, val in (("block_size", block_size), ("tp", tp), ("ep", ep)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         # The allocator frees blocks behind a window only when every layer has that window.
@@ -162,7 +163,7 @@ class Engine:
         self.interpret = interpret
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.tp = tp
+        self.tp, self.ep = tp, ep
         self._rng = np.random.default_rng(seed)
         self.compile_cache_dir = None if cache_dir is None else compile_cache_lib.enable(cache_dir)
         self._auto_warmup = bool(warmup)
@@ -262,14 +263,14 @@ class Engine:
         """Loads ``"tiny"`` or an HF-format directory (``dtype`` None: bf16 on TPU/GPU, f32 on CPU).
 
         Keyword arguments are those of :class:`Engine` (``num_blocks``, ``block_size``,
-        ``max_num_seqs``, ``max_num_batched_tokens``, ``num_host_blocks``,
-        ``enable_prefix_caching``, ``preemption_mode``, ``tp``, ...).
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``tp``, ``ep``, ...).
         """
         from paxcache.models import load_pretrained
 
         t0 = time.perf_counter()
         dtype = step_lib.default_dtype() if dtype is None else dtype
-        m, tok = load_pretrained(model, dtype=dtype, tp=kwargs.get("tp", 1))  # into shards
+        tp, ep = kwargs.get("tp", 1), kwargs.get("ep", 1)
+        m, tok = load_pretrained(model, dtype=dtype, tp=tp, ep=ep)  # into shards
         name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
         logger.info(
             "loaded %s (%s, %d layers, %s) in %.1fs",
@@ -298,11 +299,11 @@ class Engine:
 
     def _place_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
         """``(mesh, params)``: no mesh for ``tp == 1``, else sharded over a ``tp`` mesh."""
-        if tp == 1:
+        if tp == self.ep == 1:
             return None, params
         from paxcache import sharding
 
-        return sharding.setup_tensor_parallel(model, params, tp)
+        return sharding.setup_tensor_parallel(model, params, tp, self.ep)
 
     def _init_state(self) -> allocator.BlockState:
         """The empty block state, committed to the device like every later (jit-produced)
@@ -753,7 +754,7 @@ class Engine:
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
             "kv_cache_bytes": self.bytes_per_block * total,
-            "device": ", ".join(str(d) for d in jax.devices()[: max(1, self.tp)]),
+            "device": ", ".join(str(d) for d in jax.devices()[: self.tp * self.ep]),
             "kernel_impls": kernels_pallas.kernel_info(),
             "max_model_len": self.max_model_len,
         }

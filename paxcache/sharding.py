@@ -39,12 +39,21 @@ same requests (multi-controller SPMD); :func:`broadcast_from_leader` sends proce
 requests to the others as JSON (never pickle: a follower must not run whatever reaches the
 channel), and :func:`place` puts values on devices of other processes.
 
-Loading: ``load_pretrained(..., tp=)`` / ``Engine.from_pretrained(..., tp=)`` read a
-checkpoint straight into these shards (:mod:`paxcache.models.shards`: each device receives
+Expert parallelism (mixture-of-experts models, ``ep > 1``): the mesh is 2-D,
+``(ep, tp)`` over ``ep * tp`` devices. Expert weights ``[L, X, E, Fm]`` / ``[L, X, Fm, E]``
+are split over experts on ``ep`` and over Fm on ``tp`` (:func:`expert_specs`); everything
+else (attention, KV cache, router, dense layers) keeps its ``tp`` split and is replicated over
+``ep``. Tokens are therefore on every device after attention (all-gather placement, no
+all-to-all): each device runs its own experts' share and one all-reduce over ``ep`` and
+``tp`` combines them (:mod:`paxcache.models.moe`). ``ep`` must divide the experts and a
+dense model refuses ``ep > 1`` (:func:`validate_ep`).
+
+Loading: ``load_pretrained(..., tp=, ep=)`` / ``Engine.from_pretrained(..., tp=, ep=)`` read
+a checkpoint straight into these shards (:mod:`paxcache.models.shards`: each device receives
 only its block, read from the memory-mapped safetensors files, on every host only its own
-devices'); :func:`place` then leaves them where they are. A model built in memory
-(``Engine(model, tp=)``) is still sharded after it was built, so it must first fit on one
-device.
+devices'; expert weights by :func:`expert_specs`); :func:`place` then leaves them where they
+are. A model built in memory (``Engine(model, tp=)``) is still sharded after it was built, so
+it must first fit on one device.
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ from jax.sharding import PartitionSpec as P
 import kernels_pallas as kp
 
 __all__ = [
+    "EP_AXIS",
     "MAX_BROADCAST_BYTES",
     "TP_AXIS",
     "BroadcastError",
@@ -72,6 +82,7 @@ __all__ = [
     "collectives",
     "decode_message",
     "encode_message",
+    "expert_specs",
     "kv_sharding",
     "make_mesh",
     "param_specs",
@@ -79,6 +90,7 @@ __all__ = [
     "replicated",
     "setup_tensor_parallel",
     "shard_params",
+    "validate_ep",
     "validate_tp",
 ]
 
@@ -86,6 +98,9 @@ logger = logging.getLogger(__name__)
 
 TP_AXIS = "tp"
 """Name of the tensor-parallel mesh axis."""
+
+EP_AXIS = "ep"
+"""Name of the expert-parallel mesh axis (present only when ``ep > 1``)."""
 
 MAX_BROADCAST_BYTES = 256 << 20
 """Largest message :func:`broadcast_from_leader` sends or accepts (encoded JSON)."""
@@ -140,6 +155,56 @@ def validate_tp(config: Any, tp: int, num_devices: int | None = None) -> None:
         )
 
 
+def validate_ep(config: Any, tp: int, ep: int, num_devices: int | None = None) -> None:
+    """Checks that a model can run with expert-parallel degree ``ep`` next to ``tp``.
+
+    Raises:
+      ValueError: ``ep`` is not a positive int; ``ep > 1`` for a model without experts;
+        ``ep`` does not divide ``num_experts``; ``ep * tp`` exceeds the devices.
+    """
+    if not _is_int(ep) or ep < 1:
+        raise ValueError(f"ep must be a positive int, got {ep!r}")
+    if ep == 1:
+        return
+    experts = getattr(config, "num_experts", 0)
+    if not experts:
+        raise ValueError(
+            f"ep={ep} needs a mixture-of-experts model; {config.model_type} has no experts"
+        )
+    if experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={experts}")
+    if num_devices is None:
+        num_devices = len(jax.devices())
+    if ep * tp > num_devices:
+        raise ValueError(
+            f"ep={ep} x tp={tp} = {ep * tp} devices exceeds the {num_devices} available "
+            f"{jax.default_backend()} device(s)"
+        )
+
+
+def expert_specs(config: Any, mesh: Mesh) -> dict[str, P]:
+    """Partition specs of the stacked expert weights on ``mesh`` (module docstring).
+
+    Returns:
+      ``expert_gate`` / ``expert_up`` ``[L, X, E, Fm]`` and ``expert_down`` ``[L, X, Fm, E]``:
+      X over ``ep`` (when the mesh has it), Fm over ``tp`` when ``tp`` divides it (else
+      replicated over ``tp``).
+    """
+    ep, tp = int(mesh.shape.get(EP_AXIS, 1)), int(mesh.shape.get(TP_AXIS, 1))
+    return _expert_specs(config, tp, ep)
+
+
+def _expert_specs(config: Any, tp: int, ep: int) -> dict[str, P]:
+    ex = EP_AXIS if ep > 1 else None
+    fm = int(config.moe_intermediate_size)
+    ft = TP_AXIS if tp > 1 and fm % tp == 0 else None
+    return {
+        "expert_gate": P(None, ex, None, ft),
+        "expert_up": P(None, ex, None, ft),
+        "expert_down": P(None, ex, ft, None),
+    }
+
+
 def cache_kv_heads(num_kv_heads: int, tp: int) -> int:
     """Kc, the kv heads the paged cache holds: ``K``, or ``tp`` when kv heads are replicated.
 
@@ -148,22 +213,27 @@ def cache_kv_heads(num_kv_heads: int, tp: int) -> int:
     return max(int(num_kv_heads), int(tp))
 
 
-def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh with axis ``"tp"`` over the first ``tp`` devices (every host's).
+def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None, ep: int = 1) -> Mesh:
+    """A 1-D mesh with axis ``"tp"`` over the first ``tp`` devices (every host's), or with
+    ``ep > 1`` a 2-D ``("ep", "tp")`` mesh over the first ``ep * tp``.
 
     Args:
-      tp: number of devices.
+      tp: tensor-parallel devices.
       devices: the devices to choose from (default ``jax.devices()``).
+      ep: expert-parallel groups.
 
     Raises:
-      ValueError: ``tp`` is not a positive int or exceeds the devices.
+      ValueError: ``tp`` or ``ep`` is not a positive int, or ``ep * tp`` exceeds the devices.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if not _is_int(tp) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}")
-    if tp > len(devices):
-        raise ValueError(f"tp={tp} exceeds the {len(devices)} available device(s)")
-    return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
+    for name, v in (("tp", tp), ("ep", ep)):
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if tp * ep > len(devices):
+        raise ValueError(f"ep={ep} x tp={tp} exceeds the {len(devices)} available device(s)")
+    if ep == 1:
+        return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
+    return Mesh(np.asarray(devices[: ep * tp]).reshape(ep, tp), (EP_AXIS, TP_AXIS))
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
@@ -192,9 +262,11 @@ def _leaf_name(path: tuple) -> str:
     return names[-1] if names else ""
 
 
-def _spec_for(name: str, shape: tuple[int, ...], config: Any, tp: int) -> P:
+def _spec_for(name: str, shape: tuple[int, ...], config: Any, tp: int, ep: int = 1) -> P:
     """Partition spec of one parameter (Megatron style), replicated when it cannot split."""
     ndim = len(shape)
+    if name in ("expert_gate", "expert_up", "expert_down") and ndim == 4:
+        return _expert_specs(config, tp, ep)[name]
 
     def split(axis: int) -> P:
         if shape[axis] % tp:
@@ -223,7 +295,7 @@ def _spec_for(name: str, shape: tuple[int, ...], config: Any, tp: int) -> P:
     return P()
 
 
-def param_specs(params: Any, config: Any, tp: int) -> Any:
+def param_specs(params: Any, config: Any, tp: int, ep: int = 1) -> Any:
     """The ``PartitionSpec`` of every parameter of an ``nnx.split`` state (same pytree).
 
     Args:
@@ -231,11 +303,12 @@ def param_specs(params: Any, config: Any, tp: int) -> Any:
         path ends in the attribute name (``q_proj``, ``o_proj``, ``lm_head`` ...).
       config: the model config (``num_key_value_heads``).
       tp: the tensor-parallel degree.
+      ep: the expert-parallel degree (expert weights, :func:`expert_specs`).
     """
 
     def spec(path: tuple, leaf: Any) -> P:
         shape = tuple(getattr(leaf, "shape", ()))
-        return _spec_for(_leaf_name(path), shape, config, tp) if shape else P()
+        return _spec_for(_leaf_name(path), shape, config, tp, ep) if shape else P()
 
     return jax.tree_util.tree_map_with_path(spec, params)
 
@@ -269,29 +342,31 @@ def place(tree: Any, shardings: Any) -> Any:
 
 def shard_params(params: Any, mesh: Mesh, config: Any) -> Any:
     """Places ``params`` on ``mesh`` with :func:`param_specs` (see :func:`place`)."""
-    tp = mesh.shape[TP_AXIS]
-    specs = param_specs(params, config, tp)
+    tp, ep = mesh.shape[TP_AXIS], mesh.shape.get(EP_AXIS, 1)
+    specs = param_specs(params, config, tp, ep)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     return place(params, shardings)
 
 
-def setup_tensor_parallel(model: Any, params: Any, tp: int) -> tuple[Mesh, Any]:
-    """Validates ``tp``, builds the mesh and shards the model's parameters over it.
+def setup_tensor_parallel(model: Any, params: Any, tp: int, ep: int = 1) -> tuple[Mesh, Any]:
+    """Validates ``tp`` and ``ep``, builds the mesh and shards the model's parameters over it.
 
     Args:
-      model: the NNX model (``model.config`` gives the head counts).
+      model: the NNX model (``model.config`` gives the head and expert counts).
       params: its state from ``nnx.split(model)``.
       tp: tensor-parallel degree.
+      ep: expert-parallel degree (mixture-of-experts models only).
 
     Returns:
       ``(mesh, sharded params)``.
 
     Raises:
-      ValueError: see :func:`validate_tp`.
+      ValueError: see :func:`validate_tp`, :func:`validate_ep`.
     """
     cfg = model.config
     validate_tp(cfg, tp)
-    mesh = make_mesh(tp)
+    validate_ep(cfg, tp, ep)
+    mesh = make_mesh(tp, ep=ep)
     sharded = shard_params(params, mesh, cfg)
     k = int(cfg.num_key_value_heads)
     if k < tp:

@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="HF config.json (or its directory); omit for the kernel grid")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel chips of the topology")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (MoE models)")
     p.add_argument(
         "--max-num-seqs", type=int, default=None, help="default: the engine's TPU default (256)"
     )
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 compile_check.load_hf_config(args.config),
                 dtype=getattr(jnp, args.dtype),
                 tp=args.tp,
+                ep=args.ep,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size,

@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-blocks", type=int, default=0, help="host (pinned) KV blocks for swap")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (KV heads split)")
     p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree (MoE experts split; ep*tp chips)"
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         default=None,
@@ -336,6 +339,7 @@ def _load_engine(
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=preemption,
         tp=args.tp,
+        ep=args.ep,
         max_model_len=args.max_model_len,
         compile_cache=False if args.no_compile_cache else args.compile_cache,
     )

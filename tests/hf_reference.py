@@ -203,9 +203,12 @@ def layer_windows_np(cfg: dict[str, Any]) -> list[int | None]:
     return [None] * n
 
 
-def forward_np(cfg: dict[str, Any], t: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+def forward_np(
+    cfg: dict[str, Any], t: dict[str, np.ndarray], ids: list[int], mlp: Any = None
+) -> np.ndarray:
     """float64 logits [T, V] of one sequence (no cache), following HF's Llama / Mistral / Qwen2
-    / Qwen3 / OLMo 2 / Phi-3 code."""
+    / Qwen3 / OLMo 2 / Phi-3 code. ``mlp(layer, h [T, E], tensors) -> [T, E]``, when given,
+    replaces the SwiGLU MLP of the pre-norm families (tests/hf_moe_reference.py)."""
     _, e, f, n_layers, h, k, d = _dims(cfg)
     mt = cfg["model_type"]
     eps = cfg["rms_norm_eps"]
@@ -280,6 +283,9 @@ def forward_np(cfg: dict[str, Any], t: dict[str, np.ndarray], ids: list[int]) ->
         hs = rms(x, t[p + "post_attention_layernorm.weight"])
         if mt == "phi3":  # gate, up = gate_up_proj(x).chunk(2)
             g, u = np.split(lin(hs, "mlp.gate_up_proj"), [f], axis=-1)
+        elif mlp is not None:
+            x = x + mlp(i, hs, t)
+            continue
         else:
             g, u = lin(hs, "mlp.gate_proj"), lin(hs, "mlp.up_proj")
         x = x + lin(g / (1 + np.exp(-g)) * u, "mlp.down_proj")

@@ -27,8 +27,10 @@ from paxcache.models.loading import (
     load_config,
     load_model,
     load_pretrained,
+    model_class,
     save_pretrained,
 )
+from paxcache.models.moe import MoeConfig, MoeForCausalLM
 from paxcache.models.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -50,6 +52,8 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "MissingFileError",
+    "MoeConfig",
+    "MoeForCausalLM",
     "MissingTensorError",
     "TensorShapeError",
     "Tokenizer",
@@ -61,6 +65,7 @@ __all__ = [
     "load_model",
     "load_pretrained",
     "load_tokenizer",
+    "model_class",
     "rope_cos_sin",
     "save_pretrained",
 ]

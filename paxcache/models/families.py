@@ -14,6 +14,9 @@ per-layer-type RoPE). They differ in
 * which projections have a bias, the sliding-window rule, and
 * the HF tensor layout (Phi-3 stores fused ``qkv_proj`` and ``gate_up_proj`` weights).
 
+Mixtral and Qwen3-MoE (``moe=True``) share the same attention and norms; their MLP is a
+mixture of experts, built by :mod:`paxcache.models.moe` on top of the same decoder.
+
 :data:`FAMILIES` holds these per ``model_type``; the config translation
 (:meth:`paxcache.models.llama_config.LlamaConfig.from_hf_dict`) and the checkpoint loader
 (:mod:`paxcache.models.loading`) read it, so a family is described once.
@@ -49,15 +52,17 @@ class Family:
             "sandwich" (Gemma: input, post-attention, pre- and post-feed-forward norms).
         bias: "attention_bias" (q/k/v/o biased iff config ``attention_bias``), "qkv" (always
             q/k/v, never o: Qwen2) or "none" (Phi-3).
-        windows: "none", "all" (config ``sliding_window`` on every layer: Mistral, Phi-3) or
-            "layered" (``use_sliding_window``/``max_window_layers``/``layer_types``: Qwen2/3)
-            or "pattern" (``layer_types`` / ``sliding_window_pattern``: Gemma).
+        windows: "none", "all" (config ``sliding_window`` on every layer: Mistral, Phi-3),
+            "layered" (``use_sliding_window``/``max_window_layers``/``layer_types``: Qwen2/3),
+            "pattern" (``layer_types`` / ``sliding_window_pattern``: Gemma) or "flag"
+            (``sliding_window`` on every layer iff ``use_sliding_window``: Qwen3-MoE).
         fused: the checkpoint holds ``qkv_proj`` and ``gate_up_proj`` (Phi-3).
         norm_weight_f32: RMSNorm scales by its weight in float32 before casting back (OLMo 2);
             otherwise it casts first, then scales (Llama). Equal in float32.
         norm_offset: RMSNorm scales by ``norm_offset + w`` (Gemma: 1; its weights start at 0).
         config_class: the config class, when not the Llama one (``"gemma"``:
             :class:`paxcache.models.gemma.GemmaConfig`, read by the loader).
+        moe: the MLP is a mixture of experts (:class:`paxcache.models.moe.MoeConfig`).
     """
 
     model_type: str
@@ -70,6 +75,7 @@ class Family:
     norm_weight_f32: bool = False
     norm_offset: float = 0.0
     config_class: str = "llama"
+    moe: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -103,6 +109,8 @@ FAMILIES: dict[str, Family] = {
                 ("gemma3_text", "Gemma3ForCausalLM", "head"),
             )
         ),
+        Family("mixtral", "MixtralForCausalLM", windows="all", moe=True),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm="head", windows="flag", moe=True),
     )
 }
 
@@ -115,7 +123,9 @@ def layer_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
 
     Returns:
         Our parameter name -> shape, without the leading ``[L]`` axis; parameters the config
-        does not use (biases, q/k norms, the norms of the other placement) are absent.
+        does not use (biases, q/k norms, the norms of the other placement) are absent. A
+        mixture-of-experts config (``num_experts``) has no dense MLP here: its MLP weights are
+        :mod:`paxcache.models.moe`'s.
     """
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hd, kd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -136,7 +146,8 @@ def layer_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
         out.update(q_norm=(d,), k_norm=(d,))
     elif cfg.qk_norm == "full":
         out.update(q_norm=(hd,), k_norm=(kd,))
-    out.update(gate_proj=(e, f), up_proj=(e, f), down_proj=(f, e))
+    if not getattr(cfg, "num_experts", 0):
+        out.update(gate_proj=(e, f), up_proj=(e, f), down_proj=(f, e))
     return out
 
 

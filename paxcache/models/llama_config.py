@@ -138,6 +138,11 @@ class LlamaConfig:
             raise ConfigError(
                 f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
+        if FAMILIES[self.model_type].moe and not hasattr(self, "num_experts"):
+            raise ConfigError(
+                f"model_type {self.model_type!r} is a mixture of experts: use "
+                "paxcache.models.MoeConfig (LlamaConfig.from_hf_dict returns one)"
+            )
         if self.qk_norm not in QK_NORMS:
             raise ConfigError(
                 f"config field qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}"
@@ -269,6 +274,10 @@ class LlamaConfig:
             from paxcache.models.gemma import GemmaConfig  # noqa: PLC0415 (it imports us)
 
             return GemmaConfig.from_hf_dict(d)
+        if fam.moe and not hasattr(cls, "num_experts"):  # Mixtral, Qwen3-MoE: their config
+            from paxcache.models.moe import MoeConfig  # noqa: PLC0415 (it imports us)
+
+            return MoeConfig.from_hf_dict(d)
         required = (
             "vocab_size",
             "hidden_size",
@@ -290,7 +299,7 @@ class LlamaConfig:
         # Sliding windows per layer.
         windows: tuple[int | None, ...] = ()
         sw = d.get("sliding_window")
-        if fam.windows == "all":
+        if fam.windows == "all" or (fam.windows == "flag" and d.get("use_sliding_window")):
             if sw is not None:
                 windows = (int(sw),) * n_layers
         elif fam.windows == "layered" and d.get("use_sliding_window") and sw is not None:
@@ -419,10 +428,12 @@ class LlamaConfig:
             raise ConfigError(f"{self.model_type} has no attention bias")
         ws = self.layer_windows()
         used = [w for w in ws if w is not None]
-        if fam.windows == "all":
+        if fam.windows in ("all", "flag"):
             if used and (len(set(used)) > 1 or len(used) != len(ws)):
                 raise ConfigError(f"{self.model_type} uses one sliding window on every layer")
             d["sliding_window"] = used[0] if used else None
+            if fam.windows == "flag":
+                d["use_sliding_window"] = bool(used)
         elif fam.windows == "layered":
             d["use_sliding_window"] = bool(used)
             d["sliding_window"] = used[0] if used else None

@@ -35,7 +35,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,13 @@ from paxcache.models.llama import (
     ConfigError,
     LlamaConfig,
     LlamaForCausalLM,
+)
+from paxcache.models.moe import (
+    MoeConfig,
+    MoeForCausalLM,
+    expert_sources,
+    hf_expert_shapes,
+    moe_hf_tensors,
 )
 from paxcache.models.shards import LAYER, Block, TensorSource, place_param
 from paxcache.models.tokenizer import Tokenizer, load_tokenizer
@@ -158,16 +165,21 @@ def hf_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def model_class(cfg: LlamaConfig) -> type[LlamaForCausalLM]:
-    """The model class a config builds: :class:`GemmaForCausalLM` for a Gemma config, else
-    :class:`LlamaForCausalLM`."""
-    return GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM
+    """The model class a config builds: :class:`GemmaForCausalLM` for a Gemma config,
+    :class:`MoeForCausalLM` for a mixture of experts, else :class:`LlamaForCausalLM`."""
+    if isinstance(cfg, GemmaConfig):
+        return GemmaForCausalLM
+    return MoeForCausalLM if isinstance(cfg, MoeConfig) else LlamaForCausalLM
 
 
-def hf_sources(cfg: LlamaConfig) -> dict[tuple[str, ...], TensorSource]:
+def hf_sources(cfg: LlamaConfig, names: Container[str] = ()) -> dict[tuple[str, ...], TensorSource]:
     """Where every parameter of the model lives in an HF checkpoint (the per-family table).
 
     Args:
         cfg: the model config.
+        names: the checkpoint's tensor names, where the layout depends on them (a mixture
+            of experts' per-expert or fused tensors: :func:`paxcache.models.moe.
+            expert_sources`; default its per-expert layout).
 
     Returns:
         Our parameter's attribute path (``("embed_tokens",)``, ``("layers", "q_proj")``) ->
@@ -182,6 +194,8 @@ def hf_sources(cfg: LlamaConfig) -> dict[tuple[str, ...], TensorSource]:
         out["lm_head",] = TensorSource("lm_head.weight", transpose=True)
     for ours, (suffix, transpose, rows) in hf_layer_sources(cfg).items():
         out["layers", ours] = TensorSource(f"model.layers.{LAYER}.{suffix}", transpose, rows)
+    if isinstance(cfg, MoeConfig):
+        out.update(expert_sources(cfg, names))
     return out
 
 
@@ -495,16 +509,17 @@ def load_model(
         path: directory with config.json and safetensors weights.
         dtype: compute dtype (and parameter dtype unless ``param_dtype`` is given).
         param_dtype: storage dtype of parameters.
-        mesh: a mesh with a ``"tp"`` axis (:func:`paxcache.sharding.make_mesh`): the
-            parameters are split over it by :func:`paxcache.sharding.param_specs`, as
-            ``Engine(..., tp=)`` expects. None: every parameter on this process's first
-            device (``jax.local_devices()[0]``).
+        mesh: a mesh with a ``"tp"`` axis, and an ``"ep"`` one for expert parallelism
+            (:func:`paxcache.sharding.make_mesh`): the parameters are split over it by
+            :func:`paxcache.sharding.param_specs`, as ``Engine(..., tp=, ep=)`` expects.
+            None: every parameter on this process's first device (``jax.local_devices()[0]``).
 
     Raises:
         MissingFileError, MissingTensorError, TensorShapeError, UnsupportedModelError,
             CheckpointError: all ``CheckpointError`` (a ``ValueError``), messages naming the
             file and the tensor or field.
-        ValueError: the model cannot be split over ``mesh`` (:func:`sharding.validate_tp`).
+        ValueError: the model cannot be split over ``mesh`` (:func:`sharding.validate_tp`,
+            :func:`sharding.validate_ep`).
     """
     path = Path(path)
     if not path.is_dir():
@@ -513,11 +528,15 @@ def load_model(
     if mesh is not None:
         if sharding.TP_AXIS not in mesh.shape:
             raise ValueError(f"mesh needs a {sharding.TP_AXIS!r} axis, got {dict(mesh.shape)}")
-        sharding.validate_tp(cfg, mesh.shape[sharding.TP_AXIS], num_devices=mesh.size)
+        tp, ep = mesh.shape[sharding.TP_AXIS], mesh.shape.get(sharding.EP_AXIS, 1)
+        sharding.validate_tp(cfg, tp, num_devices=mesh.size)
+        sharding.validate_ep(cfg, tp, ep, num_devices=mesh.size)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     np_dtype = np.dtype(param_dtype)
     files = _tensor_files(path)
     shapes = hf_param_shapes(cfg)
+    if isinstance(cfg, MoeConfig):  # the MLP tensors, in the layout the checkpoint holds
+        shapes.update(hf_expert_shapes(cfg, files))
     total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
     reader = _Reader(files, total)
     reader.check(shapes)
@@ -541,7 +560,7 @@ def load_model(
     model = nnx.eval_shape(
         lambda: model_class(cfg)(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
-    sources = hf_sources(cfg)
+    sources = hf_sources(cfg, files)
     for key, param, target in _param_targets(model, cfg, sources, mesh):
         param.set_value(place_param(sources[key], param.shape, np_dtype, target, reader.block))
     logger.log(
@@ -570,7 +589,8 @@ def _param_targets(
     """
     state = nnx.state(model, nnx.Param)
     tp = 1 if mesh is None else mesh.shape[sharding.TP_AXIS]
-    specs = sharding.param_specs(state, cfg, tp)
+    ep = 1 if mesh is None else mesh.shape.get(sharding.EP_AXIS, 1)
+    specs = sharding.param_specs(state, cfg, tp, ep)
     one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     out = []
     spec_leaves = jax.tree_util.tree_leaves_with_path(
@@ -612,6 +632,8 @@ def model_to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             parts = [p[i].T if t[1] else p[i] for p, t in zip(params, targets, strict=True)]
             arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
             out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(arr)
+    if isinstance(model, MoeForCausalLM):
+        out.update(moe_hf_tensors(model))
     return out
 
 
@@ -648,6 +670,7 @@ def load_pretrained(
     param_dtype: Any | None = None,
     *,
     tp: int = 1,
+    ep: int = 1,
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Loads a model and its tokenizer.
 
@@ -659,19 +682,25 @@ def load_pretrained(
         tp: tensor-parallel degree: the weights are read straight into their shards on the
             mesh ``Engine(..., tp=tp)`` uses (:func:`paxcache.sharding.make_mesh`); 1: one
             device.
+        ep: expert-parallel degree (a mixture of experts): the experts are read straight
+            into their ``ep`` shards of the ``(ep, tp)`` mesh (:func:`paxcache.sharding.
+            expert_specs`); 1: no ``ep`` axis.
 
     Returns:
         (model, tokenizer). The tokenizer is byte-level when the directory has no tokenizer.json.
 
     Raises:
         CheckpointError (a ValueError) subclasses naming the problem; ValueError for a ``tp``
-            the model cannot be split by (:func:`paxcache.sharding.validate_tp`).
+            the model cannot be split by (:func:`paxcache.sharding.validate_tp`), an ``ep`` it
+            cannot use (:func:`paxcache.sharding.validate_ep`).
     """
     p = TINY_DIR if str(path) == "tiny" else Path(path)
     mesh = None
-    if isinstance(tp, bool) or tp != 1:
-        sharding.validate_tp(load_config(p), tp)  # before any weight is read
-        mesh = sharding.make_mesh(tp)
+    if isinstance(tp, bool) or isinstance(ep, bool) or tp != 1 or ep != 1:
+        cfg = load_config(p)  # both checked before any weight is read
+        sharding.validate_tp(cfg, tp)
+        sharding.validate_ep(cfg, tp, ep)
+        mesh = sharding.make_mesh(tp, ep=ep)
     model = load_model(p, dtype=dtype, param_dtype=param_dtype, mesh=mesh)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         _confined(p, p / name)

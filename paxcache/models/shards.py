@@ -76,11 +76,14 @@ class TensorSource:
       rows: ``(start, stop)`` of HF's ``out`` axis (axis -2 of a transposed source, else axis
         0) that this parameter is, for a fused tensor (Phi-3's ``qkv_proj``,
         ``gate_up_proj``); None for the whole tensor.
+      layers: the checkpoint layer of each entry of a stack over some layers only (a
+        mixture of experts' sparse / dense MLP layers); None: entry ``i`` is layer ``i``.
     """
 
     name: str
     transpose: bool = False
     rows: tuple[int, int] | None = None
+    layers: tuple[int, ...] | None = None
 
     @property
     def stacked(self) -> bool:
@@ -93,7 +96,10 @@ class TensorSource:
         return EXPERT in self.name
 
     def tensor(self, layer: int | None, expert: int | None = None) -> str:
-        """The HF tensor name for ``layer`` (and ``expert``); None where it has none."""
+        """The HF tensor name for stack entry ``layer`` (and ``expert``); None where it has
+        none."""
+        if self.stacked and self.layers is not None and layer is not None:
+            layer = self.layers[layer]
         name = self.name.replace(LAYER, str(layer)) if self.stacked else self.name
         return name.replace(EXPERT, str(expert)) if self.per_expert else name
 
