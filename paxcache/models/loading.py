@@ -43,6 +43,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from paxcache.errors import CheckpointError
+from paxcache.models import quantize
 from paxcache.models.families import hf_layer_sources, layer_shapes
 from paxcache.models.llama import (
     SUPPORTED_MODEL_TYPES,
@@ -417,11 +418,36 @@ class _Reader:
             )
         return arr.astype(np_dtype, copy=False)
 
+    def get_stored(self, name: str, shape: tuple[int, ...], dtypes: set[str]) -> np.ndarray:
+        """A tensor in its stored dtype (``I8``, ``F8_E4M3`` or a float), checked against
+        ``dtypes`` and ``shape``; float8 is read from the file's bytes (numpy has no fp8)."""
+        fpath, f = self._file(name)
+        try:
+            dtype, got = str(f.get_slice(name).get_dtype()), tuple(f.get_slice(name).get_shape())
+        except Exception as e:  # noqa: BLE001 - SafetensorError
+            raise MissingTensorError(
+                f"cannot read tensor {name!r} from {fpath.name}: {e}"
+            ) from None
+        if dtype not in dtypes or got != tuple(shape):
+            raise TensorShapeError(
+                f"tensor {name!r} in {fpath.name} has dtype {dtype} and shape {got}, expected "
+                f"one of {sorted(dtypes)} and {tuple(shape)}"
+            )
+        if dtype != "F8_E4M3":
+            return f.get_tensor(name)
+        with open(fpath, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            start, end = json.loads(fh.read(n))[name]["data_offsets"]
+            fh.seek(8 + n + start)
+            raw = np.frombuffer(fh.read(end - start), np.uint8)
+        return raw.view(ml_dtypes.float8_e4m3fn).reshape(got)
+
 
 def load_model(
     path: str | os.PathLike[str],
     dtype: Any = jnp.float32,
     param_dtype: Any | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Loads an HF-format checkpoint directory into a ``LlamaForCausalLM``.
 
@@ -429,6 +455,10 @@ def load_model(
         path: directory with config.json and safetensors weights.
         dtype: compute dtype (and parameter dtype unless ``param_dtype`` is given).
         param_dtype: storage dtype of parameters.
+        quantization: None, or one of :data:`paxcache.models.quantize.QUANTIZATIONS`: the
+            layers' linear weights are quantized as they are read. A pre-quantized
+            (compressed-tensors) checkpoint loads as it is stored; ``quantization`` must then
+            be None or its own scheme.
 
     Raises:
         MissingFileError, MissingTensorError, TensorShapeError, UnsupportedModelError,
@@ -439,13 +469,17 @@ def load_model(
     if not path.is_dir():
         raise MissingFileError(f"checkpoint directory not found: {path}")
     cfg = load_config(path)
+    pre = quantize.checkpoint_quantization(
+        _read_json(path / "config.json", _MAX_CONFIG_BYTES), quantization
+    )
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     np_dtype = np.dtype(param_dtype)
     files = _tensor_files(path)
     shapes = hf_param_shapes(cfg)
     total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
     reader = _Reader(files, total)
-    reader.check(shapes)
+    stored = _prequantized_names(cfg, shapes) if pre is not None else set()
+    reader.check({k: v for k, v in shapes.items() if k not in stored})
     t0 = time.monotonic()
     if reader.big:
         logger.info(
@@ -467,8 +501,8 @@ def load_model(
         lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
 
-    def put(param: nnx.Param, arr: np.ndarray) -> None:
-        param.set_value(jnp.asarray(arr))
+    def put(param: nnx.Param, arr: Any) -> None:
+        param.set_value(arr if isinstance(arr, quantize.QuantizedWeight) else jnp.asarray(arr))
 
     put(
         model.embed_tokens,
@@ -478,6 +512,10 @@ def load_model(
     if model.lm_head is not None:
         put(model.lm_head, reader.get("lm_head.weight", shapes["lm_head.weight"], np_dtype).T)
     for suffix, targets in _hf_layer_groups(cfg).items():
+        if pre is not None and targets[0][1]:  # a linear weight, stored quantized
+            for ours, w in _read_prequantized(reader, pre, cfg, suffix, targets).items():
+                put(getattr(model.layers, ours), w)
+            continue
         # One read per tensor; a fused one (Phi-3) fills several of our params by rows.
         stacked = {
             t[0]: np.empty(getattr(model.layers, t[0]).get_value().shape, np_dtype) for t in targets
@@ -489,10 +527,66 @@ def load_model(
                 part = arr if rows is None else arr[rows[0] : rows[1]]
                 stacked[ours][i] = part.T if transpose else part
         for ours, arr in stacked.items():
+            if quantization is not None and ours in quantize.LINEAR_WEIGHTS:
+                arr = quantize.quantize_weight(arr, quantization)  # per tensor, on the host
             put(getattr(model.layers, ours), arr)
+    if pre is not None or quantization is not None:
+        quantize.apply_quantization(model)
     if reader.big:
         logger.info("loaded %s in %.1fs", path, time.monotonic() - t0)
     return model
+
+
+def _prequantized_names(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    """The tensors a pre-quantized checkpoint stores quantized: every layer linear weight."""
+    linear = {suffix for suffix, t in _hf_layer_groups(cfg).items() if t[0][1]}
+    return {n for n in shapes if n.startswith("model.layers.") and n.split(".", 3)[3] in linear}
+
+
+def _read_prequantized(
+    reader: _Reader,
+    pre: quantize.CheckpointQuantization,
+    cfg: LlamaConfig,
+    suffix: str,
+    targets: list[tuple[str, bool, tuple[int, int] | None]],
+) -> dict[str, quantize.QuantizedWeight]:
+    """One HF linear weight of every layer, as stored (``weight``, ``weight_scale``, and
+    ``input_scale`` for static activations), stacked into our params (``[L, in, out]``)."""
+    code = {"int8": "I8", "float8_e4m3fn": "F8_E4M3"}[pre.weight_dtype]
+    shapes = hf_param_shapes(cfg)
+    qs: dict[str, list[np.ndarray]] = {t[0]: [] for t in targets}
+    scales: dict[str, list[np.ndarray]] = {t[0]: [] for t in targets}
+    inputs: list[np.ndarray] = []
+    for i in range(cfg.num_hidden_layers):
+        name = f"model.layers.{i}.{suffix}"
+        out_dim = shapes[name][0]
+        q = reader.get_stored(name, shapes[name], {code})
+        base = name.removesuffix(".weight")
+        scale_name = base + ".weight_scale"
+        sfile = reader._file(scale_name)[1].get_slice(scale_name)
+        sshape = tuple(sfile.get_shape())
+        if sshape not in ((out_dim, 1), (out_dim,), (1,), ()):
+            raise TensorShapeError(
+                f"tensor {scale_name!r} has shape {sshape}, expected ({out_dim}, 1) (channel) or "
+                "(1,) (tensor)"
+            )
+        s = reader.get_stored(scale_name, sshape, _FLOAT_DTYPES).astype(np.float32)
+        s = np.broadcast_to(s.reshape(-1, 1), (out_dim, 1))
+        if pre.act_static:
+            in_name = base + ".input_scale"
+            ishape = tuple(reader._file(in_name)[1].get_slice(in_name).get_shape())
+            if int(np.prod(ishape)) != 1:
+                raise TensorShapeError(f"tensor {in_name!r} has shape {ishape}, expected (1,)")
+            inputs.append(reader.get_stored(in_name, ishape, _FLOAT_DTYPES).reshape(1, 1))
+        for ours, _, rows in targets:
+            lo, hi = (0, out_dim) if rows is None else rows
+            qs[ours].append(q[lo:hi].T)
+            scales[ours].append(s[lo:hi].T)
+    act = np.stack(inputs).astype(np.float32) if pre.act_static else None
+    return {
+        ours: quantize.stored_weight(pre, np.stack(qs[ours]), np.stack(scales[ours]), act)
+        for ours, _, _ in targets
+    }
 
 
 def model_to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
@@ -543,6 +637,7 @@ def load_pretrained(
     path: str | os.PathLike[str] = "tiny",
     dtype: Any = jnp.float32,
     param_dtype: Any | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Loads a model and its tokenizer.
 
@@ -551,6 +646,7 @@ def load_pretrained(
             (config.json, ``*.safetensors``; tokenizer.json / tokenizer_config.json optional).
         dtype: compute dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``.
         param_dtype: parameter storage dtype (default: ``dtype``).
+        quantization: None, ``"int8"``, ``"int8-w8a8"`` or ``"fp8"`` (see :func:`load_model`).
 
     Returns:
         (model, tokenizer). The tokenizer is byte-level when the directory has no tokenizer.json.
@@ -559,7 +655,7 @@ def load_pretrained(
         CheckpointError (a ValueError) subclasses naming the problem.
     """
     p = TINY_DIR if str(path) == "tiny" else Path(path)
-    model = load_model(p, dtype=dtype, param_dtype=param_dtype)
+    model = load_model(p, dtype=dtype, param_dtype=param_dtype, quantization=quantization)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         _confined(p, p / name)
     tok = load_tokenizer(p, model.config)

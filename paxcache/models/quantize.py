@@ -1,0 +1,461 @@
+"""Quantized weights for the Llama-family model, applied to the model (never written into it).
+
+Schemes (``QUANTIZATIONS``), for the decoder layers' linear weights (q/k/v/o, gate/up/down;
+the embeddings, norms and LM head stay in the model's dtype, as vLLM and compressed-tensors
+checkpoints keep them):
+
+* ``"int8"``: weight-only int8, one scale per output channel (W8A16).
+* ``"int8-w8a8"``: int8 weights as above and int8 activations with one dynamic scale per
+  token; the matmul runs on the int8 operands (an ``s8 x s8 -> s32`` dot in the HLO).
+* ``"fp8"``: float8 e4m3 weights, one scale per output channel; the matmul dequantizes the
+  weight (XLA fuses it), so it runs on every backend.
+
+How it works: a quantized weight is a :class:`QuantizedWeight` (qwix's ``QArray`` plus the
+activation scheme of its matmuls) stored in the model's ``nnx.Param`` in place of the array,
+stacked ``[L, in, out]`` like the array with scales ``[L, 1, out]``, so the layer ``lax.scan``
+slices it like any weight. :func:`apply_quantization` swaps the model's class for a subclass
+whose forward methods run under a qwix interception of ``jnp.einsum``: an einsum whose weight
+operand is a ``QuantizedWeight`` goes to ``qwix.einsum`` (after quantizing the activation
+when the weight asks for it); every other einsum (attention) is untouched.
+
+Why not ``qwix.quantize_model`` with ``qwix.PtqProvider`` (measured on qwix 0.1.8): qwix
+finds a weight by looking for an ``nnx.Param`` of the *current* module with the einsum
+operand's identity or shape. Our layer weights live in ``LlamaLayers`` and reach the einsum as
+per-layer slices of a ``lax.scan`` over the stacked arrays, so it finds none of them (it
+quantizes only ``lm_head``, by shape) and would quantize the weights as activations, per call;
+its ``WithAux.astype`` then fails on the model's ``w.astype(dtype)``; and an NNX model gets one
+intercepted method while ours has two forwards (dense and paged). qwix's numerics (``QArray``,
+``qwix.quantize``, ``qwix.einsum`` with its int8 fast path) and its interception are used as
+they are.
+
+Scales are stored in bfloat16, rounded up from the float32 ``absmax / qmax`` so no weight
+clips, which keeps a layer's bytes at ``1/2 + 1/in`` of bfloat16's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import qwix
+from qwix._src import interception  # qwix's thread-local patching (qwix.quantize_model's own)
+
+from paxcache.errors import CheckpointError
+
+__all__ = [
+    "LINEAR_WEIGHTS",
+    "QUANTIZATIONS",
+    "QuantizedWeight",
+    "apply_quantization",
+    "check_quantization",
+    "quantization_of",
+    "quantize_weight",
+    "quantized_bytes",
+    "weight_stats",
+]
+
+QUANTIZATIONS = ("int8", "int8-w8a8", "fp8")
+"""The ``quantization=`` values (None: the checkpoint's own dtype)."""
+
+LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The ``LlamaLayers`` weights a scheme quantizes (stacked ``[L, in, out]``)."""
+
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+_SCHEME_DTYPES = {"int8": "int8", "int8-w8a8": "int8", "fp8": "float8_e4m3fn"}
+_INTERCEPTED_METHODS = ("hidden_states", "hidden_states_paged", "compute_logits")
+
+
+@flax.struct.dataclass
+class QuantizedWeight(qwix.QArray):
+    """A quantized linear weight: ``qvalue * scale`` approximates the weight.
+
+    Attributes:
+        qvalue: int8 or float8_e4m3fn ``[..., in, out]`` (stacked: ``[L, in, out]``).
+        scale: ``[..., 1, out]`` per-output-channel scales (bfloat16 or float32).
+        act_qtype: None (weight-only) or the dtype the matmul's activations are quantized to
+            (static; ``"int8"``, ``"float8_e4m3fn"``).
+        act_scale: None (dynamic per-token activation scales) or a static activation scale
+            ``[..., 1, 1]`` (a compressed-tensors checkpoint's ``input_scale``).
+        scheme: the scheme's name (``QUANTIZATIONS``, or the checkpoint's), static.
+    """
+
+    act_qtype: Any = flax.struct.field(pytree_node=False, default=None)
+    act_scale: jax.Array | None = None
+    scheme: str = flax.struct.field(pytree_node=False, default="")
+
+    def astype(self, dtype: Any) -> QuantizedWeight:
+        """Unchanged: the matmul takes its compute dtype from the activation."""
+        del dtype
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized values and all scales."""
+        leaves = (self.qvalue, self.scale, self.act_scale)
+        return sum(
+            int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves if x is not None
+        )
+
+
+def check_quantization(quantization: str | None) -> None:
+    """Raises ValueError naming the value unless it is None or one of ``QUANTIZATIONS``."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)} "
+            "or None"
+        )
+
+
+def _round_up_scale(scale: np.ndarray) -> np.ndarray:
+    """float32 scales -> bfloat16 scales no smaller than them (so nothing clips)."""
+    low = scale.astype(ml_dtypes.bfloat16)
+    up = np.nextafter(low, np.asarray(np.inf, ml_dtypes.bfloat16))
+    return np.where(low.astype(np.float32) < scale, up, low)
+
+
+def _quantize_array(w: np.ndarray, qdtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """``w [in, out]`` -> (qvalue [in, out], bfloat16 scale [1, out]) on the host."""
+    w = w.astype(np.float32)
+    absmax = np.max(np.abs(w), axis=-2, keepdims=True)
+    scale = _round_up_scale(np.maximum(absmax, 1e-12) / _QMAX[qdtype])
+    ratio = w / scale.astype(np.float32)
+    if qdtype == "int8":
+        return np.clip(np.rint(ratio), -127, 127).astype(np.int8), scale
+    return np.clip(ratio, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def quantize_weight(weight: Any, quantization: str) -> QuantizedWeight:
+    """Quantizes a linear weight with one scale per output channel (on the host, one
+    ``[in, out]`` slice at a time, so a stacked weight never has a float32 copy).
+
+    Args:
+        weight: ``[..., in, out]`` float array (numpy or JAX; stacked ``[L, in, out]``).
+        quantization: one of ``QUANTIZATIONS``.
+
+    Returns:
+        A :class:`QuantizedWeight` with ``qvalue [..., in, out]`` and bfloat16 ``scale
+        [..., 1, out]``.
+    """
+    check_quantization(quantization)
+    qdtype = _SCHEME_DTYPES[quantization]
+    w = np.asarray(weight)
+    if w.ndim < 2:
+        raise ValueError(f"a linear weight needs [..., in, out], got shape {w.shape}")
+    lead = w.shape[:-2]
+    flat = w.reshape(-1, *w.shape[-2:])
+    parts = [_quantize_array(flat[i], qdtype) for i in range(flat.shape[0])]
+    qvalue = np.stack([p[0] for p in parts]).reshape(w.shape)
+    scale = np.stack([p[1] for p in parts]).reshape(*lead, 1, w.shape[-1])
+    return QuantizedWeight(
+        qvalue=jnp.asarray(qvalue),
+        scale=jnp.asarray(scale),
+        act_qtype="int8" if quantization == "int8-w8a8" else None,
+        scheme=quantization,
+    )
+
+
+def _quantize_activation(x: jax.Array, w: QuantizedWeight) -> qwix.QArray | jax.Array:
+    """``x [..., in]`` -> a QArray in ``w.act_qtype``: per-token scales, or ``w.act_scale``.
+
+    float8 activations are quantized and dequantized (emulated: the rounding is the
+    checkpoint's, the matmul is the compute dtype's), since most backends have no fp8 x fp8
+    matmul; int8 activations stay a QArray, so the dot runs on int8 operands.
+    """
+    qdtype = jnp.dtype(w.act_qtype)
+    if w.act_scale is None:
+        qx = qwix.quantize(x, qdtype, channelwise_axes=tuple(range(x.ndim - 1)))
+    else:
+        scale = w.act_scale.astype(jnp.float32).reshape((1,) * x.ndim)
+        qmax = _QMAX[qdtype.name]
+        ratio = jnp.clip(x.astype(jnp.float32) / scale, -qmax, qmax)
+        qvalue = jnp.round(ratio) if qdtype == jnp.int8 else ratio
+        qx = qwix.QArray(qvalue=qvalue.astype(qdtype), scale=scale.astype(x.dtype))
+    return qx if qdtype == jnp.int8 else qwix.dequantize(qx).astype(x.dtype)
+
+
+class _QuantizedMatmuls(qwix.QuantizationProvider):
+    """Routes ``jnp.einsum(spec, x, w)`` with a :class:`QuantizedWeight` ``w`` to qwix."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    def get_intercept_map(self) -> dict[str, Any]:
+        return {"jax.numpy.einsum": self.einsum}
+
+    def einsum(self, spec: str, *operands: Any, **kwargs: Any) -> jax.Array:
+        if len(operands) != 2 or not isinstance(operands[1], QuantizedWeight):
+            return jnp.einsum(spec, *operands, **kwargs)
+        x, w = operands
+        out_dtype = kwargs.pop("preferred_element_type", None)
+        if kwargs:
+            raise ValueError(f"quantized einsum: unsupported arguments {sorted(kwargs)}")
+        rhs = qwix.QArray(qvalue=w.qvalue, scale=w.scale.astype(x.dtype), qtype=w.qtype)
+        lhs = x if w.act_qtype is None else _quantize_activation(x, w)
+        return qwix.einsum(spec, lhs, rhs, preferred_element_type=out_dtype)
+
+
+_PROVIDER = _QuantizedMatmuls()
+
+
+@functools.cache
+def _quantized_class(base: type) -> type:
+    """``base`` with its forward methods under the quantized-matmul interception (one class
+    per base, so every quantized model of a base shares one graphdef type)."""
+    interceptor = _PROVIDER.get_interceptors()[0]
+    methods = {
+        name: interception.wrap_func_intercepted(
+            getattr(base, name), interceptor, disable_jit=False
+        )
+        for name in _INTERCEPTED_METHODS
+    }
+    return type(base.__name__, (base,), {"_unquantized_type": base, **methods})
+
+
+def apply_quantization(model: Any, quantization: str | None = None) -> Any:
+    """Quantizes a model's layer weights in place and routes their matmuls to qwix.
+
+    Weights that are already :class:`QuantizedWeight` (a loader quantized them as it read
+    them, or a pre-quantized checkpoint) are kept; the others among ``LINEAR_WEIGHTS`` are
+    quantized with ``quantization``.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (or subclass).
+        quantization: one of ``QUANTIZATIONS``, or None to only install the interception
+            for weights that are already quantized.
+
+    Returns:
+        ``model`` (its class becomes the quantized subclass).
+    """
+    check_quantization(quantization)
+    for name in LINEAR_WEIGHTS:
+        param = getattr(model.layers, name)
+        value = param.get_value()
+        if quantization is not None and not isinstance(value, QuantizedWeight):
+            param.set_value(quantize_weight(value, quantization))
+    base = getattr(type(model), "_unquantized_type", type(model))
+    model.__class__ = _quantized_class(base)
+    return model
+
+
+def _quantized(model: Any) -> dict[str, QuantizedWeight]:
+    out = {}
+    for name in LINEAR_WEIGHTS:
+        value = getattr(model.layers, name).get_value()
+        if isinstance(value, QuantizedWeight):
+            out[name] = value
+    return out
+
+
+def quantization_of(model: Any) -> str | None:
+    """The model's quantization scheme (None when no weight is quantized)."""
+    schemes = {w.scheme for w in _quantized(model).values()}
+    return ", ".join(sorted(schemes)) if schemes else None
+
+
+def quantized_bytes(model: Any) -> tuple[int, int]:
+    """``(bytes of the quantized layer weights with their scales, their bfloat16 bytes)``."""
+    weights = _quantized(model).values()
+    return sum(w.nbytes for w in weights), sum(2 * int(np.prod(w.shape)) for w in weights)
+
+
+def weight_stats(model: Any) -> Mapping[str, Any]:
+    """``quantization`` (scheme or None) and ``weight_dtype`` (the layer weights' storage
+    dtype, e.g. ``int8``, ``float8_e4m3fn``, ``bfloat16``), for ``Engine.stats()``."""
+    weights = _quantized(model)
+    if weights:
+        dtype = ", ".join(sorted({jnp.dtype(w.qvalue.dtype).name for w in weights.values()}))
+    else:
+        dtype = jnp.dtype(model.layers.q_proj.get_value().dtype).name
+    return {"quantization": quantization_of(model), "weight_dtype": dtype}
+
+
+def describe(model: Any) -> str:
+    """One phrase for logs: the compute dtype and the quantization, e.g. ``bfloat16, int8``."""
+    q = quantization_of(model)
+    return jnp.dtype(model.dtype).name + ("" if q is None else f", {q}")
+
+
+# ------------------------------------------------------------------------------------------
+# Pre-quantized checkpoints (compressed-tensors)
+# ------------------------------------------------------------------------------------------
+
+_CT_TOP_FIELDS = {
+    "quant_method", "format", "config_groups", "ignore", "quantization_status",
+    "kv_cache_scheme", "global_compression_ratio", "sparsity_config", "version",
+    "transform_config",
+}  # fmt: skip
+_CT_ARG_FIELDS = {
+    "num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure",
+    "observer", "observer_kwargs", "actorder",
+}  # fmt: skip
+_CT_FORMATS = {"float-quantized", "int-quantized", "naive-quantized"}
+_LM_HEAD_IGNORES = {"lm_head", "re:.*lm_head", "re:lm_head"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuantization:
+    """A pre-quantized checkpoint's scheme (compressed-tensors), as the loader reads it.
+
+    Attributes:
+        scheme: the matching ``QUANTIZATIONS`` name (what ``quantization=`` may repeat).
+        weight_dtype: ``"int8"`` or ``"float8_e4m3fn"``, the stored linear weights' dtype.
+        act_qtype: None (weight-only) or the activations' dtype.
+        act_static: activations use the checkpoint's ``input_scale`` (else per-token dynamic).
+    """
+
+    scheme: str
+    weight_dtype: str
+    act_qtype: str | None
+    act_static: bool
+
+
+def _ct_args(args: Any, where: str) -> dict[str, Any]:
+    if not isinstance(args, Mapping):
+        raise CheckpointError(f"{where}: must be an object, got {type(args).__name__}")
+    unknown = sorted(set(args) - _CT_ARG_FIELDS)
+    if unknown:
+        raise CheckpointError(f"{where}.{unknown[0]}: field not understood by the loader")
+    if args.get("num_bits") != 8:
+        raise CheckpointError(
+            f"{where}.num_bits: {args.get('num_bits')!r} is not supported (only 8-bit weights "
+            "and activations; int4 checkpoints need int4 matmuls, which paxcache does not run)"
+        )
+    if args.get("type") not in ("int", "float"):
+        raise CheckpointError(f"{where}.type: {args.get('type')!r}; expected 'int' or 'float'")
+    if args.get("symmetric", True) is not True:
+        raise CheckpointError(f"{where}.symmetric: asymmetric (zero-point) is not supported")
+    for field in ("group_size", "block_structure", "actorder"):
+        if args.get(field) is not None:
+            raise CheckpointError(f"{where}.{field}: {args[field]!r} is not supported")
+    return dict(args)
+
+
+def checkpoint_quantization(
+    config: Mapping[str, Any], quantization: str | None
+) -> CheckpointQuantization | None:
+    """Reads ``quantization_config`` from a parsed ``config.json``; None for a plain one.
+
+    Args:
+        config: the parsed config.json.
+        quantization: what the caller asked for; with a pre-quantized checkpoint it must be
+            None or the checkpoint's own scheme.
+
+    Raises:
+        CheckpointError: a quantization method or field the loader does not understand (the
+            message names the field), AWQ / GPTQ / int4 checkpoints, or ``quantization`` that
+            names another scheme than the checkpoint's.
+    """
+    check_quantization(quantization)
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    where = "config.json: quantization_config"
+    if not isinstance(qc, Mapping):
+        raise CheckpointError(f"{where}: must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method in ("awq", "gptq", "bitsandbytes", "marlin", "gptq_marlin"):
+        raise CheckpointError(
+            f"{where}.quant_method: {method!r} (int4 weights) is not supported: paxcache runs "
+            "int8 and fp8 weights only; load a bf16 checkpoint with quantization='int8' instead"
+        )
+    if method != "compressed-tensors":
+        raise CheckpointError(
+            f"{where}.quant_method: {method!r} is not supported (only 'compressed-tensors')"
+        )
+    unknown = sorted(set(qc) - _CT_TOP_FIELDS)
+    if unknown:
+        raise CheckpointError(f"{where}.{unknown[0]}: field not understood by the loader")
+    if qc.get("format") not in _CT_FORMATS:
+        raise CheckpointError(
+            f"{where}.format: {qc.get('format')!r} is not supported; expected one of "
+            f"{sorted(_CT_FORMATS)}"
+        )
+    if qc.get("quantization_status", "compressed") not in ("compressed", "frozen"):
+        raise CheckpointError(
+            f"{where}.quantization_status: {qc['quantization_status']!r}; expected 'compressed'"
+        )
+    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(field):
+            raise CheckpointError(f"{where}.{field}: {qc[field]!r} is not supported")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or set(ignore) - _LM_HEAD_IGNORES:
+        raise CheckpointError(
+            f"{where}.ignore: {ignore!r}; only the LM head may stay unquantized (every layer's "
+            "q/k/v/o and MLP projections are loaded quantized)"
+        )
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        raise CheckpointError(f"{where}.config_groups: expected exactly one group")
+    ((gname, group),) = groups.items()
+    gwhere = f"{where}.config_groups.{gname}"
+    if not isinstance(group, Mapping):
+        raise CheckpointError(f"{gwhere}: must be an object")
+    unknown = sorted(
+        set(group) - {"targets", "weights", "input_activations", "output_activations", "format"}
+    )
+    if unknown:
+        raise CheckpointError(f"{gwhere}.{unknown[0]}: field not understood by the loader")
+    if group.get("targets") != ["Linear"]:
+        raise CheckpointError(f"{gwhere}.targets: {group.get('targets')!r}; expected ['Linear']")
+    if group.get("output_activations") is not None:
+        raise CheckpointError(f"{gwhere}.output_activations: not supported")
+    w = _ct_args(group.get("weights"), f"{gwhere}.weights")
+    if w.get("strategy") not in ("channel", "tensor") or w.get("dynamic", False):
+        raise CheckpointError(
+            f"{gwhere}.weights.strategy: {w.get('strategy')!r} (dynamic={w.get('dynamic')}); "
+            "expected static 'channel' or 'tensor' scales"
+        )
+    weight_dtype = "int8" if w["type"] == "int" else "float8_e4m3fn"
+    act_qtype, act_static = None, False
+    if group.get("input_activations") is not None:
+        a = _ct_args(group["input_activations"], f"{gwhere}.input_activations")
+        if a.get("type") != w["type"]:
+            raise CheckpointError(f"{gwhere}.input_activations.type: must match the weights'")
+        act_static = not a.get("dynamic", False)
+        want = "tensor" if act_static else "token"
+        if a.get("strategy") != want:
+            raise CheckpointError(
+                f"{gwhere}.input_activations.strategy: {a.get('strategy')!r}; expected "
+                f"{want!r} for dynamic={a.get('dynamic', False)}"
+            )
+        act_qtype = weight_dtype
+    if weight_dtype == "float8_e4m3fn":
+        scheme = "fp8"
+    else:
+        scheme = "int8" if act_qtype is None else "int8-w8a8"
+    if quantization is not None and quantization != scheme:
+        raise CheckpointError(
+            f"quantization={quantization!r} given for a checkpoint pre-quantized as {scheme!r} "
+            f"({where}); pass quantization=None or {scheme!r}"
+        )
+    return CheckpointQuantization(scheme, weight_dtype, act_qtype, act_static)
+
+
+def stored_weight(
+    spec: CheckpointQuantization,
+    qvalue: np.ndarray,
+    weight_scale: np.ndarray,
+    input_scale: np.ndarray | None,
+) -> QuantizedWeight:
+    """One stacked weight of a pre-quantized checkpoint as a :class:`QuantizedWeight`.
+
+    Args:
+        spec: the checkpoint's scheme.
+        qvalue: ``[L, in, out]`` int8 / float8_e4m3fn (already in our ``[in, out]`` layout).
+        weight_scale: f32 ``[L, 1, out]``.
+        input_scale: f32 ``[L, 1, 1]`` when the activations are static, else None.
+    """
+    return QuantizedWeight(
+        qvalue=jnp.asarray(qvalue),
+        scale=jnp.asarray(weight_scale, jnp.float32),
+        act_qtype=spec.act_qtype,
+        act_scale=None if input_scale is None else jnp.asarray(input_scale, jnp.float32),
+        scheme=spec.scheme,
+    )
