@@ -196,9 +196,21 @@ class _QuantizedMatmuls(qwix.QuantizationProvider):
         out_dtype = kwargs.pop("preferred_element_type", None)
         if kwargs:
             raise ValueError(f"quantized einsum: unsupported arguments {sorted(kwargs)}")
+        if w.act_qtype is None and _scales_on_output(spec):
+            # Weight-only: the matmul on the stored values (int8 / e4m3 are exact in bf16),
+            # the per-output-channel scale on the result.
+            y = jnp.einsum(spec, x, w.qvalue.astype(x.dtype), preferred_element_type=out_dtype)
+            return y * w.scale.reshape(-1).astype(y.dtype)
         rhs = qwix.QArray(qvalue=w.qvalue, scale=w.scale.astype(x.dtype), qtype=w.qtype)
         lhs = x if w.act_qtype is None else _quantize_activation(x, w)
         return qwix.einsum(spec, lhs, rhs, preferred_element_type=out_dtype)
+
+
+def _scales_on_output(spec: str) -> bool:
+    """Whether ``spec`` (``"<x>,<w>-><out>"``) keeps the weight's last (output) axis last."""
+    inputs, _, out = spec.replace(" ", "").partition("->")
+    w_sub = inputs.split(",")[-1]
+    return len(w_sub) == 2 and out.endswith(w_sub[-1]) and w_sub[-1] not in inputs.split(",")[0]
 
 
 _PROVIDER = _QuantizedMatmuls()
