@@ -254,3 +254,29 @@ def test_engine_serves_a_quantized_model_and_reports_its_dtypes(ckpt):
     assert stats["quantization"] == "int8-w8a8"
     assert stats["weight_dtype"] == "int8"
     assert stats["kv_cache_dtype"] == "float32"
+
+
+def test_models_route_and_metrics_show_the_quantization():
+    import httpx
+    from server_harness import FakeEngine, serve_in_thread
+
+    from paxcache.server import create_app
+
+    class QuantizedFake(FakeEngine):
+        def stats(self) -> dict:
+            return {
+                **super().stats(),
+                "quantization": "int8-w8a8",
+                "weight_dtype": "int8",
+                "kv_cache_dtype": "bfloat16",
+            }
+
+    with serve_in_thread(create_app(QuantizedFake())) as base:
+        card = httpx.get(f"{base}/v1/models").json()["data"][0]
+        text = httpx.get(f"{base}/metrics").text
+    assert card["quantization"] == "int8-w8a8" and card["weight_dtype"] == "int8"
+    assert card["kv_cache_dtype"] == "bfloat16"
+    assert (
+        'paxcache_weights_info{kv_cache_dtype="bfloat16",quantization="int8-w8a8",'
+        'weight_dtype="int8"} 1.0' in text
+    )

@@ -14,7 +14,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -46,6 +46,8 @@ class ServerContext:
       tokenizer: the engine's tokenizer (None: token-id prompts only, no chat).
       vocab_size: the model's vocabulary size (None: unknown).
       created: the ``created`` time of the model card.
+      weights: the served weights' ``quantization`` (None: unquantized), ``weight_dtype`` and
+        ``kv_cache_dtype`` (from ``engine.stats()``; empty when the engine has none).
     """
 
     runner: EngineRunner
@@ -58,6 +60,7 @@ class ServerContext:
     tokenizer: Any
     vocab_size: int | None
     created: int
+    weights: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -84,6 +87,7 @@ class ServerContext:
             vocab_size=getattr(model_cfg, "vocab_size", None)
             or getattr(tokenizer, "vocab_size", None),
             created=int(time.time()),
+            weights=_weights(engine),
         )
 
     # -- checks ----------------------------------------------------------------------------------
@@ -132,6 +136,7 @@ class ServerContext:
         }
         if self.max_model_len is not None:
             card["max_model_len"] = self.max_model_len
+        card.update(self.weights)
         return card
 
     def tenant_slots(self, request: Request, completions: int) -> Callable[[], None]:
@@ -245,3 +250,13 @@ class ServerContext:
             on_disconnect=exchange.disconnect,
             on_close=close,
         )
+
+
+def _weights(engine: Any) -> dict[str, Any]:
+    """The model card's weight facts from ``engine.stats()`` (empty without them)."""
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return {}
+    s = stats()
+    keys = ("quantization", "weight_dtype", "kv_cache_dtype")
+    return {k: s[k] for k in keys if k in s}
