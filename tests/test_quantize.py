@@ -280,3 +280,57 @@ def test_models_route_and_metrics_show_the_quantization():
         'paxcache_weights_info{kv_cache_dtype="bfloat16",quantization="int8-w8a8",'
         'weight_dtype="int8"} 1.0' in text
     )
+
+
+def _libtpu_available() -> bool:
+    from kernels_pallas import aot
+
+    try:
+        aot.tpu_devices("v5e:2x2")
+    except ValueError:
+        return False
+    return True
+
+
+def _int8_matmuls(hlo: str) -> int:
+    """Dots / convolutions of a compiled HLO module whose two operands are both s8."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    count = 0
+    for a, b in re.findall(
+        r"= \w+\[[^\]]*\]\S* (?:convolution|dot)\(%([\w.\-]+), %([\w.\-]+)\)", hlo
+    ):
+        count += types.get(a) == "s8" and types.get(b) == "s8"
+    return count
+
+
+@pytest.mark.skipif(not _libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]')")
+def test_w8a8_layer_compiles_to_int8_matmuls_for_tpu_v5e():
+    """Deviceless: one W8A8 layer compiled by XLA:TPU for v5e keeps all seven projections on
+    int8 operands (the MXU's int8 path), the weights never dequantized."""
+    from kernels_pallas import aot
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    for name in quant.LINEAR_WEIGHTS:
+        param = getattr(model.layers, name)
+        shape = param.get_value().shape
+        param.set_value(
+            quant.QuantizedWeight(
+                qvalue=jax.ShapeDtypeStruct(shape, jnp.int8),
+                scale=jax.ShapeDtypeStruct((shape[0], 1, shape[2]), jnp.bfloat16),
+                act_qtype="int8",
+                scheme="int8-w8a8",
+            )
+        )
+    quant.apply_quantization(model)
+    device = aot.tpu_devices("v5e:2x2")[0]
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: aot.spec(x.shape, x.dtype, device), state)
+    ids = aot.spec((4, 64), jnp.int32, device)
+    with aot.tpu_target([device]):
+        fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+        hlo = fn.trace(state, ids).lower().compile().as_text()
+    assert _int8_matmuls(hlo) == len(quant.LINEAR_WEIGHTS)
