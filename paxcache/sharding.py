@@ -184,7 +184,7 @@ def _leaf_name(path: tuple) -> str:
         if key is None:
             key = getattr(entry, "idx", None)
         names.append(str(key))
-    while names and names[-1] in ("value", "raw_value"):
+    while names and names[-1] in ("value", "raw_value", "qvalue"):  # qvalue: quantized weight
         names.pop()
     return names[-1] if names else ""
 
