@@ -334,3 +334,29 @@ def test_w8a8_layer_compiles_to_int8_matmuls_for_tpu_v5e():
         fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
         hlo = fn.trace(state, ids).lower().compile().as_text()
     assert _int8_matmuls(hlo) == len(quant.LINEAR_WEIGHTS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]')")
+def test_compile_check_int8_engine_for_v5e_holds_half_the_weight_bytes():
+    from paxcache import compile_check
+
+    reports = {
+        q: compile_check.check_engine("v5e:2x2", CFG, quantization=q, max_num_seqs=8,
+                                      max_num_batched_tokens=64, num_host_blocks=0)
+        for q in (None, "int8")
+    }  # fmt: skip
+    assert all(r["ok"] for r in reports.values()), [r["failures"] for r in reports.values()]
+    layer = (
+        2
+        * CFG.num_hidden_layers
+        * sum(  # bf16 bytes of the quantized weights
+            CFG.hidden_size * n for n in (128, 64, 64, 128, 256, 256)
+        )
+        + 2 * CFG.num_hidden_layers * 256 * 128
+    )
+    saved = (
+        reports[None]["engine"]["weights_bytes_per_chip"]
+        - reports["int8"]["engine"]["weights_bytes_per_chip"]
+    )
+    assert 0.47 * layer <= saved <= 0.5 * layer, (saved, layer)

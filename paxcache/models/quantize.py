@@ -51,6 +51,7 @@ from paxcache.errors import CheckpointError
 
 __all__ = [
     "LINEAR_WEIGHTS",
+    "abstract_quantization",
     "QUANTIZATIONS",
     "QuantizedWeight",
     "apply_quantization",
@@ -471,3 +472,22 @@ def stored_weight(
         act_scale=None if input_scale is None else jnp.asarray(input_scale, jnp.float32),
         scheme=spec.scheme,
     )
+
+
+def abstract_quantization(model: Any, quantization: str) -> Any:
+    """An abstract model (``nnx.eval_shape``) with its layer weights as abstract
+    :class:`QuantizedWeight`\\ s of ``quantization`` (for compiling without weights)."""
+    check_quantization(quantization)
+    qdtype = jnp.dtype(_SCHEME_DTYPES[quantization])
+    for name in LINEAR_WEIGHTS:
+        param = getattr(model.layers, name)
+        shape = tuple(param.get_value().shape)
+        param.set_value(
+            QuantizedWeight(
+                qvalue=jax.ShapeDtypeStruct(shape, qdtype),
+                scale=jax.ShapeDtypeStruct((*shape[:-2], 1, shape[-1]), jnp.bfloat16),
+                act_qtype="int8" if quantization == "int8-w8a8" else None,
+                scheme=quantization,
+            )
+        )
+    return apply_quantization(model)
