@@ -143,7 +143,7 @@ def run_layers(
         if seg.repeats == 1:
             for j, kind in enumerate(seg.pattern):
                 layer = seg.start + j
-                carry = body(carry, jax.tree.map(lambda a: a[layer], stacked), layer, kind)
+                carry = body(carry, jax.tree.map(lambda a, i=layer: a[i], stacked), layer, kind)
             continue
 
         def group(carry: Any, g: jax.Array, seg: Segment = seg, p: int = p) -> tuple[Any, None]:
