@@ -42,6 +42,7 @@ import kernels_pallas
 from kernels_pallas import aot
 from paxcache import allocator, kv_cache, sharding, sizing
 from paxcache.engine import Engine
+from paxcache.models import quantize
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
 from paxcache.models.loading import model_class
 
@@ -81,10 +82,14 @@ def load_hf_config(path: str | Path) -> LlamaConfig:
     return LlamaConfig.from_hf_dict(d)
 
 
-def abstract_model(config: LlamaConfig, dtype: Any) -> LlamaForCausalLM:
-    """The model (its family's class) with ``ShapeDtypeStruct`` parameters: no weights."""
+def abstract_model(
+    config: LlamaConfig, dtype: Any, quantization: str | None = None
+) -> LlamaForCausalLM:
+    """The model (its family's class) with ``ShapeDtypeStruct`` parameters: no weights; its
+    layer weights quantized (abstractly) when ``quantization`` names a scheme."""
     cls = model_class(config)
-    return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return model if quantization is None else quantize.abstract_quantization(model, quantization)
 
 
 class _NoTokenizer:
@@ -331,6 +336,7 @@ def check_engine(
     max_model_len: int | None = None,
     hbm_bytes: int | None = None,
     num_blocks: int | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """Compile every program the engine serves with, for a TPU topology.
 
@@ -344,6 +350,7 @@ def check_engine(
         swap programs).
       hbm_bytes: HBM of one chip (default: what the TPU compiler allows a program).
       num_blocks: device KV blocks (default: the engine's own sizing for the chip's HBM).
+      quantization: the layer weights' scheme (``paxcache.models.quantize.QUANTIZATIONS``).
 
     Returns:
       The report (JSON-ready dict): ``ok``, ``engine`` (the sizing), ``programs`` (one
@@ -359,6 +366,7 @@ def check_engine(
         "tp": tp,
         "ep": ep,
         "dtype": jnp.dtype(dtype).name,
+        "quantization": quantization,
         "hbm_bytes_per_chip": hbm,
         "model": {
             "model_type": config.model_type,
@@ -379,7 +387,7 @@ def check_engine(
 
     def build(blocks: int | None, host_blocks: int) -> AbstractEngine:
         return AbstractEngine(
-            abstract_model(config, dtype),
+            abstract_model(config, dtype, quantization),
             devices,
             hbm_bytes=hbm,
             tp=tp,
@@ -541,10 +549,11 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{r['name']:72} {ok:>3} {r['seconds']:>6.1f}  {r['impl']}")
     else:
         m, e = report["model"], report.get("engine", {})
+        q = "" if report.get("quantization") is None else f", {report['quantization']}"
         lines.append(
             f"{report['target']} ({report['chip']}, {_gib(report['hbm_bytes_per_chip'])} GiB "
-            f"HBM per chip), tp={report['tp']}, ep={report.get('ep', 1)}, {report['dtype']}: "
-            f"{m['model_type']} "
+            f"HBM per chip), tp={report['tp']}, ep={report.get('ep', 1)}, {report['dtype']}"
+            f"{q}: {m['model_type']} "
             f"L={m['layers']} E={m['hidden']} H={m['heads']} K={m['kv_heads']} "
             f"D={m['head_dim']} V={m['vocab']}"
         )

@@ -50,6 +50,7 @@ from paxcache import step as step_lib
 from paxcache.config import CacheConfig
 from paxcache.errors import DuplicateSequenceError
 from paxcache.manager import BlockManager
+from paxcache.models import quantize
 from paxcache.models.layer_plan import shared_window
 from paxcache.models.tokenizer import IncrementalDecoder
 from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, RequestState
@@ -262,24 +263,19 @@ class Engine:
     ) -> Engine:
         """Loads ``"tiny"`` or an HF-format directory (``dtype`` None: bf16 on TPU/GPU, f32 on CPU).
 
-        Keyword arguments are those of :class:`Engine` (``num_blocks``, ``block_size``,
-        ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``tp``, ``ep``, ...).
+        Keyword arguments are ``quantization`` (None, ``"int8"``, ``"int8-w8a8"``, ``"fp8"``:
+        :func:`paxcache.models.load_pretrained`) and those of :class:`Engine` (``num_blocks``,
+        ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``tp``, ``ep``, ...).
         """
         from paxcache.models import load_pretrained
 
         t0 = time.perf_counter()
         dtype = step_lib.default_dtype() if dtype is None else dtype
-        tp, ep = kwargs.get("tp", 1), kwargs.get("ep", 1)
-        m, tok = load_pretrained(model, dtype=dtype, tp=tp, ep=ep)  # into shards
+        tp, ep, quant = kwargs.get("tp", 1), kwargs.get("ep", 1), kwargs.pop("quantization", None)
+        m, tok = load_pretrained(model, dtype=dtype, tp=tp, ep=ep, quantization=quant)  # shards
         name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
-        logger.info(
-            "loaded %s (%s, %d layers, %s) in %.1fs",
-            name,
-            m.config.model_type,
-            m.config.num_hidden_layers,
-            jnp.dtype(m.dtype).name,
-            time.perf_counter() - t0,
-        )
+        what = f"{m.config.model_type}, {m.config.num_hidden_layers} layers, {quantize.describe(m)}"
+        logger.info("loaded %s (%s) in %.1fs", name, what, time.perf_counter() - t0)
         return cls(m, tok, model_name=name, **kwargs)
 
     # Placement hooks: where the weights, block state and KV cache live. scripts/compile_check.py
@@ -757,6 +753,8 @@ class Engine:
             "device": ", ".join(str(d) for d in jax.devices()[: self.tp * self.ep]),
             "kernel_impls": kernels_pallas.kernel_info(),
             "max_model_len": self.max_model_len,
+            **quantize.weight_stats(self.model),  # quantization, weight_dtype
+            "kv_cache_dtype": jnp.dtype(self._kv.dtype).name,
         }
 
     def check_invariants(self) -> dict[str, bool]:

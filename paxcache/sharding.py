@@ -87,6 +87,7 @@ __all__ = [
     "make_mesh",
     "param_specs",
     "place",
+    "quantized_scale_spec",
     "replicated",
     "setup_tensor_parallel",
     "shard_params",
@@ -257,7 +258,7 @@ def _leaf_name(path: tuple) -> str:
         if key is None:
             key = getattr(entry, "idx", None)
         names.append(str(key))
-    while names and names[-1] in ("value", "raw_value"):
+    while names and names[-1] in ("value", "raw_value", "qvalue"):  # qvalue: quantized weight
         names.pop()
     return names[-1] if names else ""
 
@@ -295,6 +296,22 @@ def _spec_for(name: str, shape: tuple[int, ...], config: Any, tp: int, ep: int =
     return P()
 
 
+def quantized_scale_spec(weight: str, shape: tuple[int, ...], config: Any, tp: int) -> P:
+    """Partition spec of a quantized weight's per-output-channel scale ``[L, 1, out]``: split
+    over the output axis as the weight's values ``[L, in, out]`` are (column-parallel), else
+    replicated (a row-parallel weight's shards all use every output channel's scale).
+
+    Args:
+      weight: the weight's attribute name (``q_proj``, ``o_proj`` ...).
+      shape: the scale's shape ``[L, 1, out]``.
+      config: the model config (``num_key_value_heads``).
+      tp: the tensor-parallel degree.
+    """
+    if weight in _ROW or len(shape) != 3:
+        return P()
+    return _spec_for(weight, shape, config, tp)
+
+
 def param_specs(params: Any, config: Any, tp: int, ep: int = 1) -> Any:
     """The ``PartitionSpec`` of every parameter of an ``nnx.split`` state (same pytree).
 
@@ -308,7 +325,13 @@ def param_specs(params: Any, config: Any, tp: int, ep: int = 1) -> Any:
 
     def spec(path: tuple, leaf: Any) -> P:
         shape = tuple(getattr(leaf, "shape", ()))
-        return _spec_for(_leaf_name(path), shape, config, tp, ep) if shape else P()
+        if not shape:
+            return P()
+        name = _leaf_name(path)
+        if name in ("scale", "act_scale"):  # a quantized weight's scales: split like its output
+            weight = _leaf_name(path[:-1])
+            return quantized_scale_spec(weight, shape, config, tp) if name == "scale" else P()
+        return _spec_for(name, shape, config, tp, ep)
 
     return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel chips of the topology")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (MoE models)")
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int8-w8a8", "fp8"],
+        help="layer weights quantized (abstractly) with this scheme",
+    )
+    p.add_argument(
         "--max-num-seqs", type=int, default=None, help="default: the engine's TPU default (256)"
     )
     p.add_argument(
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=args.max_model_len,
                 hbm_bytes=hbm,
                 num_blocks=args.num_blocks,
+                quantization=args.quantization,
             )
         else:
             report = compile_check.check_kernels(args.target, wide=args.wide)

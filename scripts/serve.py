@@ -101,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="weights/activations dtype; auto = float32 on CPU, bfloat16 on TPU/GPU",
     )
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int8-w8a8", "fp8"],
+        help="quantize the layers' weights at load (int8: weight-only; int8-w8a8: int8 "
+        "activations too; fp8: e4m3 weights); a pre-quantized checkpoint loads as stored",
+    )
+    p.add_argument(
         "--preemption-mode",
         default=None,
         choices=["swap", "recompute"],
@@ -331,6 +338,7 @@ def _load_engine(
     return engine_cls.from_pretrained(
         args.model,
         dtype=dtype,
+        quantization=args.quantization,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

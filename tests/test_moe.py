@@ -34,6 +34,7 @@ from paxcache.models import (
     load_model,
     save_pretrained,
 )
+from paxcache.errors import CheckpointError
 from paxcache.models.moe import expert_mlp, route
 
 IDS = [3, 17, 5, 9, 22, 41, 8, 1, 60, 33, 12, 7]
@@ -116,6 +117,13 @@ def test_save_pretrained_round_trips_experts_and_dense_layers(tmp_path: Path) ->
     again = load_model(tmp_path / "b")
     assert again.config == model.config
     np.testing.assert_array_equal(_logits(model, IDS), _logits(again, IDS))
+
+
+def test_quantized_load_of_an_moe_model_is_refused_naming_it(tmp_path: Path) -> None:
+    cfg = VARIANTS["mixtral"]
+    path = write_checkpoint(tmp_path / "a", cfg, random_moe_tensors(cfg, seed=3))
+    with pytest.raises(CheckpointError, match="mixture-of-experts"):
+        load_model(path, quantization="int8")
 
 
 # -- routing and the grouped matmul -----------------------------------------------------

@@ -188,6 +188,22 @@ def test_fused_and_biased_families_load_sharded_like_unsharded(report, name):
     np.testing.assert_allclose(rep["tp2_logits"], rep["tp1_logits"], atol=2e-5)
 
 
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_quantized_load_at_tp2_gives_the_tp1_quantized_logits_and_scales(report, name):
+    """int8 quantized as read: a row-parallel (o_proj) shard holds half the input rows,
+    yet its scales come from the whole input axis, so tp=2 stores tp=1's values and scales."""
+    rep = report[name]
+    assert any(n.startswith("layers/o_proj") for n in rep["q_leaves"]), rep["q_leaves"]
+    assert rep["q_leaves_equal"] is True
+    specs = rep["q_specs"]
+    assert specs["layers/q_proj/value/qvalue"] == [None, None, "tp"]
+    assert specs["layers/q_proj/value/scale"] == [None, None, "tp"]
+    assert specs["layers/o_proj/value/qvalue"] == [None, "tp", None]
+    assert specs["layers/o_proj/value/scale"] == []
+    np.testing.assert_allclose(rep["q_tp2_logits"], rep["q_tp1_logits"], atol=2e-4)
+    assert not np.allclose(rep["q_tp1_logits"], rep["tp1_logits"], atol=1e-7)  # quantized
+
+
 def test_engine_from_pretrained_serves_the_loaded_shards_without_a_copy(report):
     rep = report["phi3_fused"]  # the first small checkpoint: fused qkv / gate_up at tp=2
     assert rep["tp2_tokens"] == rep["dense_tokens"]

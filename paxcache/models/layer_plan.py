@@ -135,18 +135,15 @@ def run_layers(
         The final carry.
     """
 
-    def layer_params(layer: Any) -> dict[str, jax.Array]:
-        return {
-            name: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
-            for name, a in stacked.items()
-        }
+    def layer_params(layer: Any) -> dict[str, Any]:  # tree-mapped: a quantized weight's leaves
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, False), stacked)
 
     for seg in layer_segments(kinds):
         p = len(seg.pattern)
         if seg.repeats == 1:
             for j, kind in enumerate(seg.pattern):
                 layer = seg.start + j
-                carry = body(carry, {k: a[layer] for k, a in stacked.items()}, layer, kind)
+                carry = body(carry, jax.tree.map(lambda a, i=layer: a[i], stacked), layer, kind)
             continue
 
         def group(carry: Any, g: jax.Array, seg: Segment = seg, p: int = p) -> tuple[Any, None]:

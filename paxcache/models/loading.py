@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Container, Mapping
@@ -49,6 +48,8 @@ from safetensors.numpy import save_file
 
 from paxcache import sharding
 from paxcache.errors import CheckpointError
+from paxcache.models import quantize
+from paxcache.models.config_checks import CONFIG_LIMITS, check_config_values  # noqa: F401 (re-exported)
 from paxcache.models.families import hf_layer_sources, layer_shapes
 from paxcache.models.gemma import GemmaConfig, GemmaForCausalLM
 from paxcache.models.llama import (
@@ -73,50 +74,10 @@ TINY_DIR = Path(__file__).resolve().parent / "tiny"
 
 _LOG_BYTES = 256 * 2**20  # log progress for checkpoints bigger than this
 
-CONFIG_LIMITS: dict[str, tuple[int, int]] = {
-    "vocab_size": (1, 1 << 22),
-    "hidden_size": (1, 1 << 16),
-    "intermediate_size": (1, 1 << 19),
-    "num_hidden_layers": (1, 1024),
-    "num_attention_heads": (1, 1024),
-    "num_key_value_heads": (1, 1024),
-    "head_dim": (2, 4096),
-    "max_position_embeddings": (1, 1 << 24),
-    "sliding_window": (1, 1 << 24),
-    "max_window_layers": (0, 1024),
-    "original_max_position_embeddings": (1, 1 << 24),
-    "sliding_window_pattern": (1, 1024),
-}
-"""Inclusive ``(min, max)`` of the integer ``config.json`` fields, checked before anything is
-sized from them. The largest released models are well inside (vocabularies ~256K, hidden size
-~16K, ~130 layers, 128 heads, contexts ~10M tokens)."""
-
-_FLOAT_LIMITS: dict[str, tuple[float, float]] = {
-    "rms_norm_eps": (0.0, 1.0),  # exclusive min
-    "rope_theta": (0.0, 1e12),
-    "partial_rotary_factor": (0.0, 1.0),
-    "rope_local_base_freq": (0.0, 1e12),
-    "query_pre_attn_scalar": (0.0, 1e8),
-    "attn_logit_softcapping": (0.0, 1e6),
-    "final_logit_softcapping": (0.0, 1e6),
-}
-_REQUIRED_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
-_BOOL_FIELDS = (
-    "tie_word_embeddings",
-    "attention_bias",
-    "use_sliding_window",
-    "mlp_bias",
-    "use_bidirectional_attention",
-)
 _MAX_CONFIG_BYTES = 16 << 20
 _MAX_INDEX_BYTES = 64 << 20
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_STORED_CODES = {"int8": "I8", "float8_e4m3fn": "F8_E4M3"}  # pre-quantized weights' dtypes
 
 
 class MissingFileError(CheckpointError, FileNotFoundError):
@@ -230,90 +191,6 @@ def load_config(path: str | os.PathLike[str]) -> LlamaConfig:
         raise CheckpointError(f"{cfg_path}: invalid config: {type(e).__name__}: {e}") from None
 
 
-def check_config_values(d: Mapping[str, Any], where: str = "config.json") -> None:
-    """Checks the type and range of every ``config.json`` field the loader uses.
-
-    Args:
-      d: the parsed config.
-      where: the file name, for messages.
-
-    Raises:
-      CheckpointError: naming the first bad field, its value and the allowed range.
-    """
-
-    def bad(field: str, value: Any, want: str) -> CheckpointError:
-        shown = repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        return CheckpointError(f"{where}: field {field} must be {want}, got {shown}")
-
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    for field, (lo, hi) in CONFIG_LIMITS.items():
-        v = d.get(field)
-        optional = field in (
-            "num_key_value_heads",
-            "head_dim",
-            "sliding_window",
-            "original_max_position_embeddings",
-            "sliding_window_pattern",
-        )
-        if v is None and (optional or field not in _REQUIRED_FIELDS):
-            continue
-        if not is_int(v) or not lo <= v <= hi:
-            raise bad(field, v, f"an int in [{lo}, {hi}]")
-    for field, (lo, hi) in _FLOAT_LIMITS.items():
-        v = d.get(field)
-        if v is None:
-            continue
-        if (
-            not isinstance(v, (int, float))
-            or isinstance(v, bool)
-            or not math.isfinite(v)
-            or not lo < v <= hi
-        ):
-            raise bad(field, v, f"a finite number in ({lo:g}, {hi:g}]")
-    for field in _BOOL_FIELDS:
-        v = d.get(field)
-        if v is not None and not isinstance(v, bool):
-            raise bad(field, v, "true or false")
-    for field in ("hidden_act", "hidden_activation", "torch_dtype"):
-        v = d.get(field)
-        if v is not None and not isinstance(v, str):
-            raise bad(field, v, "a string")
-    vocab = d.get("vocab_size")
-    for field in ("bos_token_id", "pad_token_id", "eos_token_id"):
-        v = d.get(field)
-        ids = v if field == "eos_token_id" and isinstance(v, list) else [v]
-        if v is None or (isinstance(v, list) and not v):
-            continue
-        if len(ids) > 1024 or not all(is_int(t) and 0 <= t < vocab for t in ids):
-            kind = "a token id or a list of token ids" if field == "eos_token_id" else "a token id"
-            raise bad(field, v, f"{kind} in [0, vocab_size={vocab})")
-    rs = d.get("rope_scaling")
-    if rs is not None:
-        if not isinstance(rs, dict):
-            raise bad("rope_scaling", rs, "an object or null")
-        for k, v in rs.items():
-            if k in ("rope_type", "type"):
-                if not isinstance(v, str):
-                    raise bad(f"rope_scaling.{k}", v, "a string")
-            elif (
-                isinstance(v, (int, float))
-                and not isinstance(v, bool)
-                and (not math.isfinite(v) or not 0 < v <= 1e12)
-            ):
-                raise bad(f"rope_scaling.{k}", v, "a finite number in (0, 1e12]")
-    layer_types = d.get("layer_types")
-    if layer_types is not None and (
-        not isinstance(layer_types, list)
-        or len(layer_types) != d.get("num_hidden_layers")
-        or not all(isinstance(t, str) for t in layer_types)
-    ):
-        raise bad("layer_types", layer_types, "a list of num_hidden_layers strings")
-
-
 def _read_json(path: Path, max_bytes: int) -> Any:
     try:
         size = path.stat().st_size
@@ -419,6 +296,7 @@ class _Reader:
         self._t0 = time.monotonic()
         self._next_log = _LOG_BYTES
         self.slices = 0
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
         try:
             size = sum(p.stat().st_size for p in set(files.values()))
         except OSError as e:
@@ -434,9 +312,11 @@ class _Reader:
             f = self._open[fpath] = _open_safetensors(fpath)
         return fpath, f
 
-    def check(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Checks every tensor's presence, dtype and shape from the file headers alone, so
-        nothing is allocated for a checkpoint that cannot load."""
+    def check(self, shapes: Mapping[str, Any], dtypes: set[str] = _FLOAT_DTYPES) -> dict:
+        """Checks every tensor's presence, dtype (one of ``dtypes``) and shape (a tuple, or a
+        list of allowed ones) from the file headers alone, so nothing is allocated for a
+        checkpoint that cannot load. Returns each tensor's shape."""
+        found = {}
         for name, shape in shapes.items():
             fpath, f = self._file(name)
             try:
@@ -446,15 +326,19 @@ class _Reader:
                 raise MissingTensorError(
                     f"cannot read tensor {name!r} from {fpath.name}: {type(e).__name__}: {e}"
                 ) from None
-            if dtype not in _FLOAT_DTYPES:
+            if dtype not in dtypes:
                 raise TensorShapeError(
                     f"tensor {name!r} in {fpath.name} has dtype {dtype}, expected one of "
-                    f"{sorted(_FLOAT_DTYPES)}"
+                    f"{sorted(dtypes)}"
                 )
-            if got != tuple(shape):
+            want = shape if isinstance(shape, list) else [tuple(shape)]
+            if got not in want:
+                want_s = " or ".join(map(str, want))
                 raise TensorShapeError(
-                    f"tensor {name!r} in {fpath.name} has shape {got}, expected {tuple(shape)}"
+                    f"tensor {name!r} in {fpath.name} has shape {got}, expected {want_s}"
                 )
+            found[name] = got
+        return found
 
     def block(self, name: str, block: Block) -> np.ndarray:
         """``block`` (``(start, stop)`` per axis) of tensor ``name``, as stored, read from the
@@ -489,6 +373,25 @@ class _Reader:
         """Bytes of tensor data read so far (only this process's devices' blocks)."""
         return self._done
 
+    def stored_block(self, name: str, block: Block, code: str) -> np.ndarray:
+        """``block`` of an 8-bit tensor (``I8`` or ``F8_E4M3``, checked by :meth:`check`) as
+        stored, from a memory map of its bytes (numpy cannot slice float8 through safetensors),
+        so only that block's pages are read."""
+        fpath, _ = self._file(name)
+        if fpath not in self._headers:
+            with open(fpath, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                self._headers[fpath] = (8 + n, json.loads(fh.read(n)))
+        base, header = self._headers[fpath]
+        start, end = header[name]["data_offsets"]
+        whole = np.memmap(fpath, np.uint8, "r", offset=base + start, shape=(end - start,))
+        view = whole.reshape(header[name]["shape"])[tuple(slice(a, b) for a, b in block)]
+        arr = np.array(view).view(np.int8 if code == "I8" else ml_dtypes.float8_e4m3fn)
+        del whole, view
+        self.slices += 1
+        self._done += arr.nbytes
+        return arr
+
 
 def load_model(
     path: str | os.PathLike[str],
@@ -496,6 +399,7 @@ def load_model(
     param_dtype: Any | None = None,
     *,
     mesh: jax.sharding.Mesh | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Loads an HF-format checkpoint directory into a ``LlamaForCausalLM``, straight into
     shards.
@@ -513,6 +417,10 @@ def load_model(
             (:func:`paxcache.sharding.make_mesh`): the parameters are split over it by
             :func:`paxcache.sharding.param_specs`, as ``Engine(..., tp=, ep=)`` expects.
             None: every parameter on this process's first device (``jax.local_devices()[0]``).
+        quantization: None, or one of :data:`paxcache.models.quantize.QUANTIZATIONS`: the
+            layers' linear weights are quantized as they are read. A pre-quantized
+            (compressed-tensors) checkpoint loads as it is stored; ``quantization`` must then
+            be None or its own scheme. Not for mixture-of-experts models yet.
 
     Raises:
         MissingFileError, MissingTensorError, TensorShapeError, UnsupportedModelError,
@@ -531,6 +439,14 @@ def load_model(
         tp, ep = mesh.shape[sharding.TP_AXIS], mesh.shape.get(sharding.EP_AXIS, 1)
         sharding.validate_tp(cfg, tp, num_devices=mesh.size)
         sharding.validate_ep(cfg, tp, ep, num_devices=mesh.size)
+    pre = quantize.checkpoint_quantization(
+        _read_json(path / "config.json", _MAX_CONFIG_BYTES), quantization
+    )
+    if (pre is not None or quantization is not None) and isinstance(cfg, MoeConfig):
+        raise CheckpointError(
+            f"{path}: quantized weights are not supported for mixture-of-experts models "
+            f"({cfg.model_type}) yet; load it unquantized"
+        )
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     np_dtype = np.dtype(param_dtype)
     files = _tensor_files(path)
@@ -539,7 +455,10 @@ def load_model(
         shapes.update(hf_expert_shapes(cfg, files))
     total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
     reader = _Reader(files, total)
-    reader.check(shapes)
+    stored = _prequantized_names(cfg) if pre is not None else set()
+    reader.check({k: v for k, v in shapes.items() if k not in stored})
+    if pre is not None:
+        reader.check({k: shapes[k] for k in stored}, {_STORED_CODES[pre.weight_dtype]})
     t0 = time.monotonic()
     if reader.big:
         logger.info(
@@ -561,8 +480,16 @@ def load_model(
         lambda: model_class(cfg)(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
     sources = hf_sources(cfg, files)
+    quantized = pre is not None or quantization is not None
     for key, param, target in _param_targets(model, cfg, sources, mesh):
-        param.set_value(place_param(sources[key], param.shape, np_dtype, target, reader.block))
+        src = sources[key]
+        if quantized and key[0] == "layers" and key[-1] in quantize.LINEAR_WEIGHTS:
+            value = _place_quantized(reader, cfg, pre, quantization, key, src, param, target, mesh)
+        else:
+            value = place_param(src, param.shape, np_dtype, target, reader.block)
+        param.set_value(value)
+    if quantized:
+        quantize.apply_quantization(model)
     logger.log(
         logging.INFO if reader.big else logging.DEBUG,
         "loaded %s in %.1fs: read %.1f MiB in %d slices (this process's shards of %.1f MiB)",
@@ -618,6 +545,65 @@ def _param_targets(
     return out
 
 
+def _prequantized_names(cfg: LlamaConfig) -> set[str]:
+    """The tensors a pre-quantized checkpoint stores quantized: every layer linear weight."""
+    src = hf_sources(cfg)
+    linear = [src["layers", n] for n in quantize.LINEAR_WEIGHTS if ("layers", n) in src]
+    return {s.tensor(i) for s in linear for i in range(cfg.num_hidden_layers)}
+
+
+def _place_quantized(
+    reader: _Reader,
+    cfg: LlamaConfig,
+    pre: quantize.CheckpointQuantization | None,
+    quantization: str | None,
+    key: tuple[str, ...],
+    source: TensorSource,
+    param: nnx.Param,
+    target: jax.sharding.Sharding,
+    mesh: jax.sharding.Mesh | None,
+) -> quantize.QuantizedWeight:
+    """One layer linear weight ``[L, in, out]`` read straight into quantized shards: values
+    sharded like the weight, per-output-channel scales ``[L, 1, out]`` split like its output
+    axis (:func:`paxcache.sharding.quantized_scale_spec`). Quantized block by block as read
+    (:func:`paxcache.models.quantize.place_quantized`), or, for a pre-quantized checkpoint,
+    its stored values, ``weight_scale`` and ``input_scale`` read block by block as stored."""
+    shape = tuple(param.shape)
+    scale_shape = (*shape[:-2], 1, shape[-1])
+    if mesh is None:
+        scale_target = replicated = target
+    else:
+        tp = mesh.shape[sharding.TP_AXIS]
+        spec = sharding.quantized_scale_spec(key[-1], scale_shape, cfg, tp)
+        scale_target = jax.sharding.NamedSharding(mesh, spec)
+        replicated = sharding.replicated(mesh)
+    if pre is None:
+        np_dtype = np.dtype(param.dtype)
+        return quantize.place_quantized(
+            source, shape, np_dtype, quantization, target, scale_target, reader.block
+        )
+    code = _STORED_CODES[pre.weight_dtype]
+    hf_out = hf_param_shapes(cfg)[source.tensor(0)][0]
+    return quantize.place_stored(
+        pre,
+        source,
+        shape,
+        (target, scale_target, replicated),
+        lambda n, b: reader.stored_block(n, b, code),
+        lambda layer, kind: _stored_scale(reader, source.tensor(layer), hf_out, kind),
+    )
+
+
+def _stored_scale(reader: _Reader, weight_name: str, out_dim: int, kind: str) -> np.ndarray:
+    """A pre-quantized weight's ``weight_scale`` (per channel ``[out, 1]`` / ``[out]``, or per
+    tensor ``[1]`` / ``[]``) or ``input_scale`` (``[1]``), as float32 ``[out_dim]``."""
+    name = weight_name.removesuffix(".weight") + "." + kind
+    allowed = [(out_dim, 1), (out_dim,), (1,), ()] if kind == "weight_scale" else [(1,), ()]
+    shape = reader.check({name: allowed})[name]  # per channel, or per tensor
+    s = reader.block(name, tuple((0, d) for d in shape)).astype(np.float32)
+    return np.broadcast_to(s.reshape(-1), (out_dim,))
+
+
 def model_to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     """Our parameters as HF-named numpy arrays (``[out, in]`` linear weights)."""
     out: dict[str, np.ndarray] = {
@@ -671,6 +657,7 @@ def load_pretrained(
     *,
     tp: int = 1,
     ep: int = 1,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Loads a model and its tokenizer.
 
@@ -685,6 +672,7 @@ def load_pretrained(
         ep: expert-parallel degree (a mixture of experts): the experts are read straight
             into their ``ep`` shards of the ``(ep, tp)`` mesh (:func:`paxcache.sharding.
             expert_specs`); 1: no ``ep`` axis.
+        quantization: None, ``"int8"``, ``"int8-w8a8"`` or ``"fp8"`` (see :func:`load_model`).
 
     Returns:
         (model, tokenizer). The tokenizer is byte-level when the directory has no tokenizer.json.
@@ -701,7 +689,9 @@ def load_pretrained(
         sharding.validate_tp(cfg, tp)
         sharding.validate_ep(cfg, tp, ep)
         mesh = sharding.make_mesh(tp, ep=ep)
-    model = load_model(p, dtype=dtype, param_dtype=param_dtype, mesh=mesh)
+    model = load_model(
+        p, dtype=dtype, param_dtype=param_dtype, mesh=mesh, quantization=quantization
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         _confined(p, p / name)
     tok = load_tokenizer(p, model.config)

@@ -23,9 +23,10 @@ slice as read, and its transposed / cast copy), whatever the model's size; peak 
 is the device's shard of the model plus one layer's shard of one weight. The same code loads
 onto one device (the ``SingleDeviceSharding`` case), so there is one loading path.
 
-Hook point for quantize-at-load: :func:`read_block` is the one place a host block is
-produced; a quantizer transforms each block there (after the cast) before it is copied to its
-device.
+Quantize-at-load: :func:`place_param`'s ``make_block`` replaces :func:`read_block` as the
+producer of each host block; :mod:`paxcache.models.quantize` quantizes every block there
+(values, and per-output-channel scales from the whole input axis) before it is copied to its
+device, so a bf16 weight is never on a device.
 
 Shape letters as in :mod:`paxcache.sharding`: L layers, the rest per parameter.
 """
@@ -136,7 +137,7 @@ def read_block(
 
     Returns:
       The block, shape ``[stop - start per axis]``: read, transposed, cast. (Quantize-at-load
-      hooks in here, after the cast.)
+      calls this and quantizes the result: :func:`place_param`'s ``make_block``.)
     """
     if source.per_expert:  # one tensor per expert along our first axis
         (first, last), rest = block[0], block[1:]
@@ -219,6 +220,7 @@ def place_param(
     dtype: Any,
     sharding: jax.sharding.Sharding,
     read: ReadSlice,
+    make_block: Callable[[int | None, Block], np.ndarray] | None = None,
 ) -> jax.Array:
     """Builds one parameter on ``sharding`` from the checkpoint, reading only the blocks of
     this process's devices.
@@ -229,21 +231,27 @@ def place_param(
       dtype: its dtype.
       sharding: its target sharding (a ``NamedSharding`` on the mesh, or one device).
       read: the checkpoint reader (``read(tensor_name, hf_block)``).
+      make_block: ``make_block(layer, block) -> host block of dtype`` in place of
+        :func:`read_block` (the quantize-at-load hook: :mod:`paxcache.models.quantize`
+        quantizes each block as it is read); None: ``read_block``.
 
     Returns:
       The parameter, committed to ``sharding``; each device holds only its shard.
     """
     dtype = np.dtype(dtype)
+    if make_block is None:
+
+        def make_block(layer: int | None, block: Block) -> np.ndarray:
+            return read_block(read, source, layer, block, dtype)
+
     if not source.stacked:
-        return _from_blocks(shape, sharding, lambda b: read_block(read, source, None, b, dtype))
+        return _from_blocks(shape, sharding, lambda b: make_block(None, b))
     num_layers, per_layer = shape[0], tuple(shape[1:])
     one_layer = layer_sharding(sharding)
     stacked = _zeros_fn(tuple(shape), dtype, sharding)()
     set_layer = _set_layer_fn(sharding)
     for i in range(num_layers):
-        layer = _from_blocks(
-            per_layer, one_layer, lambda b, i=i: read_block(read, source, i, b, dtype)
-        )
+        layer = _from_blocks(per_layer, one_layer, lambda b, i=i: make_block(i, b))
         stacked = set_layer(stacked, layer, np.int32(i))
         del layer
     return stacked

@@ -14,7 +14,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -48,6 +48,8 @@ class ServerContext:
       vocab_size: the model's vocabulary size (None: unknown).
       created: the ``created`` time of the model card.
       shutdown: the shutdown state (draining, and the requests a shutdown must end).
+      weights: the served weights' ``quantization`` (None: unquantized), ``weight_dtype`` and
+        ``kv_cache_dtype`` (from ``engine.stats()``; empty when the engine has none).
     """
 
     runner: EngineRunner
@@ -61,6 +63,7 @@ class ServerContext:
     vocab_size: int | None
     created: int
     shutdown: ShutdownGate
+    weights: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -88,6 +91,7 @@ class ServerContext:
             or getattr(tokenizer, "vocab_size", None),
             created=int(time.time()),
             shutdown=ShutdownGate(),
+            weights=_weights(engine),
         )
 
     # -- checks ----------------------------------------------------------------------------------
@@ -136,6 +140,7 @@ class ServerContext:
         }
         if self.max_model_len is not None:
             card["max_model_len"] = self.max_model_len
+        card.update(self.weights)
         return card
 
     def tenant_slots(self, request: Request, completions: int) -> Callable[[], None]:
@@ -254,3 +259,13 @@ class ServerContext:
             on_disconnect=exchange.disconnect,
             on_close=close,
         )
+
+
+def _weights(engine: Any) -> dict[str, Any]:
+    """The model card's weight facts from ``engine.stats()`` (empty without them)."""
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return {}
+    s = stats()
+    keys = ("quantization", "weight_dtype", "kv_cache_dtype")
+    return {k: s[k] for k in keys if k in s}

@@ -147,6 +147,16 @@ class EngineStatsCollector:
             family, _, why = impl.partition(" (fallback: ")
             kernels.add_metric([op, family, why.removesuffix(")")], 1.0)
         yield kernels
+        if "weight_dtype" in s:
+            weights = GaugeMetricFamily(
+                "paxcache_weights_info",
+                "The served weights (1): quantization scheme (none: unquantized), the layer "
+                "weights' and the KV cache's storage dtypes.",
+                labels=["quantization", "weight_dtype", "kv_cache_dtype"],
+            )
+            labels = [s.get("quantization") or "none", s["weight_dtype"]]
+            weights.add_metric([*labels, str(s.get("kv_cache_dtype", ""))], 1.0)
+            yield weights
         if self.model_name is not None:
             yield from self._vllm(s)
 
