@@ -23,6 +23,7 @@ from hf_moe_reference import moe_config, moe_forward_np, random_moe_tensors
 from hf_reference import write_checkpoint
 
 from paxcache import Engine, SamplingParams
+from paxcache.errors import CheckpointError
 from paxcache.models import (
     ByteTokenizer,
     LlamaConfig,
@@ -34,7 +35,6 @@ from paxcache.models import (
     load_model,
     save_pretrained,
 )
-from paxcache.errors import CheckpointError
 from paxcache.models.moe import expert_mlp, route
 
 IDS = [3, 17, 5, 9, 22, 41, 8, 1, 60, 33, 12, 7]

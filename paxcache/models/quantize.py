@@ -272,7 +272,8 @@ def apply_quantization(model: Any, quantization: str | None = None) -> Any:
 def _quantized(model: Any) -> dict[str, QuantizedWeight]:
     out = {}
     for name in LINEAR_WEIGHTS:
-        value = getattr(model.layers, name).get_value()
+        param = getattr(model.layers, name, None)  # None: e.g. an MoE model's expert MLP
+        value = None if param is None else param.get_value()
         if isinstance(value, QuantizedWeight):
             out[name] = value
     return out
