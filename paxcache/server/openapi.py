@@ -277,7 +277,7 @@ def install_openapi(app: FastAPI, *, keyed: bool) -> None:
             ctx.limits,
             vocab_size=ctx.vocab_size,
             max_model_len=ctx.max_model_len,
-            empty_text_ok=ctx.tokenizer is None or bool(list(ctx.tokenizer.encode(""))),
+            max_num_seqs=getattr(ctx.runner.engine, "max_num_seqs", None),
         )
         for path, ops in doc.get("paths", {}).items():
             for op in ops.values():

@@ -224,7 +224,7 @@ def tighten_requests(
     *,
     vocab_size: int | None,
     max_model_len: int | None,
-    empty_text_ok: bool = True,
+    max_num_seqs: int | None = None,
 ) -> None:
     """Writes the server's limits and cross-field rules into the request schemas (in place).
 
@@ -233,15 +233,18 @@ def tighten_requests(
       limits: the server's :class:`ServerLimits`.
       vocab_size: the model's vocabulary (token ids are below it), if known.
       max_model_len: the model's context length, if known.
-      empty_text_ok: an empty text prompt still gives tokens (the tokenizer adds BOS).
+      max_num_seqs: the engine's most running sequences: a prompt's ``n`` completions run
+        together, so ``n`` is at most this (the engine refuses more: 400).
     """
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _sampling(schemas[name], limits, vocab_size, max_model_len)
     _completion(schemas["CompletionRequest"], limits, vocab_size, max_model_len)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        n = schemas[name]["properties"]["n"]
+        n["maximum"] = min(n["maximum"], limits.max_choices, max_num_seqs or limits.max_choices)
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]
     _branch(prompt, "string")["minLength"] = 1  # an empty text prompt is refused
-    if not empty_text_ok:
-        _items_of(prompt, "string")["items"]["minLength"] = 1
+    _items_of(prompt, "string")["items"]["minLength"] = 1
     _chat(schemas["ChatCompletionRequest"], limits, max_model_len)
     _tools(schemas["ChatCompletionRequest"])
     params = schemas["FunctionDefinition"]["properties"]["parameters"]
