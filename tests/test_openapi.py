@@ -34,10 +34,10 @@ RUNTIME_RULES = (
     # cannot compile: only compiling it tells.
     "response_format.json_schema",
     ".function.parameters:",
-    # Token counts are known only after tokenizing: a chat prompt rendered past the context
-    # window (text prompts are bounded by a documented maxLength instead), and the fake engine's
-    # own refusal of prompt + max_tokens past max_model_len (the real engine stops at the
-    # length instead).
+    # Token counts are known only after tokenizing: a text or chat prompt past the context
+    # window (a maxLength safe for every text would refuse most texts that fit, and the
+    # server does not refuse them), and the fake engine's own refusal of prompt + max_tokens
+    # past max_model_len (the real engine stops at the length instead).
     "the model's maximum context length",
     "exceeds max_model_len",
     # prompts x n <= max_choices: an arithmetic rule between two fields; stated exactly it

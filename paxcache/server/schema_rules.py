@@ -5,9 +5,10 @@ depend on the deployment (:class:`paxcache.server.protocol.ServerLimits`, the vo
 model length) and rules between fields. :func:`tighten_requests` writes those into the
 request schemas, so that a body the schema accepts is a body the server accepts, and a body
 it refuses gets a 400 (Schemathesis's ``positive_data_acceptance`` and
-``negative_data_rejection``; tests/test_openapi.py). What no JSON schema can say (a chat
-prompt rendered past the context window, a ``tool`` message answering an earlier call, tool
-names unique) stays a 400 naming the problem, described in the field's ``description``.
+``negative_data_rejection``; tests/test_openapi.py). What no JSON schema can say (a text or
+chat prompt past the context window, a ``tool`` message answering an earlier call, tool names
+unique, prompts x ``n`` within ``max_choices``) stays a 400 naming the problem, described in
+the field's ``description``.
 """
 
 from __future__ import annotations
@@ -16,16 +17,7 @@ from typing import Any
 
 from paxcache.server.protocol import ServerLimits
 
-__all__ = ["tighten_requests", "text_prompt_chars"]
-
-_UTF8_MAX_BYTES = 4
-
-
-def text_prompt_chars(max_model_len: int) -> int:
-    """The longest text prompt (characters) that surely fits ``max_model_len`` tokens: a
-    character is at most 4 UTF-8 bytes, a byte at most one token, plus BOS, plus one token
-    of room to generate."""
-    return max(1, (max_model_len - 2) // _UTF8_MAX_BYTES)
+__all__ = ["tighten_requests"]
 
 
 def _branch(prop: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -57,10 +49,10 @@ def _sampling(
     p = s["properties"]
     if vocab_size is not None:
         _branch(p["top_k"], "integer")["maximum"] = vocab_size
-    _branch(p["stop"], "string")["maxLength"] = limits.max_stop_chars
+    _branch(p["stop"], "string").update(minLength=1, maxLength=limits.max_stop_chars)
     stops = _items_of(p["stop"], "string")
     stops["maxItems"] = limits.max_stop
-    stops["items"]["maxLength"] = limits.max_stop_chars
+    stops["items"].update(minLength=1, maxLength=limits.max_stop_chars)
     _token_ids(_branch(p["stop_token_ids"], "array"), vocab_size, None)
     _branch(p["stop_token_ids"], "array")["maxItems"] = limits.max_stop_token_ids
     for name in ("presence_penalty", "frequency_penalty"):
@@ -89,14 +81,13 @@ def _completion(
     _branch(p["suffix"], "string").update(maxLength=0, description="Not supported: empty only")
     _branch(p["logprobs"], "integer")["maximum"] = limits.max_logprobs
     prompt = p["prompt"]
-    text = _branch(prompt, "string")
     texts = _items_of(prompt, "string")
     ids = _items_of(prompt, "integer")
     lists = _items_of(prompt, "array")
     max_ids = None if max_model_len is None else max_model_len - 1
-    if max_model_len is not None:
-        text["maxLength"] = text_prompt_chars(max_model_len)
-        texts["items"]["maxLength"] = text_prompt_chars(max_model_len)
+    # No maxLength on text: how many tokens a text makes is known only by tokenizing it (a
+    # bound safe for every text, 4 UTF-8 bytes a character, would refuse most texts that fit);
+    # a prompt past the context is a 400 naming the model length.
     texts.update(minItems=1, maxItems=limits.max_prompts)
     _token_ids(ids, vocab_size, max_ids)
     ids["minItems"] = 1
@@ -104,8 +95,8 @@ def _completion(
     _token_ids(lists["items"], vocab_size, max_ids)
     lists["items"]["minItems"] = 1
     prompt["description"] = (
-        "Text (at most the characters that surely fit the context: 4 UTF-8 bytes a "
-        "character), texts, token ids, or lists of token ids (ids inside the vocabulary)"
+        "Text, texts, token ids, or lists of token ids (ids inside the vocabulary); each "
+        "prompt must leave room in the context for one generated token (400 otherwise)"
     )
     rules = s.setdefault("allOf", [])
     # prompts x n <= max_choices is stated in words only: exactly it takes one anyOf branch per
