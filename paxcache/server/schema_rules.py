@@ -47,6 +47,8 @@ def _sampling(
     s: dict[str, Any], limits: ServerLimits, vocab_size: int | None, max_model_len: int | None
 ) -> None:
     p = s["properties"]
+    # pydantic writes integer bounds as floats; 2**63 as a float is not the bound the server holds.
+    _branch(p["seed"], "integer").update(minimum=-(1 << 63), maximum=(1 << 64) - 1)
     if vocab_size is not None:
         _branch(p["top_k"], "integer")["maximum"] = vocab_size
     _branch(p["stop"], "string").update(minLength=1, maxLength=limits.max_stop_chars)
