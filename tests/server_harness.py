@@ -76,6 +76,8 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams, cache_salt=None) -> None:
         if request_id in self.reqs:
             raise DuplicateSequenceError(request_id)
+        if params.n > self.max_num_seqs:  # as the real Engine: a prompt's n run together
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.salts.append(cache_salt)
         key = (cache_salt, tuple(ids))

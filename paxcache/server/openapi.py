@@ -23,6 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
 from paxcache.server.protocol import STATUS_TYPES
+from paxcache.server.schema_rules import tighten_requests
 
 __all__ = [
     "ChatCompletionResponse",
@@ -270,6 +271,14 @@ def install_openapi(app: FastAPI, *, keyed: bool) -> None:
         schemas["ErrorResponse"] = error
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
+        ctx = app.state.ctx
+        tighten_requests(
+            schemas,
+            ctx.limits,
+            vocab_size=ctx.vocab_size,
+            max_model_len=ctx.max_model_len,
+            max_num_seqs=getattr(ctx.runner.engine, "max_num_seqs", None),
+        )
         for path, ops in doc.get("paths", {}).items():
             for op in ops.values():
                 answers = op.setdefault("responses", {})

@@ -1,9 +1,9 @@
 """The server's wire protocol: limits, OpenAI-shaped errors and the request schemas.
 
-Request bodies are strict pydantic models: ``"5"`` is not an int, ``"yes"`` is not a bool,
-and strings with lone UTF-16 surrogates are refused. Fields a request body does not declare
-are kept aside for :mod:`paxcache.server.fields` (a field the server does not honour is never
-silently dropped: it is refused, or, when it is no OpenAI field at all, ignored with a
+Request bodies are strict pydantic models: ``"5"`` is not an int (``5.0`` is), ``"yes"`` is not
+a bool, and strings with lone UTF-16 surrogates are refused. Fields a request body does not
+declare are kept aside for :mod:`paxcache.server.fields` (a field the server does not honour is
+never silently dropped: it is refused, or, when it is no OpenAI field at all, ignored with a
 warning); nested objects (messages, ``stream_options``) refuse unknown fields. Every numeric
 field is bounded where it enters (``top_k`` at most the vocabulary, seeds 64-bit, ...); the
 per-request limits that depend on the deployment are :class:`ServerLimits`.
@@ -45,6 +45,7 @@ __all__ = [
     "TextContentPart",
     "Tool",
     "ToolCall",
+    "integral_numbers",
     "internal_error",
     "shown",
 ]
@@ -193,6 +194,24 @@ def _valid_unicode(s: str) -> str:
     return s
 
 
+def _integral(v: Any) -> Any:
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, list):
+        return [_integral(x) for x in v]
+    return v
+
+
+def integral_numbers(body: Any) -> Any:
+    """A body's top-level numbers (and lists of them) with ``5.0`` as ``5``: JSON Schema's
+    ``integer`` is any number without a fraction, and strict pydantic would refuse ``5.0``
+    (floats fields take ints, so converting every such number is safe). ``"5"`` stays
+    refused. Nested objects (tool schemas, ``logit_bias``) are left as sent."""
+    if isinstance(body, dict):
+        return {k: _integral(v) for k, v in body.items()}
+    return body
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 """A string that is valid Unicode (JSON can smuggle lone surrogates: ``"\\ud800"``)."""
 
@@ -272,6 +291,8 @@ class SamplingFields(_Strict):
     """
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+    _integral_numbers = model_validator(mode="before")(integral_numbers)
 
     model: Text | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -34,7 +34,7 @@ from paxcache.server.context import ServerContext
 from paxcache.server.convert import chat_prompt
 from paxcache.server.middleware import request_id
 from paxcache.server.openapi import DetokenizeResponse, TokenizeResponse, responses
-from paxcache.server.protocol import APIError, ChatMessage, Text, shown
+from paxcache.server.protocol import APIError, ChatMessage, Text, integral_numbers, shown
 
 __all__ = [
     "DetokenizeRequest",
@@ -87,6 +87,8 @@ class DetokenizeRequest(_Strict):
     model_config = ConfigDict(
         strict=True, extra="forbid", json_schema_extra={"examples": [{"tokens": [72, 105]}]}
     )
+
+    _integral_numbers = model_validator(mode="before")(integral_numbers)
 
     model: Text | None = None
     tokens: list[int]
