@@ -347,7 +347,10 @@ class TextContentPart(_Strict):
 class ChatMessage(_Strict):
     """One chat message, checked as OpenAI checks it: a ``tool`` message answers a call
     (``tool_call_id``, ``content``); only an ``assistant`` message carries ``tool_calls``
-    (then ``content`` may be null); the other roles need ``content``."""
+    (then ``content`` may be null); the other roles need ``content``. Whether a ``tool``
+    message's id names an earlier assistant call is not checked (as vLLM and transformers'
+    templates: the template renders it); no JSON schema can relate two messages, and a rule
+    the OpenAPI document cannot state would refuse bodies it calls valid."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
@@ -397,16 +400,3 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-
-    @model_validator(mode="after")
-    def _check_tool_answers(self) -> ChatCompletionRequest:
-        """Each ``tool`` message answers a call an earlier assistant message made."""
-        called: set[str] = set()
-        for i, m in enumerate(self.messages):
-            called.update(c.id for c in m.tool_calls or ())
-            if m.role == "tool" and m.tool_call_id not in called:
-                raise ValueError(
-                    f"messages[{i}]: a 'tool' message must answer a preceding assistant "
-                    f"'tool_calls' entry; no call has id '{shown(m.tool_call_id or '')}'"
-                )
-        return self
