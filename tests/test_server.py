@@ -165,6 +165,22 @@ def test_batch_prompts_and_token_id_prompts(fake):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_ends_at_length_even_if_the_dropped_token_stops(fake, stream):
+    # The engine samples one token it then drops; here that token completes the stop string
+    # "l" ("Hi" + greedy "lo..."), as an EOS might. The completion is the prompt: "length".
+    base, _ = fake
+    kw = dict(model="fake-model", prompt="Hi", max_tokens=0, echo=True, temperature=0, stop=["l"])
+    if stream:
+        chunks = list(_client(base).completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        choice = _client(base).completions.create(**kw).choices[0]
+        text, reason = choice.text, choice.finish_reason
+    assert (text, reason) == ("Hi", "length")
+
+
 def test_stop_strings_and_logprobs(fake):
     base, _ = fake
     client = _client(base)

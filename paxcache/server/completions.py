@@ -128,6 +128,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             return text, None
         return text, completion_logprobs(ctx.tokenizer, entries or [])
 
+    def ending(reason: str | None) -> str | None:
+        """``max_tokens: 0`` ends at its length whatever the dropped token was (EOS, a stop)."""
+        if echo.drop_generated and reason == "stop":
+            return "length"
+        return reason
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         started: set[int] = set()
@@ -140,7 +146,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             first = idx not in started
             started.add(idx)
             text, logprobs = piece(idx, delta, lps, first)
-            choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": fr}
+            choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": ending(fr)}
             chunk = {**head, "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None
@@ -169,7 +175,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 "index": idx,
                 "text": text,
                 "logprobs": logprobs,
-                "finish_reason": finish_reason(reason),
+                "finish_reason": finish_reason(ending(reason)),
             }
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
