@@ -10,13 +10,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from flax import nnx
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import serve_in_thread
 from test_prompt_logprobs import TOL, dense_prompt_logprobs
+from tiny_models import byte_llama
 
 from paxcache import Engine
-from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
+from paxcache.models import ByteTokenizer
 from paxcache.server import create_app
 
 TEXT = "The quick brown fox jumps over the lazy dog, twice."  # 52 tokens with BOS: 4 chunks
@@ -24,17 +24,7 @@ TEXT = "The quick brown fox jumps over the lazy dog, twice."  # 52 tokens with B
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = LlamaConfig(
-        vocab_size=259,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=257,
-    )
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return byte_llama()
 
 
 @pytest.fixture(scope="module")

@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
+from tiny_models import byte_llama
 
 from paxcache import Engine, SamplingParams
-from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM, greedy_generate
+from paxcache.models import ByteTokenizer, greedy_generate
 
 BS = 8
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = LlamaConfig(
-        vocab_size=259,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=257,
-    )
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return byte_llama()
 
 
 def _engine(model, **kw):

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from tiny_models import byte_llama
 
 from paxcache import Engine, SamplingParams
-from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
+from paxcache.models import ByteTokenizer
 from paxcache.sampling import StructuredOutputsParams
 
 TOL = 1e-4
@@ -23,17 +23,7 @@ K = 3
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = LlamaConfig(
-        vocab_size=259,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=257,
-    )
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return byte_llama()
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import collections
 import re
 
 import pytest
-from flax import nnx
+from tiny_models import byte_llama
 
 from paxcache import Engine, compile_check, kv_cache
-from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
+from paxcache.models import ByteTokenizer
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _REFS = re.compile(
@@ -73,17 +73,7 @@ def _kv_ops(hlo: str, shape: str) -> tuple[collections.Counter, collections.Coun
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = LlamaConfig(
-        vocab_size=259,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=257,
-    )
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return byte_llama()
 
 
 def _step_hlo(model) -> str:

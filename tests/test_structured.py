@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from tiny_models import byte_llama
 
 from paxcache import Engine, SamplingParams, grammar, step
-from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
+from paxcache.models import ByteTokenizer
 from paxcache.models.tokenizer import HFTokenizer
 from paxcache.multihost import EngineRound, RoundAdd
 from paxcache.sampling import StructuredOutputsParams
@@ -165,17 +165,7 @@ def test_apply_allowed_masks_exactly_the_cleared_bits():
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = LlamaConfig(
-        vocab_size=259,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=257,
-    )
-    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return byte_llama()
 
 
 def _engine(model, **kw) -> Engine:
