@@ -7,10 +7,6 @@ chunked prefill and prefix hits; ``tp``/``ep`` on 4 simulated devices give the s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import chex
@@ -21,6 +17,7 @@ import pytest
 from flax import nnx
 from hf_moe_reference import moe_config, moe_forward_np, random_moe_tensors
 from hf_reference import write_checkpoint
+from workers import run_worker
 
 from paxcache import Engine, SamplingParams
 from paxcache.errors import CheckpointError
@@ -246,21 +243,7 @@ def test_committed_moe_configs_build_abstract_models_of_the_published_size(
 
 
 def _run_worker(tmp_path: Path, suite: str) -> dict:
-    out = tmp_path / f"{suite}.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), suite],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=850,
-    )
-    assert proc.returncode == 0, f"ep worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return run_worker(WORKER, tmp_path / f"{suite}.json", suite)
 
 
 def _check_layouts(report: dict) -> None:

@@ -7,17 +7,13 @@ Multi-device checks run once, in a subprocess with 4 simulated CPU devices
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from workers import run_processes, run_worker
 
 from paxcache import Engine, sharding
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
@@ -26,21 +22,7 @@ WORKER = Path(__file__).with_name("_tp_worker.py")
 
 
 def _run_worker(tmp_path_factory, suite: str) -> dict:
-    out = tmp_path_factory.mktemp("tp") / f"{suite}.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), suite],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=850,
-    )
-    assert proc.returncode == 0, f"tp worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return run_worker(WORKER, tmp_path_factory.mktemp("tp") / f"{suite}.json", suite)
 
 
 @pytest.fixture(scope="module")
@@ -248,34 +230,8 @@ def test_four_kv_heads_tp_1_2_4_same_tokens_and_split_heads(tmp_path_factory):
 
 def test_two_processes_form_one_tp4_mesh_with_jax_distributed(tp_report, tmp_path):
     """Multi-host as on a TPU pod slice: 2 processes x 2 CPU devices, jax.distributed."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                str(tmp_path / f"mh{i}.json"),
-                "multihost",
-                str(i),
-                str(port),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, f"multihost worker failed:\n{log[-6000:]}"
     ref = tp_report["k2_tp1"]["tokens"]
-    for i in range(2):
-        rep = json.loads((tmp_path / f"mh{i}.json").read_text())
+    for rep in run_processes(WORKER, tmp_path, "multihost"):
         assert rep["num_devices"] == 4 and rep["num_local_devices"] == 2
         assert rep["kv_spans_processes"] == 2
         assert rep["tokens"] == ref

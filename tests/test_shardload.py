@@ -7,12 +7,7 @@ The multi-device checks run once, in a subprocess with 4 simulated CPU devices
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,6 +15,7 @@ import numpy as np
 import pytest
 from hf_reference import base_config, random_tensors, write_checkpoint
 from jax.sharding import NamedSharding, SingleDeviceSharding
+from workers import run_processes, run_worker
 
 from paxcache import sharding
 from paxcache.models.loading import load_model
@@ -44,12 +40,6 @@ SMALL = {
 }
 
 
-def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("shardload")
@@ -63,15 +53,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def report(checkpoints, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("shardload_out") / "report.json"
     smalls = [str(checkpoints[n]) for n in SMALL]
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), "fast", str(checkpoints["big"]), *smalls],
-        env=_env(4),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return run_worker(WORKER, out, "fast", str(checkpoints["big"]), *smalls, timeout=600)
 
 
 # ----------------------------------------------------------------------------- in process
@@ -215,30 +197,7 @@ def test_engine_from_pretrained_serves_the_loaded_shards_without_a_copy(report):
 def test_each_host_reads_only_its_own_devices_shards(checkpoints, report, tmp_path):
     """Two processes x 2 CPU devices under jax.distributed form one tp=4 mesh: each process
     reads only the blocks of its 2 devices (the split weights' half, the replicated ones)."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                str(tmp_path / f"mh{i}.json"),
-                "multihost",
-                str(checkpoints["big"]),
-                str(i),
-                str(port),
-            ],
-            env=_env(2),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, f"multihost worker failed:\n{log[-6000:]}"
+    hosts = run_processes(WORKER, tmp_path, "multihost", str(checkpoints["big"]))
     single = report["tp4"]
     replicated = sum(
         math.prod(p["shape"]) * p["itemsize"]
@@ -246,8 +205,8 @@ def test_each_host_reads_only_its_own_devices_shards(checkpoints, report, tmp_pa
         if sharding.TP_AXIS not in p["spec"]
     )
     split = report["stats"]["model_bytes"] - replicated
-    for i in range(2):
-        rep = json.loads((tmp_path / f"mh{i}.json").read_text())["tp4"]
+    for host in hosts:
+        rep = host["tp4"]
         assert rep["mib_read"] * 2**20 == pytest.approx(split / 2 + replicated, rel=1e-6)
         assert len(rep["bytes_per_device"]) == 2
         np.testing.assert_allclose(rep["logits"], report["tp1"]["logits"], atol=2e-5)
