@@ -262,31 +262,16 @@ class GemmaConfig(LlamaConfig):
                 "full_attention": rope(self.rope_theta, self.rope_scaling),
                 "sliding_attention": rope(self.local_rope_theta, self.local_rope_scaling),
             }
-        eos = self.eos_token_id
         return {
-            "architectures": [fam.architecture],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
+            **self._hf_common_fields(),
             "hidden_activation": self.hidden_activation,
-            "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": rope_parameters,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.qkv_bias,
             "query_pre_attn_scalar": self.query_pre_attn_scalar,
             "attn_logit_softcapping": self.attn_logit_softcapping,
             "final_logit_softcapping": self.final_logit_softcapping,
             "sliding_window": used.pop() if used else None,
             "layer_types": list(self.layer_types),
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
-            "pad_token_id": self.pad_token_id,
         }
 
 

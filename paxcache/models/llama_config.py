@@ -377,6 +377,27 @@ class LlamaConfig:
             pad_token_id=d.get("pad_token_id"),
         )
 
+    def _hf_common_fields(self) -> dict[str, Any]:
+        """The ``config.json`` fields every family writes alike (shapes, norms, tokens)."""
+        eos = self.eos_token_id
+        return {
+            "architectures": [FAMILIES[self.model_type].architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+            "pad_token_id": self.pad_token_id,
+        }
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` dict for this config (round-trips through from_hf_dict).
 
@@ -392,26 +413,10 @@ class LlamaConfig:
                 f"{self.norm_placement!r}"
             )
         d: dict[str, Any] = {
-            "architectures": [fam.architecture],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
+            **self._hf_common_fields(),
             "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id)
-            if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
         }
         if self.partial_rotary_factor != 1.0:
             d["partial_rotary_factor"] = self.partial_rotary_factor
