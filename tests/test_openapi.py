@@ -24,9 +24,8 @@ from server_harness import FakeEngine, serve_in_thread
 from paxcache.server import ServerLimits, create_app
 
 RUNTIME_RULES = (
-    # No JSON schema can refer from one array element to another: two tools may not share a
-    # name; a named tool_choice must be one of the tools.
-    "two tools are named",
+    # No JSON schema can refer from one array element to another: a named tool_choice must be
+    # one of the tools.
     "which is not in tools",
     # A user-supplied JSON schema (response_format / tool parameters) the grammar library
     # cannot compile: only compiling it tells.

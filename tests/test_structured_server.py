@@ -208,6 +208,28 @@ def test_required_builds_a_union_over_the_tools_with_their_names():
     assert names == ["get_weather", "add"]
 
 
+def test_two_tools_may_share_a_name_and_a_named_choice_takes_the_first():
+    first = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    second = {"type": "object", "properties": {"b": {"type": "string"}}}
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": schema}}
+        for schema in (first, second)
+    ]
+    for choice, want in (
+        ({"type": "function", "function": {"name": "f"}}, first),
+        ("required", None),
+    ):
+        body = ChatCompletionRequest.model_validate(
+            {"messages": MSGS, "tools": tools, "tool_choice": choice}
+        )
+        plan = chat_plan(body, None)
+        if want is not None:
+            assert plan.constraint.json == want
+        else:
+            branches = plan.constraint.json["items"]["anyOf"]
+            assert [b["properties"]["arguments"] for b in branches] == [first, second]
+
+
 # ----------------------------------------------------------------------------------------------
 # The real server
 

@@ -6,8 +6,9 @@ model length) and rules between fields. :func:`tighten_requests` writes those in
 request schemas, so that a body the schema accepts is a body the server accepts, and a body
 it refuses gets a 400 (Schemathesis's ``positive_data_acceptance`` and
 ``negative_data_rejection``; tests/test_openapi.py). What no JSON schema can say (a text or
-chat prompt past the context window, tool names unique, prompts x ``n`` within
-``max_choices``) stays a 400 naming the problem, described in the field's ``description``.
+chat prompt past the context window, a named ``tool_choice`` among the ``tools``, prompts x
+``n`` within ``max_choices``) stays a 400 naming the problem, described in the field's
+``description``.
 """
 
 from __future__ import annotations

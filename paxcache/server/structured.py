@@ -184,10 +184,9 @@ def chat_plan(body: ChatCompletionRequest, chat_template: str | None) -> ToolPla
         if body.parallel_tool_calls is not None and tools is None:
             raise APIError(400, "parallel_tool_calls requires tools", param="parallel_tool_calls")
         return ToolPlan(constraint=rf)
+    # Two tools may share a name (as vLLM allows; no JSON schema can forbid it): a named
+    # tool_choice takes the first of them.
     names = [t.function.name for t in tools]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise APIError(400, f"two tools are named {dup!r}", param="tools")
     for i, t in enumerate(tools):
         check = t.function.parameters
         if check is not None and check.get("type", "object") != "object":
