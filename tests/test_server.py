@@ -514,6 +514,8 @@ class ServerProcess:
             "8",
             "--max-num-batched-tokens",
             "16",
+            # No echo / prompt-logprob request is sent here: skip warming those variants.
+            "--no-prompt-logprobs-warmup",
             *extra,
         ]
         env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
