@@ -231,3 +231,18 @@ def test_tp2_ep2_loads_mxfp4_into_shards_and_gives_transformers_tokens(tmp_path:
     assert report["max_logit_diff"] < 1e-4
     assert report["expert_down_shard"] == [3, 2, 16, 32]  # [L, X / ep, Fm / tp, E]
     assert report["tokens"] == [int(t) for t in HF["mxfp4_generate"]]
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_yarn_frequencies_and_attention_factor_follow_hf(truncate: bool) -> None:
+    from hf_gpt_oss_reference import yarn_np
+
+    from paxcache.models.llama_config import rope_attention_scaling, rope_inv_freq
+
+    rope = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    hf = gpt_oss_config(head_dim=64, rope_parameters=None, rope_theta=150000.0)
+    hf["rope_scaling"] = dict(rope, truncate=truncate, beta_fast=32.0, beta_slow=1.0)
+    cfg = LlamaConfig.from_hf_dict(hf)
+    inv, att = yarn_np(hf)
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(cfg)), inv, rtol=1e-6)
+    assert rope_attention_scaling(cfg) == pytest.approx(att) == pytest.approx(1 + 0.1 * np.log(32))
