@@ -27,6 +27,7 @@ from hf_gpt_oss_reference import (
 from workers import run_worker
 
 import kernels_pallas as kp
+from kernels_pallas.reference import ragged_paged_attention_xla
 from paxcache import Engine, SamplingParams
 from paxcache.errors import CheckpointError
 from paxcache.models import LlamaConfig, load_model, save_pretrained
@@ -129,6 +130,13 @@ def test_sinks_in_the_ragged_op_equal_a_dense_oracle(impl: str) -> None:
     want = _sink_oracle(q, k, v, kv_lens, q_lens, sinks, 3)
     np.testing.assert_allclose(np.asarray(out)[:4], want[:4], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out)[4:], 0.0)
+    # One block column per loop step: the sink rescales with the online softmax's max.
+    chunked = ragged_paged_attention_xla(
+        jnp.asarray(q), cache.k, cache.v, jnp.asarray(kv_lens), jnp.asarray(tables),
+        jnp.asarray([0, 3, 4]), 2, layer=0, sliding_window=3, sinks=jnp.asarray(sinks),
+        chunk_bytes=1,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(chunked)[:4], want[:4], atol=1e-5)
     # The decode op and its oracle agree with the ragged one on the decode row.
     dec = kp.paged_attention(
         jnp.asarray(q[3:4]), cache, jnp.asarray([5]), jnp.asarray(tables[1:]), layer=0,
