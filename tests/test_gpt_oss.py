@@ -254,3 +254,16 @@ def test_yarn_frequencies_and_attention_factor_follow_hf(truncate: bool) -> None
     inv, att = yarn_np(hf)
     np.testing.assert_allclose(np.asarray(rope_inv_freq(cfg)), inv, rtol=1e-6)
     assert rope_attention_scaling(cfg) == pytest.approx(att) == pytest.approx(1 + 0.1 * np.log(32))
+
+
+def test_compile_check_reports_the_sinks_fallback_as_a_note_and_other_fallbacks_as_failures() -> (
+    None
+):
+    from paxcache.compile_check import _sinks_fallback_as_note
+
+    sinks = "step[T=16]: ragged_paged_attention runs xla (fallback: attention sinks: no kernel)"
+    other = "step[T=16]: write_kv runs xla (fallback: Mosaic compile error)"
+    report = {"failures": [sinks, other], "notes": []}
+    _sinks_fallback_as_note(report)
+    assert report["failures"] == [other]
+    assert len(report["notes"]) == 1 and "attention sinks" in report["notes"][0]
