@@ -127,6 +127,21 @@ def _check_common(
     )
 
 
+def _check_sinks(name: str, sinks: Any, num_heads: int) -> jax.Array | None:
+    """``sinks`` as ``f32[H]`` (or None), checked: a float vector of one logit per query head."""
+    if sinks is None:
+        return None
+    shape = jnp.shape(sinks)
+    if shape != (num_heads,):
+        raise ValueError(
+            f"{name}: sinks must have shape ({num_heads},) (one logit per query head H), "
+            f"got {shape}"
+        )
+    if not jnp.issubdtype(jnp.asarray(sinks).dtype, jnp.floating):
+        raise ValueError(f"{name}: sinks must be floating point, got {jnp.asarray(sinks).dtype}")
+    return jnp.asarray(sinks, jnp.float32)
+
+
 def _check_vector(name: str, what: str, x: Any, n: int, n_desc: str) -> None:
     shape = jnp.shape(x)
     if len(shape) != 1 or shape[0] != n:
@@ -173,21 +188,36 @@ _QUANTIZED_REASON = (
 )
 
 
-def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array) -> None:
-    """A forced Pallas kernel on 8-bit pages is refused, interpret mode included.
+_SINKS_REASON = (
+    "attention sinks: the Pallas attention kernels have no sink logit in their softmax (a "
+    "kernel that ignored it would be silently wrong)"
+)
+
+
+def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = None) -> None:
+    """A forced Pallas kernel on 8-bit pages or with sinks is refused, interpret mode included.
 
     (The dispatch lets ``interpret=True`` through its geometry reasons, which only concern
-    compiled kernels; the kernels would read the raw 8-bit values without their scales.)
+    compiled kernels; the kernels would read the raw 8-bit values without their scales, or
+    leave the sinks out of the softmax.)
     """
-    if is_quantized_dtype(k_pages.dtype) and impl in ("pallas", "pallas_tpu", "pallas_gpu"):
-        raise ValueError(
-            f"{name}: impl={impl!r} cannot run these arguments: {_QUANTIZED_REASON}; use "
-            "impl='auto' or 'reference'"
-        )
+    if impl not in ("pallas", "pallas_tpu", "pallas_gpu"):
+        return
+    for refused, reason in (
+        (is_quantized_dtype(k_pages.dtype), _QUANTIZED_REASON),
+        (sinks is not None, _SINKS_REASON),
+    ):
+        if refused:
+            raise ValueError(
+                f"{name}: impl={impl!r} cannot run these arguments: {reason}; use "
+                "impl='auto' or 'reference'"
+            )
 
 
-def _reasons(q: jax.Array, k_pages: jax.Array) -> tuple[str | None, str | None]:
+def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str | None, str | None]:
     """Why the TPU / GPU kernels cannot take these operands (None: they can)."""
+    if sinks is not None:
+        return _SINKS_REASON, _SINKS_REASON
     if is_quantized_dtype(k_pages.dtype):
         return _QUANTIZED_REASON, _QUANTIZED_REASON
     kh, _, s, d = k_pages.shape[-4:]
@@ -208,18 +238,20 @@ def _scale_kw(k_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> dic
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _paged_reference(q, k_pages, v_pages, lengths, block_tables, layer, k_scale, v_scale, **kw):
+def _paged_reference(
+    q, k_pages, v_pages, lengths, block_tables, layer, k_scale, v_scale, sinks=None, **kw
+):
     scales = _scale_kw(k_pages, k_scale, v_scale)
     k_pages, v_pages = _select_layer(k_pages, layer), _select_layer(v_pages, layer)
     return reference.paged_attention_reference(
-        q, k_pages, v_pages, lengths, block_tables, **scales, **kw
+        q, k_pages, v_pages, lengths, block_tables, **scales, sinks=sinks, **kw
     )
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "gpu_tuned"))
 def _ragged_reference(
     q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scale, v_scale,
-    gpu_tuned=False, **kw,
+    gpu_tuned=False, sinks=None, **kw,
 ):  # fmt: skip
     # gpu_tuned: the CUDA fallback (large chunks, 16-bit operands; reference.XLA_GPU_CHUNK_BYTES).
     if gpu_tuned:
@@ -235,6 +267,7 @@ def _ragged_reference(
         cu_q_lens,
         num_seqs,
         layer=layer,
+        sinks=sinks,
         **_scale_kw(k_pages, k_scale, v_scale),
         **kw,
     )
@@ -270,6 +303,7 @@ def paged_attention_pages(
     layer: int | jax.Array | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention over paged KV: one query token per sequence, at ``lengths[b] - 1``.
 
@@ -286,6 +320,10 @@ def paged_attention_pages(
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       layer: layer index into stacked ``[L, ...]`` pages (int or traced i32 scalar).
       k_scale, v_scale: the layer's dequantization scales (8-bit pages; ignored otherwise).
+      sinks: optional ``f32[H]`` attention sinks, one logit per query head in the softmax
+        denominator only (:func:`kernels_pallas.reference.paged_attention_reference`). The
+        Pallas kernels take none: ``impl="auto"`` runs the XLA path (warning once on an
+        accelerator), a forced Pallas ``impl`` raises.
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -307,7 +345,8 @@ def paged_attention_pages(
         impl=impl,
         layer=layer,
     )
-    _check_forced_kernel(name, impl, k_pages)
+    sinks = _check_sinks(name, sinks, q.shape[1])
+    _check_forced_kernel(name, impl, k_pages, sinks)
     b = q.shape[0]
     _check_vector(name, "lengths", lengths, b, "B = q.shape[0]")
     if block_tables.shape[0] != b:
@@ -323,10 +362,11 @@ def paged_attention_pages(
         jnp.asarray(block_tables, jnp.int32),
         _layer_array(layer),
         *_scale_args(k_scale, v_scale),
+        *(() if sinks is None else (sinks,)),
     )
 
-    def xla(q, k, v, lengths, tables, layer, ks, vs):
-        return _paged_reference(q, k, v, lengths, tables, layer, ks, vs, **kw)
+    def xla(q, k, v, lengths, tables, layer, ks, vs, *sink):
+        return _paged_reference(q, k, v, lengths, tables, layer, ks, vs, *sink, **kw)
 
     def tpu(q, k, v, lengths, tables, layer, ks, vs):
         from kernels_pallas.tpu.paged_attention import paged_attention_tpu
@@ -338,13 +378,13 @@ def paged_attention_pages(
             "paged_attention_gpu", (q, lengths, tables), k, v, layer, dict(kw, interpret=interpret)
         )
 
-    def gpu_xla(q, k, v, lengths, tables, layer, ks, vs):
+    def gpu_xla(q, k, v, lengths, tables, layer, ks, vs, *sink):
         # Row b is sequence b's one token: the chunked ragged path, not a dense gather of
         # every sequence's whole table (the CPU reference's form).
         cu, n = jnp.arange(q.shape[0] + 1, dtype=jnp.int32), jnp.int32(q.shape[0])
-        return _ragged_reference(q, k, v, lengths, tables, cu, n, layer, ks, vs, True, **kw)
+        return _ragged_reference(q, k, v, lengths, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
-    tpu_reason, gpu_reason = _reasons(q, k_pages)
+    tpu_reason, gpu_reason = _reasons(q, k_pages, sinks)
     return _dispatch.run(
         name,
         impl,
@@ -378,6 +418,7 @@ def ragged_paged_attention_pages(
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     max_q_len: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged causal attention over paged KV (decode, prefill, chunked prefill, prefix hits).
 
@@ -394,8 +435,8 @@ def ragged_paged_attention_pages(
       block_tables: ``i32[B, M]`` block ids; negative ids mean "no block".
       cu_q_lens: ``i32[B + 1]`` cumulative query lengths, ``cu_q_lens[0] == 0``.
       num_seqs: scalar (or shape ``(1,)``) number of sequences that count.
-      sm_scale, soft_cap, sliding_window, impl, interpret, layer, k_scale, v_scale: as in
-        :func:`paged_attention_pages`.
+      sm_scale, soft_cap, sliding_window, impl, interpret, layer, k_scale, v_scale, sinks: as
+        in :func:`paged_attention_pages`.
       max_q_len: optional static hint, a promise about the batch: no sequence has more than
         this many query rows. ``1`` (a decode-only batch: every sequence ``s < num_seqs``
         owns exactly row ``s``) runs the TPU decode kernel, which takes one query row group
@@ -421,7 +462,8 @@ def ragged_paged_attention_pages(
         impl=impl,
         layer=layer,
     )
-    _check_forced_kernel(name, impl, k_pages)
+    sinks = _check_sinks(name, sinks, q.shape[1])
+    _check_forced_kernel(name, impl, k_pages, sinks)
     b = block_tables.shape[0]
     _check_vector(name, "kv_lens", kv_lens, b, "B = block_tables.shape[0]")
     _check_vector(name, "cu_q_lens", cu_q_lens, b + 1, "B + 1")
@@ -445,13 +487,14 @@ def ragged_paged_attention_pages(
         jnp.asarray(num_seqs, jnp.int32).reshape(()),
         _layer_array(layer),
         *_scale_args(k_scale, v_scale),
+        *(() if sinks is None else (sinks,)),
     )
 
-    def xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
-        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, **kw)
+    def xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, False, *sink, **kw)
 
-    def gpu_xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
-        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, True, **kw)
+    def gpu_xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
     def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         if max_q_len == 1:
@@ -468,7 +511,7 @@ def ragged_paged_attention_pages(
             dict(kw, interpret=interpret),
         )
 
-    tpu_reason, gpu_reason = _reasons(q, k_pages)
+    tpu_reason, gpu_reason = _reasons(q, k_pages, sinks)
     return _dispatch.run(
         name,
         impl,
@@ -566,6 +609,7 @@ def paged_attention(
     sliding_window: int | None = None,
     impl: str = "auto",
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention over a paged cache: one query token per sequence, at ``lengths - 1``.
 
@@ -577,7 +621,7 @@ def paged_attention(
       block_tables: ``i32[B, M]`` block ids; negative = no block. Entries past a sequence's
         length are never read.
       layer: the layer (int or traced i32 scalar; optional for a one-layer cache).
-      sm_scale, soft_cap, sliding_window, impl, interpret: as in
+      sm_scale, soft_cap, sliding_window, impl, interpret, sinks: as in
         :func:`paged_attention_pages`.
 
     Returns:
@@ -600,6 +644,7 @@ def paged_attention(
         layer=layer,
         k_scale=cache.k_scale[layer],
         v_scale=cache.v_scale[layer],
+        sinks=sinks,
     )
 
 
@@ -619,6 +664,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     interpret: bool = False,
     max_q_len: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, PagedKVCache]:
     """Ragged causal attention over a paged cache (decode, prefill, chunks, prefix hits).
 
@@ -634,8 +680,8 @@ def ragged_paged_attention(
         already counted in ``kv_lens``; they are written to ``layer`` (slots < 0 skipped)
         before anything attends, and the updated cache is returned too. (Today the write is
         the ``write_kv`` op inside the same program; the in-kernel fused write is to come.)
-      sm_scale, soft_cap, sliding_window, impl, interpret: as in
-        :func:`paged_attention_pages`.
+      sm_scale, soft_cap, sliding_window, impl, interpret, sinks: as in
+        :func:`paged_attention_pages` (sinks: ``f32[H]``, XLA path only).
       max_q_len: optional hint (``1``: a decode-only batch, each sequence owning the row of
         its index), see :func:`ragged_paged_attention_pages`; never needed for correctness.
 
@@ -645,6 +691,8 @@ def ragged_paged_attention(
     name = "ragged_paged_attention"
     check_cache(name, cache)
     layer = resolve_layer(name, cache, layer)
+    sinks = _check_sinks(name, sinks, q.shape[1] if q.ndim == 3 else -1)
+    _check_forced_kernel(name, impl, cache.k, sinks)  # before the write: state unchanged
     if new_kv is not None:
         if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 3:
             raise ValueError(f"{name}: new_kv must be a tuple (k, v, slot_mapping)")
@@ -667,5 +715,6 @@ def ragged_paged_attention(
         k_scale=cache.k_scale[layer],
         v_scale=cache.v_scale[layer],
         max_q_len=max_q_len,
+        sinks=sinks,
     )
     return out if new_kv is None else (out, cache)

@@ -57,15 +57,32 @@ def _scale_and_cap(logits: jax.Array, sm_scale: float, soft_cap: float | None) -
     return logits
 
 
-def _masked_softmax_pv(logits: jax.Array, mask: jax.Array, v: jax.Array, spec: str) -> jax.Array:
-    """softmax(logits) @ v over the masked keys; all-masked rows give zeros, never NaN."""
+def _masked_softmax_pv(
+    logits: jax.Array, mask: jax.Array, v: jax.Array, spec: str, sinks: jax.Array | None = None
+) -> jax.Array:
+    """softmax(logits) @ v over the masked keys; all-masked rows give zeros, never NaN.
+
+    ``sinks`` (broadcastable to ``logits[..., :1]``): one more logit per row that joins the
+    softmax denominator only (its value vector is zero).
+    """
     logits = jnp.where(mask, logits, _NEG_INF)
     m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks - m)
     p = p / jnp.where(denom > 0, denom, 1.0)
     return jnp.einsum(spec, p, v)
+
+
+def _sinks_kgd(sinks: jax.Array | None, k_heads: int, g: int) -> jax.Array | None:
+    """f32[H] per-head sink logits as ``[K, G, 1]`` (query head ``k * G + j``), or None."""
+    if sinks is None:
+        return None
+    return jnp.asarray(sinks, jnp.float32).reshape(k_heads, g, 1)
 
 
 def paged_attention_reference(
@@ -80,6 +97,7 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention: one query token per sequence, at position ``lengths[b] - 1``.
 
@@ -93,6 +111,9 @@ def paged_attention_reference(
       sliding_window: if set, only the last ``sliding_window`` keys are seen.
       k_scale, v_scale: dequantization scales of 8-bit pages (real value = stored * scale);
         None for float pages.
+      sinks: optional ``f32[H]`` attention sinks (gpt-oss): a learned logit per query head
+        that joins the softmax denominator only, ``softmax([logits, sink])[:-1] @ v``. Not
+        scaled, not soft-capped.
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -118,7 +139,7 @@ def paged_attention_reference(
     v = jnp.where(mask[None, :, :, None], v, 0.0)
     logits = jnp.einsum("bkgd,kbtd->bkgt", qg, k)
     logits = _scale_and_cap(logits, sm_scale, soft_cap)
-    out = _masked_softmax_pv(logits, mask4, v, "bkgt,kbtd->bkgd")
+    out = _masked_softmax_pv(logits, mask4, v, "bkgt,kbtd->bkgd", _sinks_kgd(sinks, k_heads, g))
     return out.reshape(b, h, d).astype(q.dtype)
 
 
@@ -167,6 +188,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged causal attention over paged KV: decode, prefill, chunked prefill, prefix hits.
 
@@ -184,7 +206,7 @@ def ragged_paged_attention_reference(
       block_tables: ``i32[B, M]``.
       cu_q_lens: ``i32[B + 1]``.
       num_seqs: scalar ``i32``.
-      sm_scale, soft_cap, sliding_window, k_scale, v_scale: as in
+      sm_scale, soft_cap, sliding_window, k_scale, v_scale, sinks: as in
         :func:`paged_attention_reference`.
 
     Returns:
@@ -210,7 +232,8 @@ def ragged_paged_attention_reference(
     qg = q.reshape(t, k_heads, g, d).astype(jnp.float32)
     logits = jnp.einsum("tkgd,ktsd->tkgs", qg, k)
     logits = _scale_and_cap(logits, sm_scale, soft_cap)
-    out = _masked_softmax_pv(logits, mask[:, None, None, :], v, "tkgs,ktsd->tkgd")
+    sink = _sinks_kgd(sinks, k_heads, g)
+    out = _masked_softmax_pv(logits, mask[:, None, None, :], v, "tkgs,ktsd->tkgd", sink)
     return out.reshape(t, h, d).astype(q.dtype)
 
 
@@ -251,6 +274,7 @@ def ragged_paged_attention_xla(
     layer: jax.Array | int | None = None,
     chunk_bytes: int | None = None,
     native_operands: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Same math as :func:`ragged_paged_attention_reference`, fast and memory-light on XLA.
 
@@ -265,7 +289,8 @@ def ragged_paged_attention_xla(
 
     Args:
       q, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, soft_cap, sliding_window,
-        k_scale, v_scale: as in :func:`ragged_paged_attention_reference`.
+        k_scale, v_scale, sinks: as in :func:`ragged_paged_attention_reference` (a sink
+        starts each row's online softmax as its running max with weight 1).
       k_pages, v_pages: ``[K, N, S, D]``, or stacked ``[L, K, N, S, D]`` with ``layer``: the
         gathers index the stacked pages directly (no copy of the layer's pages is made).
       layer: layer index (int or traced ``i32`` scalar) into stacked pages.
@@ -342,11 +367,12 @@ def ragged_paged_attention_xla(
         acc = alpha[..., None] * acc + pv
         return m_new, l_new, acc
 
-    init = (
-        jnp.full((t, k_heads, g), _NEG_INF, jnp.float32),
-        jnp.zeros((t, k_heads, g), jnp.float32),
-        jnp.zeros((t, k_heads, g, d), jnp.float32),
-    )
+    if sinks is None:
+        m0, l0 = jnp.full((t, k_heads, g), _NEG_INF, jnp.float32), jnp.zeros((t, k_heads, g))
+    else:  # the sink is one more key of logit `sink` and value 0: exp(sink - m) in l
+        m0 = jnp.broadcast_to(_sinks_kgd(sinks, k_heads, g)[..., 0], (t, k_heads, g))
+        l0 = jnp.ones((t, k_heads, g), jnp.float32)
+    init = (m0, l0.astype(jnp.float32), jnp.zeros((t, k_heads, g, d), jnp.float32))
     # Walk only the chunks some real row can see (a column no row sees changes nothing), so
     # short sequences in a wide table cost what they need.
     col_end = jnp.minimum(jnp.max(jnp.where(valid, last_col + 1, 0)), m)

@@ -182,6 +182,7 @@ def paged_attention_op(
     impl: str | None = None,
     interpret: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, kp.PagedKVCache]:
     """Write this step's K/V into the paged cache and attend over it (causal, ragged).
 
@@ -203,6 +204,8 @@ def paged_attention_op(
         which must be split over heads (:func:`kernels_pallas.kv_cache_specs`); metadata is
         replicated. With ``Kc > K`` (kv heads replicated for ``tp > K``), ``k``/``v`` are
         repeated to ``Kc`` heads first (``Kc % K == 0``).
+      sinks: optional ``f32[H]`` attention sinks (:func:`kernels_pallas.ragged_paged_attention`;
+        split over heads with ``q`` under a mesh).
 
     Returns:
       ``(out [T, H, D], kv_cache)`` with the new K/V written. Padding rows of ``out`` are
@@ -216,7 +219,7 @@ def paged_attention_op(
     mesh = metadata.mesh if mesh is None else mesh
     static_layer = layer is None or isinstance(layer, int)
 
-    def local(q, k, v, kv_cache, metadata, layer_arr):
+    def local(q, k, v, kv_cache, metadata, layer_arr, sinks=None):
         lyr = layer if static_layer else layer_arr
         return kp.ragged_paged_attention(
             q,
@@ -233,15 +236,16 @@ def paged_attention_op(
             impl=impl,
             interpret=interpret,
             max_q_len=metadata.max_q_len,
+            sinks=sinks,
         )
 
     layer_arr = None if static_layer else jnp.asarray(layer, jnp.int32)
     if mesh is None:
-        return local(q, k, v, kv_cache, metadata, layer_arr)
-    return _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr)
+        return local(q, k, v, kv_cache, metadata, layer_arr, sinks)
+    return _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr, sinks)
 
 
-def _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr):
+def _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr, sinks=None):
     """Runs ``local`` per device of ``mesh``'s ``tp`` axis, split over query and kv heads."""
     from paxcache.sharding import TP_AXIS
 
@@ -267,11 +271,12 @@ def _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr):
     heads = P(None, TP_AXIS, None)
     cache_specs = kp.kv_cache_specs(TP_AXIS)
     md_specs = jax.tree.map(lambda _: P(), metadata)
+    sink_args, sink_specs = ((), ()) if sinks is None else ((sinks,), (P(TP_AXIS),))
     fn = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache_specs, md_specs, P()),
+        in_specs=(heads, heads, heads, cache_specs, md_specs, P(), *sink_specs),
         out_specs=(heads, cache_specs),
         check_vma=False,
     )
-    return fn(q, k, v, kv_cache, metadata, layer_arr)
+    return fn(q, k, v, kv_cache, metadata, layer_arr, *sink_args)

@@ -74,6 +74,7 @@ class PagedAttention(nnx.Module):
         metadata: AttentionMetadata,
         *,
         layer: int | jax.Array | None = None,
+        sinks: jax.Array | None = None,
     ) -> tuple[jax.Array, kp.PagedKVCache]:
         """Attend and update the cache.
 
@@ -85,6 +86,8 @@ class PagedAttention(nnx.Module):
             the op runs: ``impl``, ``interpret``, ``mesh``).
           layer: the layer (int, or a traced scalar inside ``lax.scan``; optional for a
             one-layer cache).
+          sinks: optional ``f32[H]`` attention sinks of this layer (gpt-oss: a learned logit
+            per query head in the softmax denominator; the XLA path runs them).
 
         Returns:
           ``(out [T, H, D], kv_cache)`` with this step's K/V written.
@@ -101,4 +104,5 @@ class PagedAttention(nnx.Module):
             sliding_window=self.sliding_window,
             impl=self.impl,
             interpret=self.interpret,
+            sinks=sinks,
         )

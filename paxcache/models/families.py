@@ -15,7 +15,9 @@ per-layer-type RoPE). They differ in
 * the HF tensor layout (Phi-3 stores fused ``qkv_proj`` and ``gate_up_proj`` weights).
 
 Mixtral and Qwen3-MoE (``moe=True``) share the same attention and norms; their MLP is a
-mixture of experts, built by :mod:`paxcache.models.moe` on top of the same decoder.
+mixture of experts, built by :mod:`paxcache.models.moe` on top of the same decoder. gpt-oss
+(:mod:`paxcache.models.gpt_oss`) adds attention sinks, biased routers and experts and a
+clamped SwiGLU to that.
 
 :data:`FAMILIES` holds these per ``model_type``; the config translation
 (:meth:`paxcache.models.llama_config.LlamaConfig.from_hf_dict`) and the checkpoint loader
@@ -61,7 +63,8 @@ class Family:
             otherwise it casts first, then scales (Llama). Equal in float32.
         norm_offset: RMSNorm scales by ``norm_offset + w`` (Gemma: 1; its weights start at 0).
         config_class: the config class, when not the Llama one (``"gemma"``:
-            :class:`paxcache.models.gemma.GemmaConfig`, read by the loader).
+            :class:`paxcache.models.gemma.GemmaConfig`; ``"gpt_oss"``:
+            :class:`paxcache.models.gpt_oss.GptOssConfig`).
         moe: the MLP is a mixture of experts (:class:`paxcache.models.moe.MoeConfig`).
     """
 
@@ -111,6 +114,14 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("mixtral", "MixtralForCausalLM", windows="all", moe=True),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm="head", windows="flag", moe=True),
+        Family(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            windows="pattern",
+            norm_weight_f32=True,
+            config_class="gpt_oss",
+            moe=True,
+        ),
     )
 }
 

@@ -177,6 +177,7 @@ def dense_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal (optionally windowed) GQA attention over explicit positions.
 
@@ -189,6 +190,8 @@ def dense_attention(
         k_valid: optional bool[B, S]; False keys are never attended.
         sm_scale: logit scale (default ``D ** -0.5``); soft_cap: optional logit soft cap
             (``cap * tanh(logits / cap)``, after the scale), as the paged kernels.
+        sinks: optional f32[H] attention sinks (gpt-oss): one logit per query head that
+            joins the softmax denominator only.
 
     Returns:
         [B, T, H, D] in q's dtype. Softmax is float32. A query with no visible key
@@ -209,9 +212,14 @@ def dense_attention(
         mask = mask & k_valid[:, None, :]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, kh, g, 1, 1)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - m)
     p = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)
@@ -364,6 +372,11 @@ class LlamaForCausalLM(nnx.Module):
         """RoPE name (:attr:`LayerAttention.rope`) -> (cos, sin) of :func:`rope_cos_sin`."""
         return {"default": rope_cos_sin(self.config, positions, seq_lens)}
 
+    def _attention_kwargs(self, lp: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Per-layer array options of the attention call (gpt-oss: ``sinks``); none here."""
+        del lp
+        return {}
+
     def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         """RMSNorm over the last axis in this family's order (see :func:`rms_norm`)."""
         cfg = self.config
@@ -485,6 +498,7 @@ class LlamaForCausalLM(nnx.Module):
                 window,
                 sm_scale=kind.sm_scale,
                 soft_cap=kind.soft_cap,
+                **self._attention_kwargs(lp),
             )
             return self._finish_layer(lp, x, attn)
 
@@ -540,7 +554,8 @@ class LlamaForCausalLM(nnx.Module):
         def body(carry, lp, layer, kind: LayerAttention):
             x, kv_cache = carry
             q, k, v = self._qkv(lp, x, *ropes[kind.rope])
-            attn, kv_cache = layers[kind](q, k, v, kv_cache, metadata, layer=layer)
+            extra = self._attention_kwargs(lp)
+            attn, kv_cache = layers[kind](q, k, v, kv_cache, metadata, layer=layer, **extra)
             return self._finish_layer(lp, x, attn), kv_cache
 
         x, kv_cache = run_layers(body, (x, kv_cache), self.layers.stacked(), kinds)

@@ -58,7 +58,7 @@ class LlamaConfig:
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: RoPE base.
         rope_scaling: None, or HF's dict with ``rope_type``/``type`` in
-            {"default", "linear", "llama3", "longrope"}. A longrope dict is kept resolved:
+            {"default", "linear", "llama3", "longrope", "yarn"}. A longrope dict is kept resolved:
             ``short_factor``, ``long_factor`` (R/2 numbers each),
             ``original_max_position_embeddings`` and ``attention_factor``.
         max_position_embeddings: longest supported position.
@@ -274,6 +274,10 @@ class LlamaConfig:
             from paxcache.models.gemma import GemmaConfig  # noqa: PLC0415 (it imports us)
 
             return GemmaConfig.from_hf_dict(d)
+        if fam.config_class == "gpt_oss" and not hasattr(cls, "swiglu_limit"):
+            from paxcache.models.gpt_oss import GptOssConfig  # noqa: PLC0415 (it imports us)
+
+            return GptOssConfig.from_hf_dict(d)
         if fam.moe and not hasattr(cls, "num_experts"):  # Mixtral, Qwen3-MoE: their config
             from paxcache.models.moe import MoeConfig  # noqa: PLC0415 (it imports us)
 
@@ -560,14 +564,84 @@ def rope_inv_freq(cfg: LlamaConfig, long: bool = False) -> jax.Array:
         ext = jnp.asarray(rs["long_factor" if long else "short_factor"], jnp.float32)
         # HF's order of operations: 1 / (ext * base ** (i / R)).
         return 1.0 / (ext * cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rs, d, cfg.rope_theta, cfg.max_position_embeddings)
     raise ConfigError(
-        f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3, longrope"
+        f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, llama3, "
+        "longrope, yarn"
     )
 
 
+def _yarn_numbers(rs: Mapping[str, Any], max_pos: int) -> tuple[float, float, int]:
+    """(factor, attention_factor, original_max_position_embeddings) of a yarn ``rope_scaling``,
+    with HF's defaults (``_compute_yarn_parameters``).
+
+    Raises:
+        ConfigError: a missing or malformed field, named.
+    """
+    orig = rs.get("original_max_position_embeddings", max_pos)
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
+        raise ConfigError(
+            f"rope_scaling.original_max_position_embeddings must be a positive int for yarn, "
+            f"got {orig!r}"
+        )
+    factor = rs.get("factor")
+    if factor is None:
+        factor = max_pos / orig
+    for name in (
+        "factor",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+    ):
+        v = factor if name == "factor" else rs.get(name)
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+        ):
+            raise ConfigError(
+                f"rope_scaling.{name} of type yarn must be a positive number, got {v!r}"
+            )
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = rs.get("attention_factor")
+    if att is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        att = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return float(factor), float(att), orig
+
+
+def _yarn_inv_freq(rs: Mapping[str, Any], d: int, base: float, max_pos: int) -> jax.Array:
+    """YaRN inverse frequencies (HF ``_compute_yarn_parameters``): interpolated by ``factor``
+    below the ``beta_slow`` rotation count, extrapolated above ``beta_fast``, a linear ramp
+    between; ``truncate`` (default true) rounds the ramp's ends outwards to whole dims."""
+    factor, _, orig = _yarn_numbers(rs, max_pos)
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # HF: no zero-width ramp
+    pos_freqs = base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 - ramp
+    return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_attention_scaling(cfg: LlamaConfig) -> float:
-    """The factor HF multiplies cos and sin by: longrope's ``attention_factor``, else 1."""
+    """The factor HF multiplies cos and sin by: longrope's and yarn's ``attention_factor``
+    (yarn's default ``0.1 * ln(factor) + 1``), else 1."""
     rs = cfg.rope_scaling
     if rs and _rope_type(rs) in ("longrope", "su"):
         return float(rs["attention_factor"])
+    if rs and _rope_type(rs) == "yarn":
+        return _yarn_numbers(rs, cfg.max_position_embeddings)[1]
     return 1.0

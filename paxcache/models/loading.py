@@ -48,7 +48,7 @@ from safetensors.numpy import save_file
 
 from paxcache import sharding
 from paxcache.errors import CheckpointError
-from paxcache.models import quantize
+from paxcache.models import gpt_oss, quantize
 from paxcache.models.config_checks import CONFIG_LIMITS, check_config_values  # noqa: F401 (re-exported)
 from paxcache.models.families import hf_layer_sources, layer_shapes
 from paxcache.models.gemma import GemmaConfig, GemmaForCausalLM
@@ -130,6 +130,8 @@ def model_class(cfg: LlamaConfig) -> type[LlamaForCausalLM]:
     :class:`MoeForCausalLM` for a mixture of experts, else :class:`LlamaForCausalLM`."""
     if isinstance(cfg, GemmaConfig):
         return GemmaForCausalLM
+    if isinstance(cfg, gpt_oss.GptOssConfig):
+        return gpt_oss.GptOssForCausalLM
     return MoeForCausalLM if isinstance(cfg, MoeConfig) else LlamaForCausalLM
 
 
@@ -155,7 +157,9 @@ def hf_sources(cfg: LlamaConfig, names: Container[str] = ()) -> dict[tuple[str, 
         out["lm_head",] = TensorSource("lm_head.weight", transpose=True)
     for ours, (suffix, transpose, rows) in hf_layer_sources(cfg).items():
         out["layers", ours] = TensorSource(f"model.layers.{LAYER}.{suffix}", transpose, rows)
-    if isinstance(cfg, MoeConfig):
+    if isinstance(cfg, gpt_oss.GptOssConfig):
+        out.update(gpt_oss.gpt_oss_sources(cfg, names))
+    elif isinstance(cfg, MoeConfig):
         out.update(expert_sources(cfg, names))
     return out
 
@@ -439,9 +443,11 @@ def load_model(
         tp, ep = mesh.shape[sharding.TP_AXIS], mesh.shape.get(sharding.EP_AXIS, 1)
         sharding.validate_tp(cfg, tp, num_devices=mesh.size)
         sharding.validate_ep(cfg, tp, ep, num_devices=mesh.size)
-    pre = quantize.checkpoint_quantization(
-        _read_json(path / "config.json", _MAX_CONFIG_BYTES), quantization
-    )
+    config_json = _read_json(path / "config.json", _MAX_CONFIG_BYTES)
+    mxfp4 = isinstance(cfg, gpt_oss.GptOssConfig) and gpt_oss.checkpoint_mxfp4(config_json)
+    if mxfp4:  # gpt-oss's MXFP4 experts: dequantized at load, not a quantized model
+        config_json = {k: v for k, v in config_json.items() if k != "quantization_config"}
+    pre = quantize.checkpoint_quantization(config_json, quantization)
     if (pre is not None or quantization is not None) and isinstance(cfg, MoeConfig):
         raise CheckpointError(
             f"{path}: quantized weights are not supported for mixture-of-experts models "
@@ -450,13 +456,17 @@ def load_model(
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     np_dtype = np.dtype(param_dtype)
     files = _tensor_files(path)
-    shapes = hf_param_shapes(cfg)
-    if isinstance(cfg, MoeConfig):  # the MLP tensors, in the layout the checkpoint holds
+    shapes, packed = hf_param_shapes(cfg), {}
+    if isinstance(cfg, gpt_oss.GptOssConfig):
+        floats, packed = gpt_oss.gpt_oss_hf_shapes(cfg, files, mxfp4)
+        shapes.update(floats)
+    elif isinstance(cfg, MoeConfig):  # the MLP tensors, in the layout the checkpoint holds
         shapes.update(hf_expert_shapes(cfg, files))
     total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
     reader = _Reader(files, total)
     stored = _prequantized_names(cfg) if pre is not None else set()
     reader.check({k: v for k, v in shapes.items() if k not in stored})
+    reader.check(packed, {"U8"})  # MXFP4 codes and scales
     if pre is not None:
         reader.check({k: shapes[k] for k in stored}, {_STORED_CODES[pre.weight_dtype]})
     t0 = time.monotonic()
@@ -481,12 +491,13 @@ def load_model(
     )
     sources = hf_sources(cfg, files)
     quantized = pre is not None or quantization is not None
+    read = gpt_oss.mxfp4_reader(reader.block, files) if packed else reader.block
     for key, param, target in _param_targets(model, cfg, sources, mesh):
         src = sources[key]
         if quantized and key[0] == "layers" and key[-1] in quantize.LINEAR_WEIGHTS:
             value = _place_quantized(reader, cfg, pre, quantization, key, src, param, target, mesh)
         else:
-            value = place_param(src, param.shape, np_dtype, target, reader.block)
+            value = place_param(src, param.shape, np_dtype, target, read)
         param.set_value(value)
     if quantized:
         quantize.apply_quantization(model)
@@ -618,7 +629,9 @@ def model_to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
             parts = [p[i].T if t[1] else p[i] for p, t in zip(params, targets, strict=True)]
             arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
             out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(arr)
-    if isinstance(model, MoeForCausalLM):
+    if isinstance(model, gpt_oss.GptOssForCausalLM):
+        out.update(gpt_oss.gpt_oss_hf_tensors(model))
+    elif isinstance(model, MoeForCausalLM):
         out.update(moe_hf_tensors(model))
     return out
 

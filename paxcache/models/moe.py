@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -233,6 +233,8 @@ def expert_mlp(
     *,
     first_expert: jax.Array | int = 0,
     dtype: Any = jnp.float32,
+    gate_up_bias: tuple[jax.Array, jax.Array] | None = None,
+    activation: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """The routed tokens through experts ``first_expert .. first_expert + Xl - 1``.
 
@@ -243,9 +245,13 @@ def expert_mlp(
         first_expert: the global id of ``w_*[0]`` (expert parallelism); assignments to other
             experts are dropped (they count in no group).
         dtype: compute dtype (float32 accumulation).
+        gate_up_bias: optional (gate [Xl, Fm], up [Xl, Fm]) per-expert biases (gpt-oss).
+        activation: ``act(gate, up) -> [A, Fm]`` on float32 projections; default SwiGLU
+            ``silu(gate) * up``.
 
     Returns:
-        f32[N, E]: sum over each token's assignments to these experts of weight * expert(x).
+        f32[N, E]: sum over each token's assignments to these experts of weight * expert(x)
+        (a down-projection bias is the caller's: it does not split over Fm).
     """
     n, e = x.shape
     n_local = w_gate.shape[0]
@@ -263,7 +269,12 @@ def expert_mlp(
         )
 
     gate, up = gmm(xs, w_gate), gmm(xs, w_up)  # [A, Fm]
-    act = (jax.nn.silu(gate) * up).astype(dtype)
+    if gate_up_bias is not None:  # each sorted row's expert (rows of no group: any, dropped)
+        row_expert = jnp.minimum(key[order], n_local - 1)
+        gate = gate + jnp.take(gate_up_bias[0], row_expert, axis=0).astype(jnp.float32)
+        up = up + jnp.take(gate_up_bias[1], row_expert, axis=0).astype(jnp.float32)
+    act = jax.nn.silu(gate) * up if activation is None else activation(gate, up)
+    act = act.astype(dtype)
     out = gmm(act, w_down)  # [A, E]; rows past the groups are zeros
     w_sorted = jnp.where(is_local, weights.reshape(-1), 0.0)[order]
     out = jnp.where(w_sorted[:, None] != 0, out * w_sorted[:, None], 0.0)
@@ -280,6 +291,10 @@ def moe_mlp(
     *,
     dtype: Any = jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
+    router_bias: jax.Array | None = None,
+    expert_biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    route_fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
+    activation: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """One sparse MLP block: route, then :func:`expert_mlp` (per device under ``mesh``).
 
@@ -291,6 +306,13 @@ def moe_mlp(
         mesh: None, or the step's mesh (axes ``tp`` and optionally ``ep``): experts split over
             ``ep`` and Fm over ``tp`` (:func:`paxcache.sharding.expert_specs`), tokens
             replicated, one ``psum`` combines (module docstring).
+        router_bias: optional [X] router logit bias (gpt-oss).
+        expert_biases: optional per-expert biases (gate [X, Fm], up [X, Fm], down [X, E]);
+            gate/up split like their weights, the down bias added once after the combine
+            (``sum_k w_k * b_down[e_k]``).
+        route_fn: ``route_fn(logits f32[N, X]) -> (weights, experts)`` in place of
+            :func:`route` with the config's k and ``norm_topk_prob``.
+        activation: as in :func:`expert_mlp`.
 
     Returns:
         [..., E] in ``dtype``.
@@ -300,23 +322,39 @@ def moe_mlp(
     logits = jnp.einsum(
         "ne,ex->nx", flat.astype(dtype), router.astype(dtype), preferred_element_type=jnp.float32
     )
-    weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
+    if route_fn is None:
+        weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    else:
+        weights, experts = route_fn(logits)
+    gate_up_bias = None if expert_biases is None else tuple(expert_biases[:2])
+    down_bias = 0.0
+    if expert_biases is not None:  # [N, k, E] -> [N, E]
+        picked = jnp.take(expert_biases[2], experts, axis=0).astype(jnp.float32)
+        down_bias = jnp.einsum("nk,nke->ne", weights, picked)
     if mesh is None:
-        y = expert_mlp(flat, weights, experts, w_gate, w_up, w_down, dtype=dtype)
-        return y.astype(dtype).reshape(*lead, -1)
+        y = expert_mlp(
+            flat, weights, experts, w_gate, w_up, w_down, dtype=dtype,
+            gate_up_bias=gate_up_bias, activation=activation,
+        )  # fmt: skip
+        return (y + down_bias).astype(dtype).reshape(*lead, -1)
     ep = int(mesh.shape.get(sharding.EP_AXIS, 1))
     specs = sharding.expert_specs(cfg, mesh)
     reduce_axes = tuple(
         ax for ax in (sharding.EP_AXIS, sharding.TP_AXIS) if ax in specs["expert_down"]
     )
 
-    def local(flat, weights, experts, w_gate, w_up, w_down):
+    def local(flat, weights, experts, w_gate, w_up, w_down, *gate_up_bias):
         first = jax.lax.axis_index(sharding.EP_AXIS) * w_gate.shape[0] if ep > 1 else 0
         y = expert_mlp(
-            flat, weights, experts, w_gate, w_up, w_down, first_expert=first, dtype=dtype
-        )
+            flat, weights, experts, w_gate, w_up, w_down, first_expert=first, dtype=dtype,
+            gate_up_bias=tuple(gate_up_bias) or None, activation=activation,
+        )  # fmt: skip
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
+    gate_spec = specs["expert_gate"]  # [L, X, E, Fm]: a gate/up bias [X, Fm] splits like it
+    bias_specs = () if gate_up_bias is None else (P(gate_spec[1], gate_spec[3]),) * 2
     fn = jax.shard_map(
         local,
         mesh=mesh,
@@ -324,15 +362,16 @@ def moe_mlp(
             P(),
             P(),
             P(),
-            P(*specs["expert_gate"][1:]),  # without the [L] axis
+            P(*gate_spec[1:]),  # without the [L] axis
             P(*specs["expert_up"][1:]),
             P(*specs["expert_down"][1:]),
+            *bias_specs,
         ),
         out_specs=P(),
         check_vma=False,
     )
-    y = fn(flat, weights, experts, w_gate, w_up, w_down)
-    return y.astype(dtype).reshape(*lead, -1)
+    y = fn(flat, weights, experts, w_gate, w_up, w_down, *(gate_up_bias or ()))
+    return (y + down_bias).astype(dtype).reshape(*lead, -1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -79,12 +79,16 @@ class TensorSource:
         ``gate_up_proj``); None for the whole tensor.
       layers: the checkpoint layer of each entry of a stack over some layers only (a
         mixture of experts' sparse / dense MLP layers); None: entry ``i`` is layer ``i``.
+      interleave: ``(step, offset)``: entry ``j`` of our last axis is entry
+        ``offset + step * j`` of HF's output axis (axis -2 of a transposed source, else the
+        last): gpt-oss's fused ``gate_up_proj`` holds gate and up in alternate columns.
     """
 
     name: str
     transpose: bool = False
     rows: tuple[int, int] | None = None
     layers: tuple[int, ...] | None = None
+    interleave: tuple[int, int] | None = None
 
     @property
     def stacked(self) -> bool:
@@ -116,7 +120,21 @@ class TensorSource:
             axis = len(out) - 2 if self.transpose else 0
             start, stop = out[axis]
             out[axis] = (self.rows[0] + start, self.rows[0] + stop)
+        if self.interleave is not None:  # the covering range; read_block takes every step-th
+            step, offset = self.interleave
+            axis = len(out) - 2 if self.transpose else len(out) - 1
+            start, stop = out[axis]
+            out[axis] = (offset + step * start, offset + step * (stop - 1) + 1)
         return tuple(out)
+
+    def pick(self, arr: np.ndarray) -> np.ndarray:
+        """The interleaved entries of a block read as :meth:`hf_block` says (else ``arr``)."""
+        if self.interleave is None:
+            return arr
+        axis = arr.ndim - 2 if self.transpose else arr.ndim - 1
+        index = [slice(None)] * arr.ndim
+        index[axis] = slice(None, None, self.interleave[0])
+        return arr[tuple(index)]
 
 
 ReadSlice = Callable[[str, Block], np.ndarray]
@@ -143,10 +161,10 @@ def read_block(
         (first, last), rest = block[0], block[1:]
         out = np.empty([b - a for a, b in block], dtype)
         for k, expert in enumerate(range(first, last)):
-            arr = read(source.tensor(layer, expert), source.hf_block(rest))
+            arr = source.pick(read(source.tensor(layer, expert), source.hf_block(rest)))
             out[k] = np.swapaxes(arr, -1, -2) if source.transpose else arr
         return out
-    arr = read(source.tensor(layer), source.hf_block(block))
+    arr = source.pick(read(source.tensor(layer), source.hf_block(block)))
     # Always one copy (transposed and cast as needed) that owns its memory: a device array
     # made from the read-only slice itself may keep it alive (JAX's CPU client aliases it).
     arr = np.swapaxes(arr, -1, -2) if source.transpose else arr
