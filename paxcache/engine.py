@@ -93,7 +93,7 @@ class Engine:
       max_num_batched_tokens: token budget of one step (decodes + prefill chunks); default
         by backend (256 on CPU, 2048 on TPU/GPU).
       num_host_blocks: host (pinned memory) blocks for swap preemption.
-      kv_cache_dtype: "auto" (the model dtype), "int8", "fp8" (e4m3; scales: :mod:`.kv_quant`).
+      kv_cache_dtype: ``"auto"`` (model dtype), ``"int8"``, ``"fp8"`` (e4m3; :mod:`.kv_quant`).
       enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
       preemption_mode: ``"swap"`` (needs host blocks) or ``"recompute"``.
       policy: scheduling policy, ``"fifo"`` or ``"prefill_first"``.

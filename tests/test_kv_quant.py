@@ -212,3 +212,31 @@ def test_swap_fork_and_prefix_sharing_move_8bit_pages_intact(model):
     assert st["num_free_blocks"] == st["num_total_blocks"]
     assert st["num_free_host_blocks"] == st["num_total_host_blocks"]
     assert all(eng.check_invariants().values())
+
+
+def test_abstract_engine_builds_an_8bit_cache_without_a_calibration_pass(model):
+    """compile_check's engine (abstract values: nothing can run) gets int8 pages of half the
+    bf16 bytes, placeholder scales, and no calibration."""
+    import jax
+
+    from paxcache import compile_check
+
+    cfg = model.config
+    engines = {
+        kv: compile_check.AbstractEngine(
+            compile_check.abstract_model(cfg, jnp.bfloat16),
+            jax.devices("cpu"),
+            hbm_bytes=1 << 30,
+            target_backend="gpu",
+            num_blocks=32,
+            kv_cache_dtype=kv,
+            **{k: v for k, v in ENGINE_ARGS.items() if k != "warmup"},
+        )
+        for kv in ("auto", "int8")
+    }
+    eight = engines["int8"]
+    assert eight._kv.device.k.dtype == jnp.int8 and eight._kv.device.k_scale.shape == (2,)
+    assert 2 * eight.bytes_per_block == engines["auto"].bytes_per_block
+    assert eight.kv_scales == {}
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        compile_check.check_engine("v5e:1x1", cfg, kv_cache_dtype="int4")
