@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import kernels_pallas
 from kernels_pallas import aot
-from paxcache import allocator, kv_cache, sharding, sizing
+from paxcache import allocator, kv_cache, kv_quant, sharding, sizing
 from paxcache.engine import Engine
 from paxcache.models import quantize
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
@@ -190,6 +190,12 @@ class AbstractEngine(Engine):
         )
         return jax.tree.map(lambda x: _abstract(x, where), state)
 
+    def _calibrate_kv(self, kv_heads: int, block_size: int) -> dict[str, Any]:
+        """No calibration pass: nothing runs on abstract values (an 8-bit cache's scales
+        are ``f32[L]`` placeholders in :meth:`_create_kv`; their values do not change a
+        compiled program)."""
+        return {}
+
     def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
         def place(num_blocks: int, memory_kind: str | None) -> kernels_pallas.PagedKVCache:
             shape = kernels_pallas.kv_cache_shape(
@@ -337,6 +343,7 @@ def check_engine(
     hbm_bytes: int | None = None,
     num_blocks: int | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Compile every program the engine serves with, for a TPU topology.
 
@@ -351,11 +358,14 @@ def check_engine(
       hbm_bytes: HBM of one chip (default: what the TPU compiler allows a program).
       num_blocks: device KV blocks (default: the engine's own sizing for the chip's HBM).
       quantization: the layer weights' scheme (``paxcache.models.quantize.QUANTIZATIONS``).
+      kv_cache_dtype: ``"auto"`` (``dtype``), ``"int8"`` or ``"fp8"`` (:mod:`paxcache.kv_quant`;
+        the attention of an 8-bit cache runs the XLA path: a note, not a failure).
 
     Returns:
       The report (JSON-ready dict): ``ok``, ``engine`` (the sizing), ``programs`` (one
       entry per compiled program), ``failures``, ``notes``.
     """
+    kv_quant.check_kv_cache_dtype(kv_cache_dtype)
     devices = aot.tpu_devices(target)
     chip = devices[0].device_kind
     hbm = hbm_bytes or aot.hbm_bytes(devices[0])
@@ -367,6 +377,7 @@ def check_engine(
         "ep": ep,
         "dtype": jnp.dtype(dtype).name,
         "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
         "hbm_bytes_per_chip": hbm,
         "model": {
             "model_type": config.model_type,
@@ -398,6 +409,7 @@ def check_engine(
             num_host_blocks=host_blocks,
             max_model_len=model_len,
             num_blocks=blocks,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     with aot.tpu_target(devices):
@@ -419,6 +431,7 @@ def check_engine(
             "buckets": list(engine.buckets),
             "num_host_blocks": cfg.num_host_blocks,
             "weights_bytes_per_chip": engine.weights_bytes_per_device,
+            "kv_cache_dtype": jnp.dtype(engine.kv_dtype).name,
             "kv_cache_bytes_per_chip": kv_per_device,
             "block_state_bytes_per_chip": _bytes_per_device(engine.block_manager.state),
             "step_reserve_bytes_per_chip": getattr(engine, "step_reserve_bytes", None),
@@ -460,6 +473,7 @@ def check_engine(
         steps = [p for p in report["programs"] if p["kind"] == "step"]
         if any(not p["fits_hbm"] for p in steps):
             _suggest_num_blocks(report, build, engine, hbm)
+    eight_bit = kv_quant.is_eight_bit(engine.kv_dtype)
     for p in report["programs"]:
         if not p["compiled"]:
             report["failures"].append(f"{p['name']}: did not compile: {p['error']}")
@@ -471,6 +485,11 @@ def check_engine(
             )
         for op, impl in p["kernels"].items():
             if p["kind"] == "step" and impl != "pallas_tpu":
+                if eight_bit and op.endswith("paged_attention") and impl.startswith("xla"):
+                    note = f"{op} runs XLA on the 8-bit KV cache (no dequantizing Pallas kernel)"
+                    if note not in report["notes"]:
+                        report["notes"].append(note)
+                    continue
                 report["failures"].append(f"{p['name']}: {op} runs {impl}")
     _sinks_fallback_as_note(report)
     report["ok"] = not report["failures"]
@@ -563,6 +582,8 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         m, e = report["model"], report.get("engine", {})
         q = "" if report.get("quantization") is None else f", {report['quantization']}"
+        if report.get("kv_cache_dtype", "auto") != "auto":
+            q += f", {report['kv_cache_dtype']} KV"
         lines.append(
             f"{report['target']} ({report['chip']}, {_gib(report['hbm_bytes_per_chip'])} GiB "
             f"HBM per chip), tp={report['tp']}, ep={report.get('ep', 1)}, {report['dtype']}"

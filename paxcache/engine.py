@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from paxcache import allocator, grammar, kv_cache, sizing
+from paxcache import allocator, grammar, kv_cache, kv_quant, sizing
 from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
@@ -93,6 +93,7 @@ class Engine:
       max_num_batched_tokens: token budget of one step (decodes + prefill chunks); default
         by backend (256 on CPU, 2048 on TPU/GPU).
       num_host_blocks: host (pinned memory) blocks for swap preemption.
+      kv_cache_dtype: ``"auto"`` (model dtype), ``"int8"``, ``"fp8"`` (e4m3; :mod:`.kv_quant`).
       enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
       preemption_mode: ``"swap"`` (needs host blocks) or ``"recompute"``.
       policy: scheduling policy, ``"fifo"`` or ``"prefill_first"``.
@@ -129,6 +130,7 @@ class Engine:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         policy: str = "fifo",
@@ -143,7 +145,7 @@ class Engine:
         compile_cache: str | os.PathLike[str] | bool | None = None,
         warmup: bool = True,
     ) -> None:
-        cfg = model.config
+        cfg, kv_dtype = model.config, kv_quant.resolve_kv_dtype(kv_cache_dtype, model.dtype, impl)
         cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
         max_num_seqs, max_num_batched_tokens = step_lib.resolve_batch_limits(
             self._target_backend(), max_num_seqs, max_num_batched_tokens
@@ -164,7 +166,7 @@ class Engine:
         self.interpret = interpret
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.tp, self.ep = tp, ep
+        self.tp, self.ep, self.kv_dtype = tp, ep, kv_dtype
         self._rng = np.random.default_rng(seed)
         self.compile_cache_dir = None if cache_dir is None else compile_cache_lib.enable(cache_dir)
         self._auto_warmup = bool(warmup)
@@ -178,7 +180,6 @@ class Engine:
                 f"max_position_embeddings {model_max}"
             )
         max_blocks_per_seq = -(-self.max_model_len // block_size)
-        kv_dtype = model.dtype
         kv_heads = max(cfg.num_key_value_heads, tp)  # tp > K: kv heads replicated (sharding.py)
         self.bytes_per_block = kv_cache.bytes_per_block(
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
@@ -193,6 +194,7 @@ class Engine:
             graphdef=graphdef, impl=impl, interpret=interpret, mesh=self.mesh
         )
         self._swap_impl = "reference" if impl == "reference" else "auto"
+        self.kv_scales = self._calibrate_kv(kv_heads, block_size)  # {} for a float cache
         self._num_traces = 0
         self._compiles_at_start = compile_cache_lib.backend_compiles()
         self._cache_hits_at_start = compile_cache_lib.cache_hits()
@@ -269,6 +271,7 @@ class Engine:
         """
         from paxcache.models import load_pretrained
 
+        kv_quant.check_kv_cache_dtype(kwargs.get("kv_cache_dtype", "auto"))  # before the load
         t0 = time.perf_counter()
         dtype = step_lib.default_dtype() if dtype is None else dtype
         tp, ep, quant = kwargs.get("tp", 1), kwargs.get("ep", 1), kwargs.pop("quantization", None)
@@ -338,6 +341,8 @@ class Engine:
         one sequence's blocks, at most the host pool."""
         return min(self.cache_config.max_blocks_per_seq, self.num_host_blocks)
 
+    _calibrate_kv = kv_quant.calibrate_engine  # hook: 8-bit KV scales ({} for a float cache)
+
     def _count_traces(self, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             self._num_traces += 1  # runs only while tracing: a new program
@@ -365,8 +370,9 @@ class Engine:
             head_dim=cfg.head_dim,
             num_blocks=num_blocks,
             block_size=cache["block_size"],
-            dtype=self.model.dtype,
+            dtype=self.kv_dtype,
             num_host_blocks=cache["num_host_blocks"],
+            **self.kv_scales,
         )
         self._kv = None  # the old cache's buffers go before the new one is made
         state, self._kv = self._new_device_state()
@@ -387,7 +393,7 @@ class Engine:
             num_kv_heads_per_device=kv_heads // self.tp,
             head_dim=self.model.config.head_dim,
             block_size=self.cache_config.block_size,
-            dtype=self.model.dtype,
+            dtype=self.kv_dtype,
         )
         reserve_gib, t = self.step_reserve_bytes / 2**30, self.buckets[-1]
         logger.info("KV sizing: %d blocks (T=%d step needs %.2f GiB)", num_blocks, t, reserve_gib)
@@ -445,12 +451,8 @@ class Engine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise DuplicateSequenceError(f"request id {request_id!r} is already running")
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            text = None
-            ids = [int(t) for t in prompt]
+        text = prompt if isinstance(prompt, str) else None
+        ids = list(self.tokenizer.encode(prompt)) if text is not None else [int(t) for t in prompt]
         check_prompt(
             ids,
             vocab_size=self.model.config.vocab_size,
@@ -598,18 +600,14 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Runs prompts to completion; results come back in input order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = []
-        for p, sp in zip(prompts, params, strict=True):
-            rid = f"gen-{next(_gen_ids)}"
+        ids = [f"gen-{next(_gen_ids)}" for _ in prompts]
+        for rid, p, sp in zip(ids, prompts, params, strict=True):
             self.add_request(rid, p, sp)
-            ids.append(rid)
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while wanted - final.keys():
@@ -755,6 +753,7 @@ class Engine:
             "max_model_len": self.max_model_len,
             **quantize.weight_stats(self.model),  # quantization, weight_dtype
             "kv_cache_dtype": jnp.dtype(self._kv.dtype).name,
+            "kv_scales": kv_quant.scale_stats(self.kv_scales),  # {"k": [L], "v": [L]} or None
         }
 
     def check_invariants(self) -> dict[str, bool]:

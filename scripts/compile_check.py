@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         help="layer weights quantized (abstractly) with this scheme",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8"],
+        help="KV cache dtype: auto = --dtype; int8 / fp8 (e4m3) pages with per-layer scales",
+    )
+    p.add_argument(
         "--max-num-seqs", type=int, default=None, help="default: the engine's TPU default (256)"
     )
     p.add_argument(
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 hbm_bytes=hbm,
                 num_blocks=args.num_blocks,
                 quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
         else:
             report = compile_check.check_kernels(args.target, wide=args.wide)

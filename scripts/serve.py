@@ -108,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "activations too; fp8: e4m3 weights); a pre-quantized checkpoint loads as stored",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8"],
+        help="KV cache dtype: auto = the model dtype; int8 / fp8 (e4m3): 8-bit pages (half of "
+        "bf16's bytes) with per-layer scales calibrated at start-up",
+    )
+    p.add_argument(
         "--preemption-mode",
         default=None,
         choices=["swap", "recompute"],
@@ -339,6 +346,7 @@ def _load_engine(
         args.model,
         dtype=dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
