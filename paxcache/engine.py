@@ -706,7 +706,7 @@ class Engine:
 
         Besides the block, prefix-cache and compilation figures: ``num_preemptions`` (units
         preempted) split into ``num_preemptions_swap`` and ``num_preemptions_recompute``;
-        ``num_swaps`` (sequences swapped out); ``num_swapped_out_seqs`` /
+        ``num_swaps`` and ``num_swapped_out_seqs`` (both the swap preemptions: one count) /
         ``num_swapped_out_blocks`` and ``num_swapped_in_seqs`` / ``num_swapped_in_blocks``
         (sequences and blocks moved each way); ``num_running`` / ``num_waiting`` /
         ``num_swapped`` (sequences); ``oldest_waiting_age_s``: seconds since the oldest request
@@ -728,8 +728,8 @@ class Engine:
             "num_preemptions": sched.num_preemptions,
             "num_preemptions_swap": sched.num_preemptions_swap,
             "num_preemptions_recompute": sched.num_preemptions_recompute,
-            "num_swaps": sched.num_swaps,
-            "num_swapped_out_seqs": sched.num_swapped_out_seqs,
+            "num_swaps": sched.num_preemptions_swap,  # one swap-out per swap preemption
+            "num_swapped_out_seqs": sched.num_preemptions_swap,
             "num_swapped_out_blocks": sched.num_swapped_out_blocks,
             "num_swapped_in_seqs": sched.num_swapped_in_seqs,
             "num_swapped_in_blocks": sched.num_swapped_in_blocks,

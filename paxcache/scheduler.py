@@ -178,10 +178,10 @@ class Scheduler:
       max_model_len: longest sequence; one that reaches it finishes with ``"length"``.
       eos_token_ids: tokens that end a sequence (unless its ``ignore_eos``).
 
-    Counters: ``num_preemptions`` (units preempted) = ``num_preemptions_swap`` +
-    ``num_preemptions_recompute``; ``num_swaps`` (sequences swapped out, same as
-    ``num_preemptions_swap``); ``num_swapped_out_seqs`` / ``_blocks`` and
-    ``num_swapped_in_seqs`` / ``_blocks``; ``num_departures`` (running sequences that
+    Counters (each fact counted once): ``num_preemptions_swap`` (units preempted by swapping
+    their lead out: the sequences swapped out) and ``num_preemptions_recompute``, summed by
+    the ``num_preemptions`` property; ``num_swapped_out_blocks``, ``num_swapped_in_seqs`` /
+    ``_blocks``; ``num_departures`` (running sequences that
     finished, were aborted or failed); ``num_prompt_tokens`` (of requests added),
     ``num_prefill_tokens_computed`` (prompt tokens run through the model),
     ``num_generated_tokens``; ``num_refused_rows`` (planned rows the allocator refused: 0
@@ -219,11 +219,9 @@ class Scheduler:
         self.waiting: collections.deque[list[Sequence]] = collections.deque()
         self.swapped: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
-        self.num_swaps = 0
-        self.num_swapped_out_seqs = self.num_swapped_out_blocks = 0
+        self.num_swapped_out_blocks = 0
         self.num_swapped_in_seqs = self.num_swapped_in_blocks = 0
         self.num_departures = 0
         self.num_prompt_tokens = 0
@@ -273,6 +271,11 @@ class Scheduler:
         lost = [s for s in self.running + self.swapped if s in self.block_manager]
         self.block_manager.reset(state)
         return lost
+
+    @property
+    def num_preemptions(self) -> int:
+        """Units preempted, either way."""
+        return self.num_preemptions_swap + self.num_preemptions_recompute
 
     @property
     def num_waiting(self) -> int:
@@ -346,7 +349,6 @@ class Scheduler:
             return False
         plan.swap_out += pairs
         plan.swapped_out.append(seq)
-        self.num_swapped_out_seqs += 1
         self.num_swapped_out_blocks += len(pairs)
         return True
 
@@ -357,11 +359,9 @@ class Scheduler:
             s.num_preemptions += 1
             s.preempted_at = self.num_departures
         plan.preempted += unit
-        self.num_preemptions += 1
         lead = unit[0]
         if self._can_swap(unit) and self._swap_out(lead, plan):
             self.num_preemptions_swap += 1
-            self.num_swaps += 1
             lead.state = SeqState.SWAPPED
             lead.shared_last = False  # its table now points at private host copies
             ages = [s.age for s in self.swapped]
