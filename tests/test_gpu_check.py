@@ -41,6 +41,7 @@ def test_stops_at_once_without_a_compute_capability_9_gpu(tmp_path):
     assert stop["status"] == "stopped" and "9.0" in stop["detail"]
 
 
+@pytest.mark.slow  # the watchdog test below runs the same dry run (and resumes it)
 def test_dry_run_writes_a_line_per_case_and_a_summary(tmp_path):
     proc = _run("--dry-run", "--out", str(tmp_path), "--only", "kv")
     assert proc.returncode == 0, proc.stderr[-2000:]
