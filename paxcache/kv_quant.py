@@ -147,8 +147,13 @@ def calibration_ids(tokenizer: Any, max_len: int, text: str = CALIBRATION_TEXT) 
     """``text`` through ``tokenizer.encode``, cut to ``min(max_len, MAX_CALIBRATION_TOKENS)``.
 
     Raises:
-      ValueError: the tokenizer gives no tokens.
+      ValueError: no tokenizer, or it gives no tokens.
     """
+    if tokenizer is None:
+        raise ValueError(
+            "KV calibration: an 8-bit kv_cache_dtype calibrates its scales on text, and this "
+            "engine has no tokenizer"
+        )
     ids = [int(i) for i in tokenizer.encode(text)][: min(int(max_len), MAX_CALIBRATION_TOKENS)]
     if not ids:
         raise ValueError("KV calibration: the tokenizer encodes the calibration text as nothing")

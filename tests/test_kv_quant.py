@@ -77,6 +77,11 @@ def test_8bit_kv_with_a_forced_pallas_kernel_is_refused(model):
         _engine(model, kv_cache_dtype="int8", impl="pallas", interpret=True)
 
 
+def test_8bit_kv_without_a_tokenizer_is_refused_clearly(model):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        Engine(model, None, kv_cache_dtype="int8", num_blocks=8, block_size=8)
+
+
 @pytest.mark.parametrize(
     "dtype, kv, ratio",
     [(jnp.float32, "int8", 4), (jnp.float32, "fp8", 4), (jnp.bfloat16, "int8", 2)],
