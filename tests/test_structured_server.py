@@ -454,7 +454,6 @@ BAD = [
         "tools.0.function.parameters",
     ),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
-    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
     (
         {
             "tools": [
