@@ -445,13 +445,6 @@ def check_engine(
             for x in jax.tree.leaves(nnx.state(engine.model))
         )
         report["engine"]["weights_bytes_total"] = weights_total
-        if tp * ep > 1 and weights_total > hbm:
-            report["notes"].append(
-                f"loading: the model is built whole on one chip before it is sharded "
-                f"(paxcache.sharding limitation); its {weights_total / _GIB:.1f} GiB of "
-                f"weights exceed one chip's {hbm / _GIB:.1f} GiB, so serving this model "
-                "needs sharded loading first"
-            )
         for t in engine.buckets:
             args = engine._empty_step_args(t)
             report["programs"].append(
