@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from paxcache.server.protocol import APIError, shown
 
-__all__ = ["FIELDS", "FieldRule", "check_fields", "reset_warnings"]
+__all__ = ["FIELDS", "FieldRule", "check_fields", "reset_warnings", "undeclared_field_schemas"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,14 +148,40 @@ _UNDECLARED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "service_tier": (lambda v: v in ("auto", "default"), 'only "auto" or "default"'),
     "safety_identifier": (lambda v: isinstance(v, str), "must be a string"),
     "prompt_cache_key": (lambda v: isinstance(v, str), "must be a string"),
-    "repetition_penalty": (lambda v: v == 1, "only 1 is supported"),
-    "min_tokens": (lambda v: v == 0, "only 0 is supported"),
+    "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "only 1 is supported"),
+    "min_tokens": (lambda v: v == 0 and not isinstance(v, bool), "only 0 is supported"),
     "use_beam_search": (lambda v: v is False, "only false is supported"),
 }
 
 
 _KNOWN = {e: frozenset(r.name for r in FIELDS if getattr(r, e) != "-") for e in _ENDPOINTS}
 _ALL_KNOWN = _KNOWN["completions"] | _KNOWN["chat"]
+
+# What check_fields accepts of each _UNDECLARED field, as JSON schemas (null is "not set").
+_UNDECLARED_SCHEMAS: dict[str, dict[str, Any]] = {
+    "store": {"enum": [False]},
+    "metadata": {"anyOf": [{"type": "object", "maxProperties": 0}, {"enum": [{}, [], ""]}]},
+    "modalities": {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
+    "service_tier": {"enum": ["auto", "default"]},
+    "safety_identifier": {"type": "string"},
+    "prompt_cache_key": {"type": "string"},
+    "repetition_penalty": {"type": "number", "const": 1},
+    "min_tokens": {"type": "integer", "const": 0},
+    "use_beam_search": {"enum": [False]},
+}
+
+
+def undeclared_field_schemas(endpoint: Literal["completions", "chat"]) -> dict[str, Any]:
+    """JSON schemas of the known fields the request model leaves undeclared, as
+    :func:`check_fields` takes them: a refused field (or the other endpoint's) only as null,
+    a partly honoured one with its accepted values or null. The OpenAPI document lists them,
+    so that a body it calls valid is one the server accepts (tests/test_openapi.py)."""
+    out: dict[str, Any] = {}
+    for name in sorted(_ALL_KNOWN):
+        ok = _UNDECLARED_SCHEMAS.get(name) if name in _KNOWN[endpoint] else None
+        out[name] = {"anyOf": [ok, {"type": "null"}]} if ok else {"type": "null"}
+    return out
+
 
 _MAX_WARNED = 1024  # distinct names remembered; beyond it, unknown fields are ignored quietly
 _warned: set[str] = set()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paxcache.server.fields import undeclared_field_schemas
 from paxcache.server.protocol import ServerLimits
 
 __all__ = ["tighten_requests"]
@@ -229,7 +230,10 @@ def tighten_requests(
       max_num_seqs: the engine's most running sequences: a prompt's ``n`` completions run
         together, so ``n`` is at most this (the engine refuses more: 400).
     """
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name, endpoint in (("CompletionRequest", "completions"), ("ChatCompletionRequest", "chat")):
+        props = schemas[name]["properties"]
+        for field, schema in undeclared_field_schemas(endpoint).items():
+            props.setdefault(field, schema)  # declared fields keep their own schema
         _sampling(schemas[name], limits, vocab_size, max_model_len)
     _completion(schemas["CompletionRequest"], limits, vocab_size, max_model_len)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
