@@ -15,27 +15,17 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from tiny_models import byte_llama
 
 from paxcache import Engine, SamplingParams, kv_quant
-from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM, load_pretrained
+from paxcache.models import ByteTokenizer, LlamaForCausalLM, load_pretrained
 
 BS = 8
 ENGINE_ARGS = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
 
 
 def _model(dtype=jnp.float32, k_gain: float = 1.0) -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=259,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=257,
-    )
-    model = LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    model = byte_llama(dtype)
     if k_gain != 1.0:
         k = model.layers.k_proj
         k.set_value(k.get_value() * k_gain)
