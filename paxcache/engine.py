@@ -198,8 +198,7 @@ class Engine:
         self._num_traces = 0
         self._compiles_at_start = compile_cache_lib.backend_compiles()
         self._cache_hits_at_start = compile_cache_lib.cache_hits()
-        fused = functools.partial(step_lib.step, config=self._step_config)
-        self._jit_step = jax.jit(self._count_traces(fused), donate_argnums=(0, 1))
+        self._jit_step = step_lib.jitted_step(self._step_config)  # shared by equal configs
         eos_ids = set(getattr(cfg, "eos_token_ids", ()) or ())
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids.add(int(tokenizer.eos_token_id))
@@ -343,13 +342,10 @@ class Engine:
 
     _calibrate_kv = kv_quant.calibrate_engine  # hook: 8-bit KV scales ({} for a float cache)
 
-    def _count_traces(self, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self._num_traces += 1  # runs only while tracing: a new program
-            step_lib.log_first_use(args[3] if len(args) > 3 else kwargs["inputs"], self._warmed_up)
-            return fn(*args, **kwargs)
-
-        return counted
+    def _on_trace(self, inputs: step_lib.StepInputs) -> None:
+        """A call of this engine traced a new step program (see :func:`step.tracing_for`)."""
+        self._num_traces += 1
+        step_lib.log_first_use(inputs, self._warmed_up)
 
     def _build_cache(
         self, num_blocks: int, *, kv_heads: int, scheduler_args: dict, **cache: Any
@@ -384,7 +380,8 @@ class Engine:
         device = jax.devices()[0]
         stats = self._memory_stats() or sizing.device_memory_stats(device)  # before the probe
         build(max(1, min(64, max_blocks_per_seq)))
-        probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()
+        with step_lib.tracing_for(self._on_trace):
+            probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()
         self.step_reserve_bytes = sizing.step_reserve_bytes(probe)
         num_blocks = sizing.device_num_blocks(
             stats,
@@ -546,9 +543,10 @@ class Engine:
             return None
         inputs, failed = step_lib.prepare_inputs(plan, self._shapes)
         try:
-            state, kv, out = self._jit_step(
-                self.block_manager.state, self._device_kv(), self._params, inputs
-            )
+            with step_lib.tracing_for(self._on_trace):
+                state, kv, out = self._jit_step(
+                    self.block_manager.state, self._device_kv(), self._params, inputs
+                )
             result = step_lib.read_result(plan, state, out, failed)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
             raise _StepFailed(failed) from e
@@ -664,7 +662,8 @@ class Engine:
             for i, variant in enumerate(variants):
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()
-                state, kv, out = self._jit_step(*self._empty_step_args(*variant))
+                with step_lib.tracing_for(self._on_trace):
+                    state, kv, out = self._jit_step(*self._empty_step_args(*variant))
                 self._kv = self._with_host_pool(kv)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
@@ -711,7 +710,8 @@ class Engine:
         (sequences and blocks moved each way); ``num_running`` / ``num_waiting`` /
         ``num_swapped`` (sequences); ``oldest_waiting_age_s``: seconds since the oldest request
         that has a sequence queued (waiting or swapped) arrived, 0 when none is queued;
-        ``num_traces``: traces of the fused step.
+        ``num_traces``: step programs this engine traced (programs an earlier engine with the
+        same step configuration traced are shared: :func:`step.jitted_step`).
         """
         bm, sched = self.block_manager, self.scheduler
         total = self.cache_config.num_blocks

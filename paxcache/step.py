@@ -8,8 +8,9 @@ copy-on-write block copies → attention metadata → the model's paged forward 
 sampling → prefix-cache ``commit``. The block state and the KV cache are donated by the
 caller and come back updated; the host reads back only :class:`StepOutputs`.
 
-Everything static (the model's structure, kernel choice, mesh) is in :class:`StepConfig`, bound
-with ``functools.partial`` before ``jax.jit``; the arrays are one pytree,
+Everything static (the model's structure, kernel choice, mesh) is in :class:`StepConfig`; the
+process holds one ``jax.jit`` of the step per config (:func:`jitted_step`), so engines of the
+same model structure share its traced and compiled programs. The arrays are one pytree,
 :class:`StepInputs`, built by :func:`prepare_inputs` in stages named by purpose
 (:func:`prepare_tokens`, :func:`prepare_sampling`). Token counts are padded to the engine's
 buckets and rows to ``R = max_num_seqs``, so each bucket compiles once.
@@ -32,8 +33,12 @@ vocabulary, K top log-probabilities.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
+import threading
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple
 
@@ -70,7 +75,9 @@ __all__ = [
     "prepare_tokens",
     "read_result",
     "step",
+    "jitted_step",
     "token_buckets",
+    "tracing_for",
     "warmup_variants",
 ]
 
@@ -679,3 +686,53 @@ def step(
         prompt_rank=prompt_rank,
     )
     return state, kv, outputs
+
+
+class _TraceHook(threading.local):
+    on_trace: Callable[[StepInputs], None] | None = None
+
+
+_trace_hook = _TraceHook()
+
+
+@contextlib.contextmanager
+def tracing_for(on_trace: Callable[[StepInputs], None]) -> Iterator[None]:
+    """Calls ``on_trace(inputs)`` whenever a call of a :func:`jitted_step` in this block (this
+    thread) traces a new program: the engine that caused the trace counts and logs it."""
+    previous, _trace_hook.on_trace = _trace_hook.on_trace, on_trace
+    try:
+        yield
+    finally:
+        _trace_hook.on_trace = previous
+
+
+def _traced_step(
+    state: allocator.BlockState,
+    kv: kv_cache.KVCache,
+    params: Any,
+    inputs: StepInputs,
+    *,
+    config: StepConfig,
+) -> tuple[allocator.BlockState, kv_cache.KVCache, StepOutputs]:
+    if _trace_hook.on_trace is not None:  # runs only while tracing: a new program
+        _trace_hook.on_trace(inputs)
+    return step(state, kv, params, inputs, config=config)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_jit(config: StepConfig) -> Any:
+    return jax.jit(functools.partial(_traced_step, config=config), donate_argnums=(0, 1))
+
+
+def jitted_step(config: StepConfig) -> Any:
+    """``jax.jit`` of :func:`step` bound to ``config``, ``state`` and ``kv`` donated: one per
+    equal config in the process, so engines of the same model structure, kernels and mesh
+    share its traced and compiled programs (a second engine of a model, with any block count
+    or scheduling settings, traces only the shapes the first did not). The program depends
+    on nothing but ``config`` and the arguments' shapes, dtypes and shardings, which are
+    jit's cache key. A config that cannot be hashed gets a jit of its own."""
+    try:
+        hash(config)
+    except TypeError:
+        return jax.jit(functools.partial(_traced_step, config=config), donate_argnums=(0, 1))
+    return _shared_jit(config)

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from paxcache import Engine, SamplingParams, compile_cache
+from paxcache import step as step_lib
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +126,10 @@ def test_second_engine_loads_every_step_from_the_cache(model, tmp_path, restore_
     assert st1["num_compilations"] >= len(first.buckets)
     assert any(cache.iterdir())
 
-    second = _engine(model, cache)  # new jit objects: lowered again, looked up on disk
+    # The same model: the second engine would share the first's jitted step
+    # (step.jitted_step); a new jit object lowers again and looks each program up on disk.
+    step_lib._shared_jit.cache_clear()
+    second = _engine(model, cache)
     second.warmup()
     st2 = second.stats()
     assert st2["num_compile_cache_hits"] >= len(second.buckets)

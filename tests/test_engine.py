@@ -68,6 +68,25 @@ def test_warm_engine_never_recompiles_and_frees_everything(engine, dense_ref):
     assert st["num_running"] == st["num_waiting"] == 0
 
 
+def test_engines_of_one_model_structure_share_step_programs(engine, dense_ref):
+    """A second engine of the same model structure and cache shape (another instance, other
+    weights, another scheduling policy) traces no step program the first traced, and its
+    tokens are its own weights'; a different structure gets a step of its own."""
+    twin = byte_llama(seed=1)  # same structure (equal graphdef), other weights
+    prompts = _prompts()[:3]
+    twin_ref = [greedy_generate(twin, p, 10) for p in prompts]
+    assert twin_ref != dense_ref[:3]
+    second = _engine(twin, policy="prefill_first")
+    second.warmup()
+    assert second._jit_step is engine._jit_step
+    assert second.stats()["num_traces"] == 0
+    assert _tokens(second.generate(prompts, GREEDY10)) == twin_ref
+    assert _tokens(engine.generate(prompts, GREEDY10)) == dense_ref[:3]
+    assert second.stats()["num_traces"] == 0
+    wider = _engine(byte_llama(hidden_size=96, intermediate_size=96), warmup=False)
+    assert wider._jit_step is not engine._jit_step
+
+
 # Swap preemption's outputs under pressure are also checked against an unconstrained run by
 # tests/test_stress.py's swap profiles: the swap case here is in the slow set.
 @pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])

@@ -10,10 +10,10 @@ from flax import nnx
 from paxcache.models import LlamaConfig, LlamaForCausalLM
 
 
-def byte_llama(dtype: Any = jnp.float32, **overrides) -> LlamaForCausalLM:
+def byte_llama(dtype: Any = jnp.float32, seed: int = 0, **overrides) -> LlamaForCausalLM:
     """A 2-layer, 64-wide random Llama over the byte tokenizer's 259 ids (EOS 257), 256
-    positions, grouped-query attention (4 query heads on 2 kv heads), in ``dtype``;
-    ``overrides`` replace config fields."""
+    positions, grouped-query attention (4 query heads on 2 kv heads), in ``dtype``, weights
+    drawn from ``seed``; ``overrides`` replace config fields."""
     fields = dict(
         vocab_size=259,
         hidden_size=64,
@@ -24,4 +24,4 @@ def byte_llama(dtype: Any = jnp.float32, **overrides) -> LlamaForCausalLM:
         max_position_embeddings=256,
         eos_token_id=257,
     )
-    return LlamaForCausalLM(LlamaConfig(**(fields | overrides)), dtype=dtype, rngs=nnx.Rngs(0))
+    return LlamaForCausalLM(LlamaConfig(**(fields | overrides)), dtype=dtype, rngs=nnx.Rngs(seed))
