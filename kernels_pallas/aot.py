@@ -256,6 +256,7 @@ class KernelCase:
       max_len: tokens one sequence can hold (M = max_len / S table columns).
       num_tokens: T query tokens (ragged) / new tokens (write_kv).
       sliding_window, soft_cap: attention options.
+      sinks: attention sinks (an ``f32[H]`` argument, gpt-oss).
       layers: L of an L-layer cache read with a traced ``layer=`` (0: a one-layer cache,
         called without ``layer=``).
       num_blocks: N.
@@ -272,6 +273,7 @@ class KernelCase:
     num_tokens: int = 64
     sliding_window: int | None = None
     soft_cap: float | None = None
+    sinks: bool = False
     layers: int = 2
     num_blocks: int = 512
 
@@ -286,6 +288,8 @@ class KernelCase:
                 parts.append(f"win{self.sliding_window}")
             if self.soft_cap:
                 parts.append(f"cap{self.soft_cap:g}")
+            if self.sinks:
+                parts.append("sinks")
         parts.append(f"L{self.layers}" if self.layers else "1layer")
         return "-".join(parts)
 
@@ -304,17 +308,22 @@ def _case_fn_and_args(case: KernelCase, device: jax.Device) -> tuple[Callable, t
     cache = jax.tree.map(lambda x: spec(x.shape, x.dtype, device), shape)
     m = -(-case.max_len // s)
     b = case.num_seqs
-    layer = (spec((), i32, device),) if case.layers else ()
+    layer = (spec((), i32, device),) if case.layers else ()  # the traced layer index
     opts = dict(sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    sinks = (spec((kh * case.q_per_kv,), jnp.float32, device),) if case.sinks else ()
 
     def lkw(rest: tuple) -> dict:
-        return {"layer": rest[0]} if rest else {}
+        """The trailing arguments, the traced layer and then the sinks, as keywords."""
+        rest = list(rest)
+        sink = {"sinks": rest.pop()} if sinks else {}
+        return ({"layer": rest[0]} if rest else {}) | sink
 
     if case.op == "ragged_paged_attention":
         t = case.num_tokens
         args = (
             spec((t, kh * case.q_per_kv, d), dt, device), cache, spec((b,), i32, device),
-            spec((b, m), i32, device), spec((b + 1,), i32, device), spec((), i32, device), *layer,
+            spec((b, m), i32, device), spec((b + 1,), i32, device), spec((), i32, device),
+            *layer, *sinks,
         )  # fmt: skip
 
         def fn(q, c, lens, tables, cu, n, *rest):
@@ -324,7 +333,7 @@ def _case_fn_and_args(case: KernelCase, device: jax.Device) -> tuple[Callable, t
     if case.op == "paged_attention":
         args = (
             spec((b, kh * case.q_per_kv, d), dt, device), cache, spec((b,), i32, device),
-            spec((b, m), i32, device), *layer,
+            spec((b, m), i32, device), *layer, *sinks,
         )  # fmt: skip
 
         def fn(q, c, lens, tables, *rest):
@@ -402,6 +411,9 @@ def kernel_grid(wide: bool = False) -> list[KernelCase]:
             KernelCase(p, "float32", 64, 7, 8, sliding_window=50),
             KernelCase(p, "bfloat16", 256, 1, 128, layers=0),
             KernelCase(p, "bfloat16", 128, 8, 16, **big),
+            # gpt-oss attention: 64 query heads on 8 kv heads, D 64, sinks, window 128
+            KernelCase(r, "bfloat16", 64, 8, 16, kv_heads=8, sliding_window=128, sinks=True),
+            KernelCase(p, "bfloat16", 64, 8, 16, kv_heads=8, sinks=True),
             KernelCase(w, "bfloat16", 128, block_size=16, num_tokens=256),
             KernelCase(w, "bfloat16", 64, block_size=8, layers=0),
             KernelCase(w, "float32", 256, block_size=128),

@@ -189,23 +189,25 @@ _QUANTIZED_REASON = (
 
 
 _SINKS_REASON = (
-    "attention sinks: the Pallas attention kernels have no sink logit in their softmax (a "
-    "kernel that ignored it would be silently wrong)"
+    "attention sinks: the Mosaic GPU attention kernels have no sink logit in their softmax (a "
+    "kernel that ignored it would be silently wrong; the TPU kernels take sinks)"
 )
 
 
 def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = None) -> None:
-    """A forced Pallas kernel on 8-bit pages or with sinks is refused, interpret mode included.
+    """A forced Pallas kernel on 8-bit pages, or a forced GPU kernel with sinks, is refused,
+    interpret mode included.
 
     (The dispatch lets ``interpret=True`` through its geometry reasons, which only concern
     compiled kernels; the kernels would read the raw 8-bit values without their scales, or
-    leave the sinks out of the softmax.)
+    the GPU kernels leave the sinks out of the softmax.)
     """
     if impl not in ("pallas", "pallas_tpu", "pallas_gpu"):
         return
+    gpu = _dispatch.forced_family(impl, True) == "pallas_gpu"
     for refused, reason in (
         (is_quantized_dtype(k_pages.dtype), _QUANTIZED_REASON),
-        (sinks is not None, _SINKS_REASON),
+        (sinks is not None and gpu, _SINKS_REASON),
     ):
         if refused:
             raise ValueError(
@@ -216,10 +218,10 @@ def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = 
 
 def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str | None, str | None]:
     """Why the TPU / GPU kernels cannot take these operands (None: they can)."""
-    if sinks is not None:
-        return _SINKS_REASON, _SINKS_REASON
     if is_quantized_dtype(k_pages.dtype):
         return _QUANTIZED_REASON, _QUANTIZED_REASON
+    if sinks is not None:
+        return None, _SINKS_REASON
     kh, _, s, d = k_pages.shape[-4:]
     gpu = _dispatch.gpu_attention_unsupported_reason(
         head_dim=d, num_q_per_kv=q.shape[1] // kh, block_size=s, dtype=q.dtype
@@ -280,6 +282,11 @@ def _scale_args(k_scale: Any, v_scale: Any) -> tuple[jax.Array, jax.Array]:
     )
 
 
+def _one(optional: tuple) -> Any:
+    """The optional trailing argument (``sinks``) of an implementation, or None."""
+    return optional[0] if optional else None
+
+
 def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
     fn = getattr(_gpu_module(), fn_name)
     if k_pages.ndim == 5:  # the GPU kernels read pages.at[layer] themselves (no copy)
@@ -322,8 +329,9 @@ def paged_attention_pages(
       k_scale, v_scale: the layer's dequantization scales (8-bit pages; ignored otherwise).
       sinks: optional ``f32[H]`` attention sinks, one logit per query head in the softmax
         denominator only (:func:`kernels_pallas.reference.paged_attention_reference`). The
-        Pallas kernels take none: ``impl="auto"`` runs the XLA path (warning once on an
-        accelerator), a forced Pallas ``impl`` raises.
+        TPU kernels take them (each row's online softmax starts from its sink); the Mosaic
+        GPU kernels do not: there ``impl="auto"`` runs the XLA path (warning once), a forced
+        GPU kernel raises.
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -368,10 +376,12 @@ def paged_attention_pages(
     def xla(q, k, v, lengths, tables, layer, ks, vs, *sink):
         return _paged_reference(q, k, v, lengths, tables, layer, ks, vs, *sink, **kw)
 
-    def tpu(q, k, v, lengths, tables, layer, ks, vs):
+    def tpu(q, k, v, lengths, tables, layer, ks, vs, *sink):
         from kernels_pallas.tpu.paged_attention import paged_attention_tpu
 
-        return paged_attention_tpu(q, k, v, lengths, tables, layer=layer, interpret=interpret, **kw)
+        return paged_attention_tpu(
+            q, k, v, lengths, tables, layer=layer, interpret=interpret, sinks=_one(sink), **kw
+        )
 
     def gpu(q, k, v, lengths, tables, layer, ks, vs):
         return _call_gpu(
@@ -496,10 +506,11 @@ def ragged_paged_attention_pages(
     def gpu_xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
         return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
-    def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
+    def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+        kw_tpu = dict(kw, sinks=_one(sink))
         if max_q_len == 1:
-            return _decode_rows_tpu(q, k, v, kv_lens, tables, n, layer, interpret, kw)
-        return _mixed_rows_tpu(q, k, v, kv_lens, tables, cu, n, layer, interpret, kw)
+            return _decode_rows_tpu(q, k, v, kv_lens, tables, n, layer, interpret, kw_tpu)
+        return _mixed_rows_tpu(q, k, v, kv_lens, tables, cu, n, layer, interpret, kw_tpu)
 
     def gpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
         return _call_gpu(
@@ -681,7 +692,7 @@ def ragged_paged_attention(
         before anything attends, and the updated cache is returned too. (Today the write is
         the ``write_kv`` op inside the same program; the in-kernel fused write is to come.)
       sm_scale, soft_cap, sliding_window, impl, interpret, sinks: as in
-        :func:`paged_attention_pages` (sinks: ``f32[H]``, XLA path only).
+        :func:`paged_attention_pages` (sinks: ``f32[H]``; the TPU kernels and the XLA path).
       max_q_len: optional hint (``1``: a decode-only batch, each sequence owning the row of
         its index), see :func:`ragged_paged_attention_pages`; never needed for correctness.
 

@@ -110,9 +110,11 @@ def _sink_oracle(q, k, v, kv_lens, q_lens, sinks, window) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("impl", ["reference", "auto"])
+@pytest.mark.parametrize("impl", ["reference", "auto", "pallas_tpu"])
 def test_sinks_in_the_ragged_op_equal_a_dense_oracle(impl: str) -> None:
-    """A 3-row prefill chunk and a decode (window 3), two padding rows (zeros)."""
+    """A 3-row prefill chunk and a decode (window 3), two padding rows (zeros); one head's
+    sink is -inf (no sink). ``pallas_tpu``: the TPU ragged and decode kernels, interpreted."""
+    interpret = impl == "pallas_tpu"
     rng = np.random.default_rng(0)
     heads, kv_heads, d, s = 4, 2, 8, 4
     kv_lens, q_lens = [7, 5], [3, 1]
@@ -123,9 +125,11 @@ def test_sinks_in_the_ragged_op_equal_a_dense_oracle(impl: str) -> None:
     tables = np.asarray([[0, 1, -1, -1], [3, 4, -1, -1]], np.int32)
     q = rng.standard_normal((6, heads, d)).astype(np.float32)
     sinks = (rng.standard_normal(heads) * 2).astype(np.float32)
+    sinks[1] = -np.inf
     out = kp.ragged_paged_attention(
         jnp.asarray(q), cache, jnp.asarray(kv_lens), jnp.asarray(tables),
         jnp.asarray([0, 3, 4]), 2, layer=0, sliding_window=3, sinks=jnp.asarray(sinks), impl=impl,
+        interpret=interpret,
     )  # fmt: skip
     want = _sink_oracle(q, k, v, kv_lens, q_lens, sinks, 3)
     np.testing.assert_allclose(np.asarray(out)[:4], want[:4], atol=1e-5)
@@ -140,13 +144,21 @@ def test_sinks_in_the_ragged_op_equal_a_dense_oracle(impl: str) -> None:
     # The decode op and its oracle agree with the ragged one on the decode row.
     dec = kp.paged_attention(
         jnp.asarray(q[3:4]), cache, jnp.asarray([5]), jnp.asarray(tables[1:]), layer=0,
-        sliding_window=3, sinks=jnp.asarray(sinks), impl=impl,
+        sliding_window=3, sinks=jnp.asarray(sinks), impl=impl, interpret=interpret,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(dec)[0], want[3], atol=1e-5)
+    # A decode-only ragged batch (the decode kernel's ragged entry) and a batch whose decode
+    # leads (decode kernel + ragged kernel split), against the same oracle.
+    lead = kp.ragged_paged_attention(
+        jnp.asarray(q[[3, 0, 1, 2]]), cache, jnp.asarray(kv_lens[::-1]),
+        jnp.asarray(tables[::-1]), jnp.asarray([0, 1, 4]), 2, layer=0, sliding_window=3,
+        sinks=jnp.asarray(sinks), impl=impl, interpret=interpret,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(lead), want[[3, 0, 1, 2]], atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "pallas_tpu", "pallas_gpu"])
-def test_a_forced_pallas_kernel_refuses_sinks_and_leaves_the_cache_as_it_was(impl: str) -> None:
+@pytest.mark.parametrize("impl", ["pallas_gpu"])
+def test_a_forced_gpu_kernel_refuses_sinks_and_leaves_the_cache_as_it_was(impl: str) -> None:
     cache = kp.init_kv_cache(1, 4, 4, 1, 8, jnp.float32)
     k = jnp.ones((2, 1, 8))
     with pytest.raises(ValueError, match="attention sinks"):
@@ -158,16 +170,16 @@ def test_a_forced_pallas_kernel_refuses_sinks_and_leaves_the_cache_as_it_was(imp
     np.testing.assert_array_equal(np.asarray(kp.read_kv(cache, jnp.arange(4), layer=0)[0]), 0)
 
 
-def test_auto_dispatch_gives_the_sinks_reason_for_the_kernels_it_does_not_run(caplog) -> None:
+def test_auto_dispatch_runs_sinks_on_the_tpu_kernels_and_names_the_gpu_fallback(caplog) -> None:
     cache = kp.init_kv_cache(1, 4, 4, 1, 8, jnp.float32)
     with caplog.at_level(logging.WARNING):
         kp.ragged_paged_attention(
             jnp.ones((2, 2, 8)), cache, jnp.asarray([2]), jnp.asarray([[0]]),
             jnp.asarray([0, 2]), 1, layer=0, sinks=jnp.zeros(2),
         )  # fmt: skip
-    for platform in ("tpu", "cuda"):
-        info = kp.kernel_info(platform)["ragged_paged_attention"]
-        assert info.startswith("xla (fallback: attention sinks"), (platform, info)
+    assert kp.kernel_info("tpu")["ragged_paged_attention"] == "pallas_tpu"
+    info = kp.kernel_info("cuda")["ragged_paged_attention"]
+    assert info.startswith("xla (fallback: attention sinks"), info
     with pytest.raises(ValueError, match=r"sinks must have shape \(2,\)"):
         kp.ragged_paged_attention(
             jnp.ones((2, 2, 8)), cache, jnp.asarray([2]), jnp.asarray([[0]]),

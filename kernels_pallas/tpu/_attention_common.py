@@ -200,11 +200,22 @@ def attend_step(
         m_ref[h] = m_new
 
 
-def reset_state(state: tuple[Any, Any, Any]) -> None:
-    """``m = MASK_VALUE``, ``l = 0``, ``acc = 0`` for every head."""
+def reset_state(state: tuple[Any, Any, Any], sinks: jax.Array | None = None) -> None:
+    """``m = MASK_VALUE``, ``l = 0``, ``acc = 0`` for every head.
+
+    With attention sinks (``f32[K, R, 1]``, each row's query head's sink logit) the softmax
+    starts from the sink instead, a logit with no value: ``m = max(sink, MASK_VALUE)``,
+    ``l = exp(sink - m)`` (1, or 0 for a sink of -inf), ``acc = 0``; the online softmax then
+    carries it in its denominator, and a row that sees no key returns zeros.
+    """
     m_ref, l_ref, acc_ref = state
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if sinks is None:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:
+        m0 = jnp.maximum(sinks, MASK_VALUE)
+        m_ref[...] = m0
+        l_ref[...] = jnp.exp(sinks - m0)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 

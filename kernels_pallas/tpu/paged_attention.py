@@ -85,25 +85,28 @@ def _decode_kernel(
     tables_hbm,  # i32[B, M] in HBM
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,  # [L, K, N, S, D] in HBM
-    # output
-    o_ref,  # [K, G, D]
-    # scratch
-    table,  # SMEM i32[2 * (M + P)]: table rows of this and the next sequence, flat, each
-    #        padded with P entries so a step's last page index needs no clamp
-    k_buf,  # VMEM [2, P, K, S, D]: two slots of P pages, page-major
-    v_buf,  # VMEM [2, P, K, S, D]
-    m_ref,  # VMEM f32[K, G, 1]
-    l_ref,  # VMEM f32[K, G, 1]
-    acc_ref,  # VMEM f32[K, G, D]
-    table_sem,  # DMA[2]
-    kv_sem,  # DMA[2]: one per slot, for the K and the V copies of that slot
-    *,
+    *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, G, 1] (head k * G + g's
+    #         sink logit); then the output and the scratch, as unpacked below
+    has_sinks: bool,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     num_seqs: int,
     per_core: int,
 ):
+    sinks_ref = refs[0] if has_sinks else None
+    (
+        o_ref,  # [K, G, D]
+        table,  # SMEM i32[2 * (M + P)]: table rows of this and the next sequence, flat, each
+        #        padded with P entries so a step's last page index needs no clamp
+        k_buf,  # VMEM [2, P, K, S, D]: two slots of P pages, page-major
+        v_buf,  # VMEM [2, P, K, S, D]
+        m_ref,  # VMEM f32[K, G, 1]
+        l_ref,  # VMEM f32[K, G, 1]
+        acc_ref,  # VMEM f32[K, G, D]
+        table_sem,  # DMA[2]
+        kv_sem,  # DMA[2]: one per slot, for the K and the V copies of that slot
+    ) = refs[int(has_sinks) :]
     seq_in_core = pl.program_id(1)
     seq = pl.program_id(0) * per_core + seq_in_core
     _, g, _ = q_ref.shape
@@ -185,7 +188,7 @@ def _decode_kernel(
             pltpu.make_async_copy(whole, whole, kv_sem.at[slot]).wait()
 
     state = (m_ref, l_ref, acc_ref)
-    reset_state(state)
+    reset_state(state, None if sinks_ref is None else sinks_ref[...])
     key_in_row = lax.broadcasted_iota(jnp.int32, (g, keys), 1)
     key_in_col = lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
 
@@ -260,6 +263,7 @@ def paged_attention_tpu(
     layer: int | jax.Array | None = None,
     interpret: bool = False,
     pages_per_compute_block: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Paged decode attention on TPU (arguments already validated by the public wrapper).
 
@@ -275,6 +279,8 @@ def paged_attention_tpu(
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``), e.g. on CPU.
       pages_per_compute_block: pages per DMA/compute step ``P`` (default
         :func:`decode_pages_per_step`: ~2048 keys within ``DECODE_KV_VMEM_BUDGET``).
+      sinks: optional ``f32[H]`` attention sinks: one logit per query head in the softmax's
+        denominator, with no value (gpt-oss).
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -303,8 +309,14 @@ def paged_attention_tpu(
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     q_spec = pl.BlockSpec((None, kh, g, d), lambda c, i, *_: (c * per_core + i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    inputs = [qg, block_tables, k_pages, v_pages]
+    in_specs = [q_spec, any_spec, any_spec, any_spec]
+    if sinks is not None:  # [K, G, 1]: the same block for every program (fetched once)
+        inputs.append(sinks.astype(jnp.float32).reshape(kh, g, 1))
+        in_specs.append(pl.BlockSpec((kh, g, 1), lambda c, i, *_: (0, 0, 0)))
     kernel = functools.partial(
         _decode_kernel,
+        has_sinks=sinks is not None,
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -316,7 +328,7 @@ def paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(cores, per_core),
-            in_specs=[q_spec, any_spec, any_spec, any_spec],
+            in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.SMEM((2 * _round_up(m + p, _TABLE_ROW_ALIGN),), jnp.int32),
@@ -339,5 +351,5 @@ def paged_attention_tpu(
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_paged_decode_attention",
-    )(layer_arr, lengths, qg, block_tables, k_pages, v_pages)
+    )(layer_arr, lengths, *inputs)
     return out[:b].reshape(b, h, d)

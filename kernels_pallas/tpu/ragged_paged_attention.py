@@ -68,6 +68,7 @@ from kernels_pallas.tpu._attention_common import (
     reset_state,
     scratch_bytes,
     vmem_limit_bytes,
+    vmem_tile_bytes,
 )
 
 __all__ = ["default_queries_per_block", "ragged_paged_attention_tpu"]
@@ -131,23 +132,27 @@ def _ragged_kernel(
     tables_hbm,  # i32[B, M] in HBM
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
-    # output
-    o_ref,  # [K, TQ * G, D]
-    # scratch
-    table,  # SMEM i32[2, M]: table rows of the current and the next sequence
-    k_buf,  # VMEM [2, P, K, S, D]
-    v_buf,
-    m_ref,  # VMEM f32[K, TQ * G, 1]
-    l_ref,  # VMEM f32[K, TQ * G, 1]
-    acc_ref,  # VMEM f32[K, TQ * G, D]
-    table_sem,  # DMA[2]
-    kv_sem,  # DMA[2]: one per KV slot
-    *,
+    *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, TQ * G, 1] (row r's
+    #         query head k * G + r % G's sink logit); then the output and the scratch, as
+    #         unpacked below
+    has_sinks: bool,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     g: int,
 ):
+    sinks_ref = refs[0] if has_sinks else None
+    (
+        o_ref,  # [K, TQ * G, D]
+        table,  # SMEM i32[2, M]: table rows of the current and the next sequence
+        k_buf,  # VMEM [2, P, K, S, D]
+        v_buf,
+        m_ref,  # VMEM f32[K, TQ * G, 1]
+        l_ref,  # VMEM f32[K, TQ * G, 1]
+        acc_ref,  # VMEM f32[K, TQ * G, D]
+        table_sem,  # DMA[2]
+        kv_sem,  # DMA[2]: one per KV slot
+    ) = refs[int(has_sinks) :]
     qb = pl.program_id(0)
     _, rows, _ = q_ref.shape
     tq = rows // g
@@ -223,7 +228,7 @@ def _ragged_kernel(
     s0 = skip_empty(start_seq)
     s1 = skip_empty(s0 + 1)
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows no sequence covers stay zero
-    reset_state(state)
+    reset_state(state, None if sinks_ref is None else sinks_ref[...])
 
     @pl.when(active(s0))
     def _first_sequence():
@@ -287,7 +292,7 @@ def _ragged_kernel(
             mine = (out_row >= (row_lo - r0) * g) & (out_row < (row_hi - r0) * g)  # [R, 1]
             out = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)  # [K, R, D]
             o_ref[...] = jnp.where(mine[None], out, o_ref[...])
-            reset_state(state)
+            reset_state(state, None if sinks_ref is None else sinks_ref[...])
 
         nnsq = skip_empty(nsq + 1)
 
@@ -333,6 +338,7 @@ def ragged_paged_attention_tpu(
     pages_per_compute_block: int | None = None,
     queries_per_block: int | None = None,
     device_kind: str | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention on TPU (arguments already validated by the public wrapper).
 
@@ -357,6 +363,8 @@ def ragged_paged_attention_tpu(
         unless ``TQ`` covers all tokens (interpret mode takes any ``TQ``).
       device_kind: the target chip's ``device_kind``: picks the default block sizes and the
         VMEM headroom (:func:`ragged_blocks`).
+      sinks: optional ``f32[H]`` attention sinks: one logit per query head in the softmax's
+        denominator, with no value (gpt-oss).
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -389,8 +397,15 @@ def ragged_paged_attention_tpu(
     qg = jnp.transpose(qg, (1, 0, 2, 3)).reshape(kh, t_pad * g, d)
     q_spec = pl.BlockSpec((kh, tq * g, d), lambda qi, *_: (0, qi, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    inputs = [qg, block_tables.astype(jnp.int32), k_pages, v_pages]
+    in_specs = [q_spec, any_spec, any_spec, any_spec]
+    if sinks is not None:  # [K, TQ * G, 1], row r: head k * G + r % G; the same every block
+        rows_sinks = jnp.tile(sinks.astype(jnp.float32).reshape(kh, 1, g), (1, tq, 1))
+        inputs.append(rows_sinks.reshape(kh, tq * g, 1))
+        in_specs.append(pl.BlockSpec((kh, tq * g, 1), lambda qi, *_: (0, 0, 0)))
     kernel = functools.partial(
         _ragged_kernel,
+        has_sinks=sinks is not None,
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -408,7 +423,7 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(t_pad // tq,),
-            in_specs=[q_spec, any_spec, any_spec, any_spec],
+            in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=pipeline_scratch(
                 kv_heads=kh,
@@ -433,12 +448,13 @@ def ragged_paged_attention_tpu(
                     block_size=s,
                     head_dim=d,
                     itemsize=k_pages.dtype.itemsize,
-                ),
+                )
+                + (0 if sinks is None else 2 * kh * vmem_tile_bytes(tq * g, 1, 4)),
             ),
             disable_bounds_checks=not interpret,  # every DMA address is clamped in range
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_ragged_paged_attention",
-    )(*scalars, qg, block_tables.astype(jnp.int32), k_pages, v_pages)
+    )(*scalars, *inputs)
     out = jnp.transpose(out.reshape(kh, t_pad, g, d), (1, 0, 2, 3))
     return out[:t].reshape(t, h, d)

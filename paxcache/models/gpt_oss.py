@@ -7,8 +7,9 @@ is the shared code):
 * **attention sinks**: one learned logit per query head and layer (``self_attn.sinks``,
   ``sinks [L, H]`` here) that joins the softmax denominator only:
   ``softmax([q.k / sqrt(D), sink])[:-1] @ v``. They go to the attention op as an array
-  (``kernels_pallas.ragged_paged_attention(..., sinks=)``), which runs them on its XLA path:
-  the Pallas kernels have no sink, and the dispatch says so rather than drop it;
+  (``kernels_pallas.ragged_paged_attention(..., sinks=)``): the TPU kernels start each
+  row's online softmax from its sink; the Mosaic GPU kernels have none, so on a GPU the op
+  runs its XLA path and the dispatch says so rather than drop it;
 * q/k/v/o biases (``attention_bias``), ``layer_types`` alternating ``sliding_attention``
   (window ``sliding_window``) and ``full_attention``, yarn RoPE
   (:func:`paxcache.models.llama_config.rope_inv_freq`);
