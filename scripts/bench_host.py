@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Host time of the engine loop: where ``Engine.step()`` spends its time outside the device.
+
+For each model (``micro``: 1 layer, hidden 64, vocab 512, 256 positions, random weights;
+``tiny``: the bundled trained model) and each row count (64 and 256 decode rows), fills the
+batch with requests, lets every prompt finish its prefill, then times ``--steps`` steady-state
+decode steps of ``Engine.step()``. Each step's host thread is split into:
+
+* ``schedule_us``: ``Scheduler.schedule()`` (the plan);
+* ``prepare_us``: ``step.prepare_inputs`` (the plan as padded arrays);
+* ``dispatch_us``: the call of the jitted step (returns before the device finishes);
+* ``wait_us``: ``step.read_result`` (waits for the device, then one transfer back);
+* ``postprocess_us``: ``Scheduler.postprocess`` less detokenization (appending tokens, stop
+  checks, freeing); ``detokenize_us``: ``IncrementalDecoder.push``;
+* ``host_us``: the step's wall time less ``dispatch_us`` and ``wait_us`` (on the CPU backend
+  the call of a small program runs it in the calling thread, so dispatch holds device time
+  there); ``device_idle_us``: the wall time from one step's ``read_result`` returning to the
+  next step's dispatch (the device has nothing to run), per step.
+
+``fused_ms`` is the engine's compiled step alone on the same decode batch (its inputs built
+once, then called back to back, blocking on each), ``step_over_fused`` the steady-state
+``Engine.step()`` time over it: 1.0 means the host costs nothing. Everything is measured in
+one run, as ratios against the fused step of the same build.
+
+Modes: ``sync`` (the engine as it is). ``overlap`` (``async_scheduling=True``) and
+``multistep`` (``decode_steps=K``) rows are measured when the engine takes those arguments,
+and listed as not built otherwise.
+
+    python scripts/bench_host.py [--quick] [--json bench/results/host_<date>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from paxcache import Engine, SamplingParams  # noqa: E402
+from paxcache import step as step_lib  # noqa: E402
+from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from paxcache.models.tokenizer import IncrementalDecoder  # noqa: E402
+
+MODES = {"sync": {}, "overlap": {"async_scheduling": True}, "multistep": {"decode_steps": 8}}
+
+
+def micro_model() -> LlamaForCausalLM:
+    """1 layer, hidden 64, vocab 512, 256 positions (random weights, float32)."""
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def supported(mode: str) -> bool:
+    """Whether this build's ``Engine`` takes the mode's arguments."""
+    params = inspect.signature(Engine.__init__).parameters
+    return all(k in params for k in MODES[mode])
+
+
+class Phases:
+    """Accumulates host-thread seconds per phase (wrapping the engine's own calls)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.last_ready = None  # perf_counter when the last read_result returned
+        self.idle: list[float] = []
+
+    def timed(self, name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def installed(self, eng: Engine) -> Iterator[None]:
+        sched = eng.scheduler
+        saved = (sched.schedule, sched.postprocess, eng._jit_step)
+        saved_mod = (step_lib.prepare_inputs, step_lib.read_result)
+        saved_push = IncrementalDecoder.push
+        jit_step, read_result = eng._jit_step, step_lib.read_result
+
+        def dispatch(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            if self.last_ready is not None:
+                self.idle.append(t0 - self.last_ready)
+            out = jit_step(*args)
+            self.seconds["dispatch"] += time.perf_counter() - t0
+            return out
+
+        def read(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = read_result(*args)
+            self.last_ready = time.perf_counter()
+            self.seconds["wait"] += self.last_ready - t0
+            return out
+
+        sched.schedule = self.timed("schedule", sched.schedule)
+        sched.postprocess = self.timed("postprocess", sched.postprocess)
+        eng._jit_step = dispatch
+        step_lib.prepare_inputs = self.timed("prepare", step_lib.prepare_inputs)
+        step_lib.read_result = read
+        IncrementalDecoder.push = self.timed("detokenize", saved_push)
+        try:
+            yield
+        finally:
+            sched.schedule, sched.postprocess, eng._jit_step = saved
+            step_lib.prepare_inputs, step_lib.read_result = saved_mod
+            IncrementalDecoder.push = saved_push
+
+
+def build(model_name: str, rows: int, extra: dict) -> Engine:
+    kw = dict(max_num_seqs=rows, max_num_batched_tokens=max(256, rows), block_size=16, **extra)
+    if model_name == "micro":
+        blocks = rows * (256 // 16) + 16
+        return Engine(micro_model(), ByteTokenizer(), num_blocks=blocks, **kw)
+    return Engine.from_pretrained("tiny", **kw)
+
+
+def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> dict[str, Any]:
+    eng = build(model_name, rows, MODES[mode])
+    eng.warmup()
+    rng = np.random.default_rng(0)
+    vocab = min(eng.model.config.vocab_size, 256)  # byte ids: every token detokenizes
+    budget = eng.max_model_len - 40
+    for i in range(rows):
+        ids = list(map(int, rng.integers(0, vocab, int(rng.integers(8, 33)))))
+        sp = SamplingParams(max_tokens=budget, ignore_eos=True, temperature=0.0)
+        eng.add_request(f"r{i}", ids, sp)
+    while eng.scheduler.waiting or any(
+        s.num_computed < s.num_prompt for s in eng.scheduler.running
+    ):
+        eng.step()
+    for _ in range(3):  # steady state
+        eng.step()
+    phases = Phases()
+    walls: list[float] = []
+    tokens = 0
+    with phases.installed(eng):
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            outs = eng.step()
+            walls.append(time.perf_counter() - t0)
+            tokens += sum(len(s.new_token_ids) for o in outs for s in o.outputs)
+    from bench_peer import _time_engine_device_step
+
+    fused = statistics.median(_time_engine_device_step(eng, iters))
+    total = sum(walls)
+    sec = phases.seconds
+    step_s = statistics.median(walls)
+    host = total - sec["wait"] - sec["dispatch"]
+    row = {
+        "model": model_name,
+        "mode": mode,
+        "rows": rows,
+        "steps": steps,
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / total, 1),
+        "step_ms": round(step_s * 1e3, 3),
+        "fused_ms": round(fused * 1e3, 3),
+        "step_over_fused": round(step_s / fused, 3),
+        "host_us_per_step": round(host / steps * 1e6, 1),
+        "host_us_per_token": round(host / max(tokens, 1) * 1e6, 2),
+        "device_idle_us_per_step": round(statistics.median(phases.idle) * 1e6, 1)
+        if phases.idle
+        else None,
+    }
+    for name in ("schedule", "prepare", "dispatch", "wait", "detokenize"):
+        row[f"{name}_us"] = round(sec[name] / steps * 1e6, 1)
+    row["postprocess_us"] = round((sec["postprocess"] - sec["detokenize"]) / steps * 1e6, 1)
+    return row
+
+
+COLUMNS = (
+    "model", "mode", "rows", "tokens_per_s", "step_ms", "fused_ms", "step_over_fused",
+    "host_us_per_token", "device_idle_us_per_step", "schedule_us", "prepare_us",
+    "dispatch_us", "wait_us", "postprocess_us", "detokenize_us",
+)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="micro model, 64 rows, few steps")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
+    ap.add_argument("--json", dest="json_out", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    steps = args.steps or (8 if args.quick else 40)
+    iters = 5 if args.quick else 20
+    configs = [("micro", 64)] if args.quick else [("micro", 64), ("micro", 256), ("tiny", 64)]
+    rows, missing = [], []
+    for mode in MODES:
+        if not supported(mode):
+            missing.append(mode)
+            continue
+        for model_name, n in configs:
+            rows.append(run_one(model_name, n, mode, steps, iters))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(" | ".join(COLUMNS))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in COLUMNS))
+    for mode in missing:
+        print(f"{mode}: not built in this engine (Engine takes no {sorted(MODES[mode])})")
+    if args.json_out:
+        doc = {
+            "date": time.strftime("%Y-%m-%d"),
+            "backend": jax.default_backend(),
+            "device": str(jax.devices()[0]),
+            "cpu_count": __import__("os").cpu_count(),
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "modes_not_built": missing,
+            "rows": rows,
+        }
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
