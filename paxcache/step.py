@@ -706,17 +706,11 @@ def tracing_for(on_trace: Callable[[StepInputs], None]) -> Iterator[None]:
         _trace_hook.on_trace = previous
 
 
-def _traced_step(
-    state: allocator.BlockState,
-    kv: kv_cache.KVCache,
-    params: Any,
-    inputs: StepInputs,
-    *,
-    config: StepConfig,
-) -> tuple[allocator.BlockState, kv_cache.KVCache, StepOutputs]:
+def _traced_step(*args: Any, config: StepConfig) -> Any:
+    """:func:`step` on ``(state, kv, params, inputs)``, telling the trace hook first."""
     if _trace_hook.on_trace is not None:  # runs only while tracing: a new program
-        _trace_hook.on_trace(inputs)
-    return step(state, kv, params, inputs, config=config)
+        _trace_hook.on_trace(args[3])
+    return step(*args, config=config)
 
 
 @functools.lru_cache(maxsize=64)

@@ -36,6 +36,7 @@ import collections
 import contextlib
 import inspect
 import json
+import os
 import platform
 import statistics
 import sys
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d"),
             "backend": jax.default_backend(),
             "device": str(jax.devices()[0]),
-            "cpu_count": __import__("os").cpu_count(),
+            "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
             "jax": jax.__version__,
             "modes_not_built": missing,
