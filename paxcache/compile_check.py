@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 import kernels_pallas
 from kernels_pallas import aot
 from paxcache import allocator, kv_cache, kv_quant, sharding, sizing
+from paxcache import step as step_lib
 from paxcache.engine import Engine
 from paxcache.models import quantize
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
@@ -344,6 +345,7 @@ def check_engine(
     num_blocks: int | None = None,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    decode_steps: int | None = None,
 ) -> dict[str, Any]:
     """Compile every program the engine serves with, for a TPU topology.
 
@@ -360,6 +362,8 @@ def check_engine(
       quantization: the layer weights' scheme (``paxcache.models.quantize.QUANTIZATIONS``).
       kv_cache_dtype: ``"auto"`` (``dtype``), ``"int8"`` or ``"fp8"`` (:mod:`paxcache.kv_quant`;
         the attention of an 8-bit cache runs the XLA path: a note, not a failure).
+      decode_steps: the multi-step decode's K (default: the engine's TPU default); > 1
+        adds that program at its largest bucket.
 
     Returns:
       The report (JSON-ready dict): ``ok``, ``engine`` (the sizing), ``programs`` (one
@@ -410,6 +414,7 @@ def check_engine(
             max_model_len=model_len,
             num_blocks=blocks,
             kv_cache_dtype=kv_cache_dtype,
+            decode_steps=decode_steps,
         )
 
     with aot.tpu_target(devices):
@@ -428,6 +433,7 @@ def check_engine(
             "max_model_len": engine.max_model_len,
             "max_num_seqs": engine.max_num_seqs,
             "max_num_batched_tokens": engine.max_num_batched_tokens,
+            "decode_steps": engine.decode_steps,
             "buckets": list(engine.buckets),
             "num_host_blocks": cfg.num_host_blocks,
             "weights_bytes_per_chip": engine.weights_bytes_per_device,
@@ -459,6 +465,14 @@ def check_engine(
             report["programs"].append(
                 _compile_program(f"step+decode[T={t}]", "step", engine._jit_step, args, hbm)
             )
+        loop = step_lib.loop_buckets(engine._shapes)
+        if loop:
+            # The multi-step decode at its largest bucket (decode_steps iterations under one
+            # while loop: the KV cache is its carry, which must not be copied).
+            t = loop[-1]
+            args = engine._empty_step_args(t, decode=bool(decode), loop=True)
+            name = f"step+loop{engine.decode_steps}[T={t}]"
+            report["programs"].append(_compile_program(name, "step", engine._jit_step, args, hbm))
         if cfg.num_host_blocks:
             for name, fn, args in kv_cache.swap_programs(engine._kv, engine._max_swap_pairs()):
                 kind = name.split("[")[0]

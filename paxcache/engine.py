@@ -1,31 +1,19 @@
 """The continuous-batching engine: one scheduling round and one fused device step per call.
 
-One token's trip through :meth:`Engine.step` (calls go one way; results come back once):
-
-1. :meth:`Scheduler.schedule <paxcache.scheduler.Scheduler.schedule>` returns a
-   :class:`~paxcache.scheduler.StepPlan`: which sequences feed how many tokens (decodes,
-   prefill chunks, resumed and newly admitted sequences) within ``max_num_batched_tokens`` and
-   ``max_num_seqs``, and what the scheduler's block manager did to make room (admissions,
-   preemptions, swaps with their block pairs, failures).
-2. The engine carries the plan out: the swaps' KV copies between device and host memory
-   (:mod:`paxcache.kv_cache`), then :func:`paxcache.step.prepare_inputs` builds the step's
-   :class:`~paxcache.step.StepInputs` and one compiled program (per token-count bucket),
-   :func:`paxcache.step.step`, runs on the device without returning to Python in between: the
-   allocator's batched ``append`` → copy-on-write block copies → attention metadata → the
-   model's paged forward (its own :class:`~paxcache.nn.PagedAttention` writes K/V and runs
-   ragged paged attention in every layer, under ``lax.scan``) → sampling → prefix-cache
-   ``commit``. The block state and the KV cache are donated and stay on the device; the host
-   gets back only the sampled tokens (and their log-probabilities), per-row ok flags and the
-   free-block count.
-3. :meth:`Scheduler.postprocess <paxcache.scheduler.Scheduler.postprocess>` does all
-   per-sequence accounting (the block manager adopts the returned block state; tokens are
-   appended, detokenized and checked against the stop conditions; finished sequences are
-   freed), and the engine turns the touched requests into :class:`RequestOutput` objects.
+:meth:`Engine.step`: :meth:`Scheduler.schedule <paxcache.scheduler.Scheduler.schedule>`
+returns a :class:`~paxcache.scheduler.StepPlan` (rows, samples, and the admissions,
+preemptions and swaps that made room); the engine runs the plan's KV swaps
+(:mod:`paxcache.kv_cache`), builds :class:`~paxcache.step.StepInputs` and runs one compiled
+program, :func:`paxcache.step.step` (allocator ``append`` → copy-on-write → the model's paged
+forward → sampling → prefix ``commit``, state and cache donated; a decode-only plan may run
+up to ``decode_steps`` iterations in it, :mod:`paxcache.decode_loop`); then
+:meth:`Scheduler.postprocess <paxcache.scheduler.Scheduler.postprocess>` does the
+per-sequence accounting and the engine returns :class:`RequestOutput` objects (ARCHITECTURE.md,
+"One token's trip").
 
 Token counts are padded to power-of-two buckets (and the batch to ``max_num_seqs`` rows), so
 the step compiles once per bucket; :meth:`Engine.warmup` compiles them all up front and
-``stats()["num_compilations"]`` counts every compilation, so a warmed-up engine provably never
-compiles again.
+``stats()["num_compilations"]`` counts every compilation.
 """
 
 from __future__ import annotations
@@ -44,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from paxcache import allocator, grammar, kv_cache, kv_quant, sizing
+from paxcache import allocator, decode_loop, grammar, kv_cache, kv_quant, sizing
 from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
@@ -117,6 +105,9 @@ class Engine:
       warmup: compile every step bucket on first use (the first :meth:`step`), logging one
         line per bucket, so no later step compiles; ``False`` compiles each bucket when a
         step first needs it (or call :meth:`warmup` yourself).
+      decode_steps: K, the most decode iterations one device program runs when a step holds
+        only decode rows (:mod:`paxcache.decode_loop`; streams then get up to K tokens per
+        step); default by backend (1 on CPU, 8 on TPU/GPU); 1 is the single-step engine.
     """
 
     def __init__(
@@ -144,6 +135,7 @@ class Engine:
         seed: int | None = None,
         compile_cache: str | os.PathLike[str] | bool | None = None,
         warmup: bool = True,
+        decode_steps: int | None = None,
     ) -> None:
         cfg, kv_dtype = model.config, kv_quant.resolve_kv_dtype(kv_cache_dtype, model.dtype, impl)
         cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
@@ -170,6 +162,7 @@ class Engine:
         self._rng = np.random.default_rng(seed)
         self.compile_cache_dir = None if cache_dir is None else compile_cache_lib.enable(cache_dir)
         self._auto_warmup = bool(warmup)
+        self.decode_steps = decode_loop.resolve_decode_steps(decode_steps, self._target_backend())
         self._warmed_up = False
 
         model_max = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -186,7 +179,9 @@ class Engine:
         )
         self.buckets = step_lib.token_buckets(max_num_batched_tokens)
         decode = step_lib.wants_decode_variant(impl, self._target_backend())
-        self._shapes = step_lib.StepShapes(self.buckets, max_num_seqs, cfg.vocab_size, decode)
+        self._shapes = step_lib.StepShapes(
+            self.buckets, max_num_seqs, cfg.vocab_size, decode, self.decode_steps
+        )
         self.decode_buckets = step_lib.decode_buckets(self._shapes)  # () off TPU kernels
         graphdef, params = nnx.split(model)
         self.mesh, self._params = self._place_params(model, params, tp)
@@ -542,6 +537,9 @@ class Engine:
         if not plan.rows:
             return None
         inputs, failed = step_lib.prepare_inputs(plan, self._shapes)
+        if self.decode_steps > 1:  # None unless the plan can run as a multi-step decode
+            loop = decode_loop.for_plan(plan, self.scheduler, self.max_num_seqs, self.decode_steps)
+            inputs = inputs.replace(decode_loop=loop)
         try:
             with step_lib.tracing_for(self._on_trace):
                 state, kv, out = self._jit_step(
@@ -751,6 +749,9 @@ class Engine:
             "device": ", ".join(str(d) for d in jax.devices()[: self.tp * self.ep]),
             "kernel_impls": kernels_pallas.kernel_info(),
             "max_model_len": self.max_model_len,
+            "decode_steps": self.decode_steps,
+            "num_multi_step_decodes": sched.num_multi_step_decodes,
+            "num_multi_step_iterations": sched.num_multi_step_iterations,
             **quantize.weight_stats(self.model),  # quantization, weight_dtype
             "kv_cache_dtype": jnp.dtype(self._kv.dtype).name,
             "kv_scales": kv_quant.scale_stats(self.kv_scales),  # {"k": [L], "v": [L]} or None

@@ -150,6 +150,9 @@ class StepResult:
         token's rank, 1 = most likely); None when the plan has none.
       failed_requests: requests whose host work for this step raised (preparing their
         sampling inputs): they fail, the others go on.
+      steps: ``i32[R]`` for a multi-step decode (:mod:`paxcache.decode_loop`): iterations
+        row ``i`` ran; ``tokens``, ``logprob``, ``top_ids``, ``top_logprobs`` then hold one
+        entry per iteration first (``[K, R, ...]``). None for one step.
     """
 
     state: object
@@ -164,6 +167,32 @@ class StepResult:
     prompt_top_logprobs: np.ndarray | None = None
     prompt_rank: np.ndarray | None = None
     failed_requests: Collection[str] = ()
+    steps: np.ndarray | None = None
+
+    def iterations(self) -> list[tuple[np.ndarray, StepResult]]:
+        """``(ran bool[R], this iteration's result)`` per iteration of the step: one for a
+        single step (``ran`` is ``row_ok``), ``max(steps)`` for a multi-step decode."""
+        if self.steps is None:
+            return [(np.asarray(self.row_ok, bool), self)]
+
+        def at(x: np.ndarray | None, k: int) -> np.ndarray | None:
+            return None if x is None else x[k]
+
+        steps = np.asarray(self.steps)
+        return [
+            (
+                steps > k,
+                dataclasses.replace(
+                    self,
+                    tokens=self.tokens[k],
+                    logprob=at(self.logprob, k),
+                    top_ids=at(self.top_ids, k),
+                    top_logprobs=at(self.top_logprobs, k),
+                    steps=None,
+                ),
+            )
+            for k in range(int(steps.max(initial=0)))
+        ]
 
 
 class Scheduler:
@@ -185,7 +214,9 @@ class Scheduler:
     finished, were aborted or failed); ``num_prompt_tokens`` (of requests added),
     ``num_prefill_tokens_computed`` (prompt tokens run through the model),
     ``num_generated_tokens``; ``num_refused_rows`` (planned rows the allocator refused: 0
-    unless the block arithmetic has a bug).
+    unless the block arithmetic has a bug); ``num_multi_step_decodes`` (steps that ran as a
+    multi-step decode, :mod:`paxcache.decode_loop`) and ``num_multi_step_iterations`` (the
+    iterations they ran).
     """
 
     def __init__(
@@ -228,6 +259,7 @@ class Scheduler:
         self.num_prefill_tokens_computed = 0
         self.num_generated_tokens = 0
         self.num_refused_rows = 0
+        self.num_multi_step_decodes = self.num_multi_step_iterations = 0
 
     # -- queues ---------------------------------------------------------------------------
 
@@ -558,8 +590,38 @@ class Scheduler:
             self.num_refused_rows += refused
             logger.warning("the allocator refused %d of %d planned rows", refused, len(plan.rows))
         self._prompt_logprobs(plan, result, failed)
+        if result.steps is not None:
+            self.num_multi_step_decodes += 1
+            self.num_multi_step_iterations += int(np.max(result.steps, initial=0))
+        touched: dict[int, Sequence] = {}
+        finished: list[Sequence] = []
+        for ran, one in result.iterations():
+            self._advance(plan, ran, one, failed, touched, finished)
+        for seq in finished:
+            if seq.request_id not in failed:
+                self.remove([seq])
+                self._release(seq)
+        for seq in {id(s.group[0]): s for s, _ in plan.rows + plan.samples}.values():
+            if seq.request_id in failed:
+                self.finish(seq.group, "error", INTERNAL_ERROR)
+                touched.update((id(s), s) for s in seq.group)
+        return list(touched.values())
+
+    def _advance(
+        self,
+        plan: StepPlan,
+        ran: np.ndarray,
+        result: StepResult,
+        failed: dict,
+        touched: dict[int, Sequence],
+        finished: list[Sequence],
+    ) -> None:
+        """One iteration's accounting: the rows that ``ran`` advance, their samples append
+        ``result.tokens`` (and logprobs) and meet the stop conditions. A sequence that
+        finished in an earlier iteration (a stop string the device does not see) takes
+        nothing more."""
         for i, (seq, q) in enumerate(plan.rows):
-            if not row_ok[i] or seq.request_id in failed:
+            if not ran[i] or seq.request_id in failed or seq.is_finished:
                 continue
             prompt_left = max(0, seq.num_prompt - seq.num_computed)
             self.num_prefill_tokens_computed += min(prompt_left, q)
@@ -567,10 +629,8 @@ class Scheduler:
             if seq.num_computed > seq.num_allocated:
                 seq.num_allocated = seq.num_computed
                 seq.shared_last = False
-        touched: list[Sequence] = []
-        finished: list[Sequence] = []
         for j, (seq, row) in enumerate(plan.samples):
-            if not row_ok[row] or seq.request_id in failed:
+            if not ran[row] or seq.request_id in failed or seq.is_finished:
                 continue
             lead = plan.rows[row][0]
             if seq is not lead:  # a follower samples from its leader's last row
@@ -609,18 +669,9 @@ class Scheduler:
                 )
                 failed[seq.request_id] = None
                 continue
-            touched.append(seq)
+            touched[id(seq)] = seq
             if seq.is_finished:
                 finished.append(seq)
-        for seq in finished:
-            if seq.request_id not in failed:
-                self.remove([seq])
-                self._release(seq)
-        for seq in {id(s.group[0]): s for s, _ in plan.rows + plan.samples}.values():
-            if seq.request_id in failed:
-                self.finish(seq.group, "error", INTERNAL_ERROR)
-                touched += seq.group
-        return touched
 
     def _prompt_logprobs(self, plan: StepPlan, result: StepResult, failed: dict) -> None:
         """Records the prompt log-probabilities the step computed (``plan.prompt_positions``);

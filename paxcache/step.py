@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas.buckets import power_of_two_buckets
-from paxcache import allocator, kv_cache
+from paxcache import allocator, decode_loop, kv_cache
 from paxcache.attention import metadata_from_state
 from paxcache.sampling import MAX_LOGPROBS, SampleOutput, request_keys, sample, token_logprobs
 from paxcache.scheduler import StepPlan, StepResult
@@ -76,6 +76,7 @@ __all__ = [
     "read_result",
     "step",
     "jitted_step",
+    "loop_buckets",
     "token_buckets",
     "tracing_for",
     "warmup_variants",
@@ -174,12 +175,15 @@ class StepShapes:
       decode_variant: decode-only plans get their own program (``StepInputs.decode_only``):
         on TPU, where the decode kernel beats the ragged one; elsewhere the attention is the
         same for both and one program serves every plan.
+      decode_steps: K, the most decode iterations one program runs (:mod:`.decode_loop`);
+        1: every step is one iteration.
     """
 
     buckets: tuple[int, ...]
     max_rows: int
     vocab_size: int
     decode_variant: bool = False
+    decode_steps: int = 1
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding ``num_tokens``."""
@@ -258,6 +262,8 @@ class StepInputs:
       decode_only: static; every row feeds one token and row ``i`` is the ``i``-th token
         (set by :func:`prepare_tokens` when ``StepShapes.decode_variant`` asks for it): the
         step runs the attention's decode kernel (``max_q_len=1``), a program of its own.
+      decode_loop: :class:`paxcache.decode_loop.DecodeLoopInputs` of a multi-step decode
+        (up to K iterations in one program), or None (one iteration).
     """
 
     token_ids: jax.Array
@@ -270,6 +276,7 @@ class StepInputs:
     prompt_logprobs: PromptLogprobInputs | None = None
     allowed: jax.Array | None = None
     decode_only: bool = flax.struct.field(pytree_node=False, default=False)
+    decode_loop: decode_loop.DecodeLoopInputs | None = None
 
 
 @flax.struct.dataclass
@@ -285,6 +292,8 @@ class StepOutputs:
         top_logprobs f32[P, K])`` for the entries of ``inputs.prompt_logprobs``, or None.
       prompt_rank: ``i32[P]`` each target's rank in its distribution (1 = most likely), or
         None.
+      steps: ``i32[R]`` iterations row ``i`` ran, for a multi-step decode (``sampled`` then
+        holds ``[K, R, ...]`` arrays, iteration first); None for one step.
     """
 
     sampled: SampleOutput
@@ -292,6 +301,7 @@ class StepOutputs:
     num_free_blocks: jax.Array
     prompt_logprobs: SampleOutput | None = None
     prompt_rank: jax.Array | None = None
+    steps: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,11 +359,19 @@ def wants_decode_variant(impl: str, backend: str) -> bool:
 def decode_buckets(shapes: StepShapes) -> tuple[int, ...]:
     """The token buckets a decode-only step can use (one token per row): those up to the
     first holding ``max_rows`` rows; none without a decode variant."""
-    if not shapes.decode_variant:
-        return ()
+    return _row_buckets(shapes) if shapes.decode_variant else ()
+
+
+def _row_buckets(shapes: StepShapes) -> tuple[int, ...]:
     fit = [t for t in shapes.buckets if t >= shapes.max_rows]
     last = fit[0] if fit else shapes.buckets[-1]
     return tuple(t for t in shapes.buckets if t <= last)
+
+
+def loop_buckets(shapes: StepShapes) -> tuple[int, ...]:
+    """The token buckets a multi-step decode can use (one token per row, up to the first
+    bucket holding ``max_rows``); none with ``decode_steps == 1``."""
+    return _row_buckets(shapes) if shapes.decode_steps > 1 else ()
 
 
 def is_decode_only(plan: StepPlan, shapes: StepShapes) -> bool:
@@ -487,6 +505,8 @@ def read_result(
         "row_ok": out.row_ok,
         "num_free_blocks": out.num_free_blocks,
     }
+    if out.steps is not None:
+        fetch["steps"] = out.steps
     if any(s.params.logprobs is not None for s, _ in plan.samples):
         fetch.update(
             logprob=out.sampled.logprob,
@@ -511,14 +531,18 @@ def empty_inputs(
     masked: bool = False,
     decode: bool = False,
     prompt_logprobs: bool = False,
+    loop: bool = False,
 ) -> StepInputs:
     """Inputs of a step of ``num_tokens`` (a bucket) that runs nothing: warm-up, ahead-of-time
     compilation, HLO inspection. ``masked``: the variant with an allowed-token bitmask (all
     tokens allowed; constrained decoding); ``decode``: the decode-only variant;
     ``prompt_logprobs``: the variant that also computes prompt log-probabilities (``echo``,
-    ``prompt_logprobs`` requests; padding entries)."""
+    ``prompt_logprobs`` requests; padding entries); ``loop``: the multi-step decode of
+    ``shapes.decode_steps`` iterations."""
     inputs, _ = prepare_inputs(StepPlan(), dataclasses.replace(shapes, buckets=(num_tokens,)))
     inputs = inputs.replace(decode_only=decode)
+    if loop:
+        inputs = inputs.replace(decode_loop=decode_loop.empty(shapes.max_rows, shapes.decode_steps))
     if masked:
         from paxcache import grammar
 
@@ -538,11 +562,12 @@ class StepVariant(NamedTuple):
     masked: bool = False
     decode: bool = False
     prompt_logprobs: bool = False
+    loop: bool = False
 
     def describe(self) -> str:
         """``"step for 64 tokens (constrained) (prompt logprobs)"``."""
         flags = ((self.masked, "constrained"), (self.decode, "decode only"))
-        flags += ((self.prompt_logprobs, "prompt logprobs"),)
+        flags += ((self.prompt_logprobs, "prompt logprobs"), (self.loop, "multi-step decode"))
         return f"step for {self.num_tokens} tokens" + "".join(f" ({w})" for on, w in flags if on)
 
 
@@ -552,12 +577,15 @@ def warmup_variants(
     """Every program serving can run: each token bucket (and, with a decode variant, each
     of :func:`decode_buckets` decode-only), times the constrained variant when ``masked``,
     times the prompt-logprob variant when ``prompt_logprobs`` (a batch can mix a
-    constrained request with an ``echo`` one, so their product too)."""
+    constrained request with an ``echo`` one, so their product too); with
+    ``shapes.decode_steps > 1``, the multi-step decode of each of :func:`loop_buckets`."""
     masks = (False, True) if masked else (False,)
     prompts = (False, True) if prompt_logprobs else (False,)
     variants = [StepVariant(t, m, False, p) for p in prompts for m in masks for t in shapes.buckets]
     decode = decode_buckets(shapes)
-    return variants + [StepVariant(t, m, True, p) for p in prompts for m in masks for t in decode]
+    variants += [StepVariant(t, m, True, p) for p in prompts for m in masks for t in decode]
+    dv = shapes.decode_variant
+    return variants + [StepVariant(t, False, dv, False, True) for t in loop_buckets(shapes)]
 
 
 def log_first_use(inputs: StepInputs, warm: bool) -> None:
@@ -571,6 +599,7 @@ def log_first_use(inputs: StepInputs, warm: bool) -> None:
         inputs.allowed is not None,
         bool(inputs.decode_only),
         inputs.prompt_logprobs is not None,
+        inputs.decode_loop is not None,
     )
     logger.warning("compiling the %s on first use (warm-up did not compile it)", variant.describe())
 
@@ -579,11 +608,11 @@ def log_first_use(inputs: StepInputs, warm: bool) -> None:
 # The step (device)
 
 
-def _append_requests(inputs: StepInputs, num_slots: int) -> tuple[jax.Array, jax.Array]:
-    """Per-slot ``append`` arguments: ``(counts i32[B], token_ids i32[B, 1])``; a growing row
-    appends its last token."""
-    r = inputs.slot_ids.shape[0]
-    live = jnp.arange(r) < inputs.num_rows
+def _append_requests(
+    inputs: StepInputs, live: jax.Array, num_slots: int
+) -> tuple[jax.Array, jax.Array]:
+    """Per-slot ``append`` arguments: ``(counts i32[B], token_ids i32[B, 1])``; a growing
+    ``live`` row appends its last token."""
     row_ends = jnp.cumsum(inputs.q_lens) - 1
     last_token = inputs.token_ids[jnp.maximum(row_ends, 0)]
     target = jnp.where(live & inputs.grows, inputs.slot_ids, num_slots)  # B: dropped
@@ -611,6 +640,7 @@ def step(
     config: StepConfig,
 ) -> tuple[allocator.BlockState, kv_cache.KVCache, StepOutputs]:
     """One fused step (see the module docstring); jit it with ``state`` and ``kv`` donated.
+    With ``inputs.decode_loop``, up to K decode iterations (:func:`paxcache.decode_loop.run`).
 
     Args:
       state: the allocator's block state (the rows' sequences already hold their slots).
@@ -622,11 +652,39 @@ def step(
     Returns:
       ``(state, kv, outputs)``.
     """
+    model = nnx.merge(config.graphdef, params)
+    if inputs.decode_loop is not None:
+
+        def iterate(state, kv, inputs, rows):
+            state, kv, row_ok, sampled, _ = _iteration(state, kv, model, inputs, rows, config)
+            return state, kv, row_ok, sampled
+
+        state, kv, row_ok, sampled, steps = decode_loop.run(
+            state, kv, inputs, iterate, config.num_logprobs
+        )
+        free = allocator.num_free_blocks(state)
+        return state, kv, StepOutputs(sampled, row_ok, free, steps=steps)
+    live = jnp.arange(inputs.slot_ids.shape[0]) < inputs.num_rows
+    state, kv, row_ok, sampled, prompt = _iteration(state, kv, model, inputs, live, config)
+    free = allocator.num_free_blocks(state)
+    return state, kv, StepOutputs(sampled, row_ok, free, *prompt)
+
+
+def _iteration(
+    state: allocator.BlockState,
+    kv: kv_cache.KVCache,
+    model: Any,
+    inputs: StepInputs,
+    live: jax.Array,
+    config: StepConfig,
+) -> tuple[allocator.BlockState, kv_cache.KVCache, jax.Array, SampleOutput, tuple]:
+    """The step's work on ``inputs`` for the rows ``live`` (``bool[R]``) marks: the others
+    append, write and commit nothing. Returns ``(state, kv, row_ok bool[R], sampled,
+    (prompt logprobs, prompt ranks) or (None, None))``."""
     num_slots = state.cfg.max_seqs
-    r = inputs.slot_ids.shape[0]
-    live = jnp.arange(r) < inputs.num_rows
+    live = live & (jnp.arange(inputs.slot_ids.shape[0]) < inputs.num_rows)
     if config.fuse_allocator:
-        counts, new_tokens = _append_requests(inputs, num_slots)
+        counts, new_tokens = _append_requests(inputs, live, num_slots)
         state, app = allocator.append(state, counts, new_tokens, commit=False)
         kv = kv_cache.apply_copies(
             kv,
@@ -654,7 +712,6 @@ def step(
     md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
     if inputs.decode_only:  # one token per row: the attention's decode kernel
         md = md.replace(max_q_len=1)
-    model = nnx.merge(config.graphdef, params)
     s = inputs.sampling
     pl = inputs.prompt_logprobs
     rows = s.logits_rows if pl is None else jnp.concatenate([s.logits_rows, pl.rows])
@@ -678,14 +735,7 @@ def step(
         target = jnp.where(row_ok, inputs.slot_ids, num_slots)
         computed = jnp.zeros((num_slots,), jnp.int32).at[target].set(inputs.kv_lens, mode="drop")
         state = allocator.commit(state, computed)
-    outputs = StepOutputs(
-        sampled=sampled,
-        row_ok=row_ok,
-        num_free_blocks=allocator.num_free_blocks(state),
-        prompt_logprobs=prompt_out,
-        prompt_rank=prompt_rank,
-    )
-    return state, kv, outputs
+    return state, kv, row_ok, sampled, (prompt_out, prompt_rank)
 
 
 class _TraceHook(threading.local):

@@ -22,9 +22,11 @@ once, then called back to back, blocking on each), ``step_over_fused`` the stead
 ``Engine.step()`` time over it: 1.0 means the host costs nothing. Everything is measured in
 one run, as ratios against the fused step of the same build.
 
-Modes: ``sync`` (the engine as it is). ``overlap`` (``async_scheduling=True``) and
-``multistep`` (``decode_steps=K``) rows are measured when the engine takes those arguments,
-and listed as not built otherwise.
+Modes: ``sync`` (one decode iteration per step, ``decode_steps=1``), ``multistep``
+(``decode_steps=8``: a decode-only step runs up to 8 iterations in one program; it is timed
+for ``--steps / 8`` steps, the same tokens), ``overlap`` (``async_scheduling=True``): each
+is measured when the engine takes its arguments, and listed as not built otherwise.
+``tokens_per_s_over_sync`` is a row's tokens/s over the sync row of the same model and rows.
 
     python scripts/bench_host.py [--quick] [--json bench/results/host_<date>.json]
 """
@@ -59,7 +61,11 @@ from paxcache import step as step_lib  # noqa: E402
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from paxcache.models.tokenizer import IncrementalDecoder  # noqa: E402
 
-MODES = {"sync": {}, "overlap": {"async_scheduling": True}, "multistep": {"decode_steps": 8}}
+MODES = {
+    "sync": {"decode_steps": 1},
+    "overlap": {"async_scheduling": True, "decode_steps": 1},
+    "multistep": {"decode_steps": 8},
+}
 
 
 def micro_model() -> LlamaForCausalLM:
@@ -161,6 +167,7 @@ def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> di
         eng.step()
     for _ in range(3):  # steady state
         eng.step()
+    steps = max(4, steps // eng.decode_steps)  # the same tokens in every mode
     phases = Phases()
     walls: list[float] = []
     tokens = 0
@@ -200,8 +207,8 @@ def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> di
 
 
 COLUMNS = (
-    "model", "mode", "rows", "tokens_per_s", "step_ms", "fused_ms", "step_over_fused",
-    "host_us_per_token", "device_idle_us_per_step", "schedule_us", "prepare_us",
+    "model", "mode", "rows", "tokens_per_s", "tokens_per_s_over_sync", "step_ms", "fused_ms",
+    "step_over_fused", "host_us_per_token", "device_idle_us_per_step", "schedule_us", "prepare_us",
     "dispatch_us", "wait_us", "postprocess_us", "detokenize_us",
 )  # fmt: skip
 
@@ -222,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for model_name, n in configs:
             rows.append(run_one(model_name, n, mode, steps, iters))
+            sync = [r for r in rows if r["mode"] == "sync" and r["model"] == model_name]
+            sync = [r for r in sync if r["rows"] == n]
+            if sync:
+                speedup = rows[-1]["tokens_per_s"] / sync[0]["tokens_per_s"]
+                rows[-1]["tokens_per_s_over_sync"] = round(speedup, 2)
+            rows[-1].setdefault("tokens_per_s_over_sync", None)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(" | ".join(COLUMNS))
     for r in rows:

@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         help="default: the engine's TPU default (2048)",
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="multi-step decode iterations (default: the engine's TPU default, 8)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--num-host-blocks",
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_blocks=args.num_blocks,
                 quantization=args.quantization,
                 kv_cache_dtype=args.kv_cache_dtype,
+                decode_steps=args.decode_steps,
             )
         else:
             report = compile_check.check_kernels(args.target, wide=args.wide)

@@ -122,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="decode iterations one device program runs when a step holds only decode rows "
+        "(streams get up to this many tokens per chunk); default 1 on CPU, 8 on TPU/GPU",
+    )
+    p.add_argument(
         "--no-structured-warmup",
         action="store_true",
         help="do not compile the constrained-decoding step variants at start-up (the first "
@@ -358,6 +365,7 @@ def _load_engine(
         ep=args.ep,
         max_model_len=args.max_model_len,
         compile_cache=False if args.no_compile_cache else args.compile_cache,
+        decode_steps=args.decode_steps,
     )
 
 

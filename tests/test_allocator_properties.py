@@ -1,15 +1,15 @@
 """Property tests: random operation sequences against the plain-Python model allocator.
 
 Each example runs a random sequence of allocate / append / fork / free / swap_out / swap_in
-operations (many of which must fail) on a tiny configuration, through the jitted pure
-functions (compiled once per configuration), and checks after every step that the allocator
-agrees with ``tests/model_allocator.py`` (same successes and failures, free counts, table
-lengths, copy and swap counts) and that ``check_invariants`` holds. At the end, freeing
-everything must return every block. A second test runs with prefix caching on (with and
-without a sliding window) and checks exactness end to end: it simulates the KV each block
-would hold and proves that every token position of every live sequence holds exactly the KV
-of that sequence's prefix (wrong prefix hits, bad copy-on-write or swap plans would all break
-it).
+operations (many of which must fail) on a tiny configuration, through the jitted pure functions
+(compiled once per configuration), and checks after every step that the allocator agrees with
+``tests/model_allocator.py`` (same successes and failures, free counts, table lengths, copy and
+swap counts; ``can_append`` predicts every append's grants) and that ``check_invariants``
+holds. At the end, freeing everything must return every block. A second test runs with prefix
+caching on (with and without a sliding window) and checks exactness end to end: it simulates
+the KV each block would hold and proves that every token position of every live sequence holds
+exactly the KV of that sequence's prefix (wrong prefix hits, bad copy-on-write or swap plans
+would all break it).
 
 Operations in total: 2 configs x 40 examples + 2 configs x 25 examples, 40 to 70 operations
 each: about 7,000 (at least 5,200).
@@ -80,6 +80,7 @@ def _fns():
     return {
         "allocate": jax.jit(allocator.allocate, static_argnames=("commit",)),
         "append": jax.jit(allocator.append, static_argnames=("commit",)),
+        "can_append": jax.jit(allocator.can_append),
         "fork": jax.jit(allocator.fork),
         "free": jax.jit(allocator.free),
         "swap_out": jax.jit(allocator.swap_out),
@@ -136,9 +137,11 @@ def _run(cfg: CacheConfig, ops) -> None:
             assert bool(res.ok) == model.allocate(slot, n), where
         elif kind == "append":
             counts = np.asarray(op[1], np.int32)
+            predicted = np.asarray(f["can_append"](state, counts))  # changes nothing
             state, res = f["append"](state, counts)
             ok, copies = model.append(list(op[1]))
             assert list(np.asarray(res.ok)) == ok, where
+            assert list(predicted) == ok, where  # can_append tells append's grants
             assert int(res.num_copies) == copies, where
         elif kind == "fork":
             _, p, c = op

@@ -114,3 +114,30 @@ def test_a_plan_over_the_largest_bucket_is_refused():
     (p,) = _seq("p", 40, 0, 40)
     with pytest.raises(ValueError, match="largest bucket"):
         prepare_inputs(StepPlan(rows=[(p, 40)], slots=[0]), SHAPES)
+
+
+def test_multi_step_decodes_get_one_program_per_row_bucket_and_k_keys_per_sample():
+    """decode_steps K > 1 adds the multi-step decode of every bucket up to the first holding
+    max_rows (decode plans only), with [K, R] inputs; K = 1 adds none."""
+    import dataclasses
+
+    from paxcache.decode_loop import MAX_STOP_IDS, prepare
+
+    wide = StepShapes(buckets=(16, 32, 64), max_rows=20, vocab_size=50, decode_steps=4)
+    loops = [v for v in warmup_variants(wide) if v.loop]
+    assert loops == [StepVariant(16, loop=True), StepVariant(32, loop=True)]
+    assert not any(v.loop for v in warmup_variants(dataclasses.replace(wide, decode_steps=1)))
+    assert loops[0].describe() == "step for 16 tokens (multi-step decode)"
+    loop = empty_inputs(wide, 32, loop=True).decode_loop
+    chex.assert_shape(loop.keys, (4, 20, 2))
+    chex.assert_shape(loop.stop_ids, (20, MAX_STOP_IDS))
+    # Sample j's key in iteration k is the single step's key after k more tokens.
+    (a,) = _seq("a", 5, 5, 5, max_tokens=9, temperature=1.0, stop_token_ids=[7])
+    a.token_ids += [11, 12]  # two generated
+    a.num_computed = 6
+    plan = StepPlan(rows=[(a, 1)], samples=[(a, 0)])
+    loop = prepare(plan, 20, 4, eos_ids={3}, max_model_len=100, exit_on_finish=False)
+    for k in range(4):
+        np.testing.assert_array_equal(loop.keys[k, 0], request_keys([a.seed], [2 + k], [0])[0])
+    assert list(loop.stop_ids[0, :3]) == [3, 7, -1]
+    assert int(loop.max_new[0]) == 9 - 2

@@ -8,7 +8,8 @@ a handful of requests always overflows it. Workloads: prompt lengths 1..300 cut 
 source (shared prefixes among them), ``max_tokens`` 1..80, ``n`` 1..3, stop strings, EOS on or
 off, requests added while others run, aborts at random steps. Profiles cross swap preemption
 (large and small host pools) and recompute, prefix caching on and off, token budgets 16..512
-and both policies; the default run covers budgets 16..64 on two cache shapes, ``-m slow`` adds
+and both policies, single steps and multi-step decodes (``decode_steps`` 4 and 8); the
+default run covers budgets 16..64 on two cache shapes, ``-m slow`` adds
 more shapes (no host pool, a watermark, a medium cache), budgets up to 512 and more examples.
 
 Every run asserts:
@@ -172,6 +173,7 @@ class Profile:
     prefix: bool = True
     num_blocks: int = NUM_BLOCKS
     watermark: float = 0.01
+    decode_steps: int = 1  # > 1: decode-only steps run as multi-step decodes
 
     @property
     def cap(self) -> int:
@@ -183,7 +185,9 @@ DEFAULT_PROFILES = [
     Profile("swap-largehost-prefix-fifo-16", "swap", "fifo", 16, host_blocks=64),
     Profile("recompute-prefix-prefill_first-64", "recompute", "prefill_first", 64, host_blocks=64),
     Profile("swap-smallhost-noprefix-prefill_first-32", "swap", "prefill_first", 32, 6, False),
-    Profile("recompute-noprefix-fifo-64", "recompute", "fifo", 64, host_blocks=6, prefix=False),
+    Profile(
+        "recompute-noprefix-fifo-64-k4", "recompute", "fifo", 64, 6, prefix=False, decode_steps=4
+    ),
 ]
 SLOW_PROFILES = [
     Profile("recompute-nohost-prefix-fifo-512", "recompute", "fifo", 512),
@@ -198,6 +202,7 @@ SLOW_PROFILES = [
     Profile("swap-smallhost-noprefix-fifo-128", "swap", "fifo", 128, 6, False),
     Profile("recompute-watermark-prefix-fifo-32", "recompute", "fifo", 32, watermark=0.1),
     Profile("swap-medium-prefix-fifo-16", "swap", "fifo", 16, 64, num_blocks=40),
+    Profile("swap-smallhost-prefix-fifo-32-k8", "swap", "fifo", 32, 6, decode_steps=8),
 ]
 
 _engines: dict[Profile, Engine] = {}
@@ -226,6 +231,7 @@ def _engine(tiny, profile: Profile) -> Engine:
             preemption_mode=profile.mode,
             policy=profile.policy,
             watermark=profile.watermark,
+            decode_steps=profile.decode_steps,
         )
     return _engines[profile]
 

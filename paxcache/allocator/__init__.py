@@ -93,7 +93,14 @@ M max blocks per sequence, T tokens.
 
 from paxcache.allocator.invariants import check_invariants
 from paxcache.allocator.prefix_cache import commit
-from paxcache.allocator.sequences import allocate, append, fork, free, slot_mapping
+from paxcache.allocator.sequences import (
+    allocate,
+    append,
+    can_append,
+    fork,
+    free,
+    slot_mapping,
+)
 from paxcache.allocator.state import (
     AllocateResult,
     AppendResult,
@@ -114,6 +121,7 @@ __all__ = [
     "SwapPlan",
     "allocate",
     "append",
+    "can_append",
     "check_invariants",
     "commit",
     "fork",

@@ -11,7 +11,7 @@ rules are in the package docstring (:mod:`paxcache.allocator`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,30 +151,24 @@ def allocate(
     return out, AllocateResult(ok=ok, num_cached_tokens=jnp.where(ok, num_hit * s, 0))
 
 
-def append(
-    state: BlockState,
-    num_new_tokens: jax.Array,
-    token_ids: jax.Array | None = None,
-    *,
-    commit: bool = True,
-) -> tuple[BlockState, AppendResult]:
-    """Grows every slot by its own token count in one call (decode or a prompt chunk).
+class _Grant(NamedTuple):
+    """What :func:`append` would give every slot (``[B]`` arrays; see :func:`_grant`)."""
 
-    Args:
-        state: the state.
-        num_new_tokens: i32[B] tokens to add per slot (>= 0; 0 = untouched, always ok).
-        token_ids: optional i32[B, T] ids of the new tokens (first ``num_new_tokens[b]`` of row
-            b are read; T static). With prefix caching, recorded so that blocks filled here
-            become cacheable. Without them those blocks are not cached.
-        commit: static; with ``token_ids``, register newly full blocks at once (True) or
-            leave it to :func:`commit` (False).
+    nt: jax.Array  # tokens asked for
+    new_len: jax.Array  # length after the append
+    nb_old: jax.Array  # blocks held before
+    nb_new: jax.Array  # blocks held after
+    new_blocks: jax.Array  # fresh blocks at block boundaries
+    last_col: jax.Array  # block-table column of the last (partial) block
+    last_blk: jax.Array  # its block id
+    cow: jax.Array  # the slot copies its shared last block on write
+    need: jax.Array  # fresh blocks in all (boundaries + copy)
+    granted: jax.Array  # the slot gets them
 
-    Returns:
-        ``(state, AppendResult)``. A slot is refused (``ok=False``, left unchanged) if it is
-        empty or swapped, would exceed ``M * S`` tokens, or does not get all the blocks it
-        needs under the prefix rule (module docstring). New blocks are taken at block
-        boundaries; a shared partial last block is copied on write (see ``copy_*``).
-    """
+
+def _grant(state: BlockState, num_new_tokens: jax.Array) -> _Grant:
+    """The one rule of which slots an append of ``num_new_tokens`` (``i32[B]``) grants:
+    live, within ``M * S`` tokens, and every block it needs free, in slot order."""
     cfg = state.cfg
     n, s, b, m = cfg.num_blocks, cfg.block_size, cfg.max_seqs, cfg.max_blocks_per_seq
     nt = jnp.asarray(num_new_tokens, I32).reshape(b)
@@ -201,6 +195,48 @@ def append(
     need = new_blocks + cow.astype(I32)
     csum = cumsum(need)
     granted = want & ((need == 0) | (csum <= num_free_blocks(state)))
+    return _Grant(nt, new_len, nb_old, nb_new, new_blocks, last_col, last_blk, cow, need, granted)
+
+
+def can_append(state: BlockState, num_new_tokens: jax.Array) -> jax.Array:
+    """``bool[B]``: whether :func:`append` of ``num_new_tokens`` (``i32[B]``) would grant each
+    slot (its ``AppendResult.ok``), without changing anything: a multi-step decode checks
+    that the next iteration's blocks are there before it runs it."""
+    g = _grant(state, num_new_tokens)
+    return (g.nt == 0) | g.granted
+
+
+def append(
+    state: BlockState,
+    num_new_tokens: jax.Array,
+    token_ids: jax.Array | None = None,
+    *,
+    commit: bool = True,
+) -> tuple[BlockState, AppendResult]:
+    """Grows every slot by its own token count in one call (decode or a prompt chunk).
+
+    Args:
+        state: the state.
+        num_new_tokens: i32[B] tokens to add per slot (>= 0; 0 = untouched, always ok).
+        token_ids: optional i32[B, T] ids of the new tokens (first ``num_new_tokens[b]`` of row
+            b are read; T static). With prefix caching, recorded so that blocks filled here
+            become cacheable. Without them those blocks are not cached.
+        commit: static; with ``token_ids``, register newly full blocks at once (True) or
+            leave it to :func:`commit` (False).
+
+    Returns:
+        ``(state, AppendResult)``. A slot is refused (``ok=False``, left unchanged) if it is
+        empty or swapped, would exceed ``M * S`` tokens, or does not get all the blocks it
+        needs under the prefix rule (module docstring). New blocks are taken at block
+        boundaries; a shared partial last block is copied on write (see ``copy_*``).
+    """
+    cfg = state.cfg
+    n, s, b, m = cfg.num_blocks, cfg.block_size, cfg.max_seqs, cfg.max_blocks_per_seq
+    g = _grant(state, num_new_tokens)
+    nt, length, new_len, granted, need = g.nt, state.seq_lens, g.new_len, g.granted, g.need
+    nb_old, nb_new, new_blocks, cow = g.nb_old, g.nb_new, g.new_blocks, g.cow
+    last_col, last_blk = g.last_col, g.last_blk
+    rows = jnp.arange(b, dtype=I32)
     ok = (nt == 0) | granted
     need_g = jnp.where(granted, need, 0)
     total = jnp.sum(need_g)

@@ -1,0 +1,273 @@
+"""Multi-step decode: up to ``K`` decode iterations in one compiled program.
+
+When a step holds only decode rows (one token each, every row sampling its own next token, no
+grammar, no prompt logprobs), the engine can hand the device ``K`` iterations at once
+(``Engine(decode_steps=K)``): each iteration is the single step's work (allocator ``append``
+→ model → sampling → ``commit``) with the previous iteration's sampled tokens as its input,
+under one ``lax.while_loop``. A row stops on the device when it samples an EOS or stop token
+id or reaches its token limit (``max_tokens``, ``max_model_len``); the loop exits when every
+row has stopped, when the next iteration's blocks are not all free (the host then schedules
+as usual: preemption and admission stay the scheduler's), after the first finish when a
+request waits for a slot (``exit_on_finish``), or after ``K`` iterations. Stop strings,
+detokenization, streaming and aborts are the host's, applied to the returned tokens
+(:meth:`Scheduler.postprocess <paxcache.scheduler.Scheduler.postprocess>`, iteration by
+iteration), so the tokens are those of ``K`` single steps.
+
+Here: the loop's extra inputs (:class:`DecodeLoopInputs`), which plans may run it
+(:func:`eligible`), building the inputs (:func:`prepare`) and the device loop (:func:`run`,
+called by :func:`paxcache.step.step` with the single iteration as a function).
+
+Shape letters: K iterations, R rows, T tokens (the bucket, ``T >= num_rows``), B allocator
+slots, E stop ids per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxcache import allocator
+from paxcache.sampling import SampleOutput, request_keys
+from paxcache.scheduler import Scheduler, StepPlan
+
+__all__ = [
+    "MAX_STOP_IDS",
+    "DecodeLoopInputs",
+    "eligible",
+    "empty",
+    "for_plan",
+    "prepare",
+    "resolve_decode_steps",
+    "run",
+]
+
+MAX_STOP_IDS = 16  # E: EOS + stop token ids a row may have on the device (more: single steps)
+
+# Decode iterations per program by default. TPU / GPU: a host round trip (schedule, inputs,
+# transfer, post-processing: ~5-8 ms at 256 rows, scripts/bench_host.py) is a large part of
+# a 10-15 ms decode step, and 8 tokens per stream chunk is what vLLM's multi-step scheduling
+# ran. CPU (tests, laptops): 1, the step every test and the equality tests compare against.
+DEFAULT_DECODE_STEPS = {"cpu": 1}
+DEFAULT_DECODE_STEPS_ACCELERATOR = 8
+
+
+def resolve_decode_steps(decode_steps: int | None, backend: str) -> int:
+    """``decode_steps``, or ``backend``'s default for None.
+
+    Raises:
+      ValueError: not a positive int.
+    """
+    if decode_steps is None:
+        return DEFAULT_DECODE_STEPS.get(backend, DEFAULT_DECODE_STEPS_ACCELERATOR)
+    if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
+        raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
+    return decode_steps
+
+
+@flax.struct.dataclass
+class DecodeLoopInputs:
+    """What the loop reads besides the first iteration's :class:`~paxcache.step.StepInputs`.
+
+    Attributes:
+      keys: ``u32[K, R, 2]`` the sampling key of sample ``j`` in iteration ``k`` (the
+        single step's key for that many generated tokens: the same draws).
+      stop_ids: ``i32[R, E]`` token ids that stop row ``j`` (EOS unless ``ignore_eos``, and
+        ``stop_token_ids``), padded with -1.
+      max_new: ``i32[R]`` tokens row ``j`` may still generate (``max_tokens``,
+        ``max_model_len``); padding rows 1.
+      exit_on_finish: ``bool[]`` leave the loop after an iteration in which a row stopped
+        (a queued request waits for its slot or blocks).
+    """
+
+    keys: jax.Array
+    stop_ids: jax.Array
+    max_new: jax.Array
+    exit_on_finish: jax.Array
+
+
+def eligible(plan: StepPlan, eos_ids: Collection[int]) -> bool:
+    """Whether ``plan`` can run as a multi-step decode: rows feed one token each, sample ``j``
+    is row ``j``'s own sequence, no grammar and no prompt logprobs, and every row's stop ids
+    fit in ``MAX_STOP_IDS``."""
+    if not plan.rows or plan.prompt_positions or len(plan.samples) != len(plan.rows):
+        return False
+    for j, ((seq, q), (sampler, row)) in enumerate(zip(plan.rows, plan.samples, strict=True)):
+        if q != 1 or row != j or sampler is not seq or seq.matcher is not None:
+            return False
+        if len(_stop_ids(seq, eos_ids)) > MAX_STOP_IDS:
+            return False
+    return True
+
+
+def _stop_ids(seq: Any, eos_ids: Collection[int]) -> list[int]:
+    p = seq.params
+    eos = [] if p.ignore_eos else sorted(eos_ids)
+    return eos + [int(t) for t in p.stop_token_ids or ()]
+
+
+def prepare(
+    plan: StepPlan,
+    max_rows: int,
+    num_steps: int,
+    *,
+    eos_ids: Collection[int],
+    max_model_len: int,
+    exit_on_finish: bool,
+) -> DecodeLoopInputs:
+    """The loop inputs of an :func:`eligible` ``plan`` (host arrays) for ``num_steps`` (K)
+    iterations; ``max_rows`` is R. Keys follow :func:`paxcache.step.prepare_sampling`'s
+    rule ``(seed, tokens generated, completion index)``."""
+    r = max_rows
+    seeds = np.zeros(r, np.uint64)
+    generated = np.zeros(r, np.int64)
+    index = np.zeros(r, np.int64)
+    stop_ids = np.full((r, MAX_STOP_IDS), -1, np.int32)
+    max_new = np.ones(r, np.int32)
+    for j, (seq, _) in enumerate(plan.samples):
+        seeds[j], generated[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
+        ids = _stop_ids(seq, eos_ids)
+        stop_ids[j, : len(ids)] = ids
+        left = min(seq.params.max_tokens - seq.num_generated, max_model_len - len(seq.token_ids))
+        max_new[j] = max(1, left)
+    steps = generated[None, :] + np.arange(num_steps)[:, None]  # [K, R]
+    keys = request_keys(np.tile(seeds, num_steps), steps.ravel(), np.tile(index, num_steps))
+    return DecodeLoopInputs(
+        keys=keys.reshape(num_steps, r, 2),
+        stop_ids=stop_ids,
+        max_new=max_new,
+        exit_on_finish=np.asarray(exit_on_finish),
+    )
+
+
+def for_plan(
+    plan: StepPlan, scheduler: Scheduler, max_rows: int, num_steps: int
+) -> DecodeLoopInputs | None:
+    """The loop inputs of ``plan`` for ``num_steps`` iterations, or None when it is not
+    :func:`eligible`; stop ids and limits from ``scheduler``, which also says whether a
+    request waits (the loop then ends at the first finish, to give it the slot)."""
+    eos = scheduler.eos_token_ids
+    if num_steps < 2 or not eligible(plan, eos):
+        return None
+    return prepare(
+        plan,
+        max_rows,
+        num_steps,
+        eos_ids=eos,
+        max_model_len=scheduler.max_model_len,
+        exit_on_finish=scheduler.num_waiting > 0,
+    )
+
+
+def empty(max_rows: int, num_steps: int) -> DecodeLoopInputs:
+    """Inputs of a loop that runs nothing (warm-up, ahead-of-time compilation)."""
+    return prepare(
+        StepPlan(), max_rows, num_steps, eos_ids=(), max_model_len=1, exit_on_finish=False
+    )
+
+
+class _Carry(NamedTuple):
+    """The loop's state between iterations."""
+
+    k: jax.Array  # i32[]: iterations run
+    state: Any  # the block state
+    kv: Any  # the KV cache
+    tokens: jax.Array  # i32[T]: the next iteration's input tokens
+    kv_lens: jax.Array  # i32[R]: each row's length after the next iteration
+    active: jax.Array  # bool[R]: the row is still decoding
+    first_ok: jax.Array  # bool[R]: the row ran iteration 0 (the single step's row_ok)
+    steps: jax.Array  # i32[R]: iterations the row ran
+    out: SampleOutput  # [K, R, ...]: every iteration's samples
+    stopped: jax.Array  # bool[]: some row stopped
+
+
+# Iteration: (state, kv, inputs of this iteration, rows still decoding bool[R]) ->
+# (state, kv, row_ok bool[R], sampled SampleOutput of [R] arrays).
+Iteration = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, jax.Array, SampleOutput]]
+
+
+def run(
+    state: allocator.BlockState, kv: Any, inputs: Any, iterate: Iteration, num_logprobs: int
+) -> tuple[allocator.BlockState, Any, jax.Array, SampleOutput, jax.Array]:
+    """Up to K iterations of ``iterate`` (the single step) on the device.
+
+    Args:
+      state: the block state (donated by the caller's jit).
+      kv: the KV cache.
+      inputs: the first iteration's :class:`~paxcache.step.StepInputs`, a decode-only plan
+        with ``inputs.decode_loop`` set.
+      iterate: one iteration (the single step's work on ``inputs`` with a row mask).
+      num_logprobs: top log-probabilities per sample (the step's static K).
+
+    Returns:
+      ``(state, kv, row_ok bool[R], sampled, steps i32[R])``: ``row_ok`` row ``j`` ran its
+      first iteration; ``sampled`` holds ``[K, R, ...]`` arrays (iteration ``k``, sample
+      ``j``); ``steps[j]`` iterations row ``j`` ran (its tokens are ``sampled.tokens[:steps[j],
+      j]``).
+    """
+    loop: DecodeLoopInputs = inputs.decode_loop
+    num_steps, r = loop.keys.shape[0], inputs.slot_ids.shape[0]
+    t = inputs.token_ids.shape[0]
+    num_slots = state.cfg.max_seqs
+    first = inputs.replace(decode_loop=None)
+    live = jnp.arange(r) < inputs.num_rows
+
+    def one(c: _Carry) -> _Carry:
+        step_inputs = first.replace(
+            token_ids=c.tokens,
+            kv_lens=c.kv_lens,
+            # After iteration 0 every continuing row appends the token it sampled.
+            grows=jnp.where(c.k == 0, inputs.grows, c.active),
+            sampling=first.sampling.replace(keys=loop.keys[c.k]),
+        )
+        state, kv, ran, sampled = iterate(c.state, c.kv, step_inputs, c.active)
+        steps = c.steps + ran.astype(jnp.int32)
+        hit = jnp.any(sampled.tokens[:, None] == loop.stop_ids, axis=-1) | (steps >= loop.max_new)
+        going = ran & ~hit
+        n = min(t, r)  # decode rows are tokens: row j feeds token j
+        tokens = c.tokens.at[:n].set(jnp.where(going[:n], sampled.tokens[:n], c.tokens[:n]))
+        return _Carry(
+            k=c.k + 1,
+            state=state,
+            kv=kv,
+            tokens=tokens,
+            kv_lens=c.kv_lens + going.astype(jnp.int32),
+            active=going,
+            first_ok=jnp.where(c.k == 0, ran, c.first_ok),
+            steps=steps,
+            out=jax.tree.map(lambda buf, x: buf.at[c.k].set(x), c.out, sampled),
+            stopped=c.stopped | jnp.any(ran & hit),
+        )
+
+    def more(c: _Carry) -> jax.Array:
+        target = jnp.where(c.active, inputs.slot_ids, num_slots)
+        counts = jnp.zeros((num_slots,), jnp.int32).at[target].set(1, mode="drop")
+        fits = jnp.all(allocator.can_append(c.state, counts)[inputs.slot_ids] | ~c.active)
+        go_on = (c.k < num_steps) & jnp.any(c.active) & fits & ~(loop.exit_on_finish & c.stopped)
+        return (c.k == 0) | go_on
+
+    k = num_logprobs
+    out = SampleOutput(
+        tokens=jnp.zeros((num_steps, r), jnp.int32),
+        logprob=jnp.zeros((num_steps, r), jnp.float32),
+        top_ids=jnp.zeros((num_steps, r, k), jnp.int32),
+        top_logprobs=jnp.zeros((num_steps, r, k), jnp.float32),
+    )
+    start = _Carry(
+        k=jnp.int32(0),
+        state=state,
+        kv=kv,
+        tokens=inputs.token_ids,
+        kv_lens=inputs.kv_lens,
+        active=live,
+        first_ok=jnp.zeros((r,), bool),
+        steps=jnp.zeros((r,), jnp.int32),
+        out=out,
+        stopped=jnp.asarray(False),
+    )
+    end = jax.lax.while_loop(more, one, start)
+    return end.state, end.kv, end.first_ok, end.out, end.steps

@@ -1,0 +1,228 @@
+"""Multi-step decode (``Engine(decode_steps=K)``, :mod:`paxcache.decode_loop`): the same
+tokens, log-probabilities, texts and finish reasons as the single-step engine for random
+workloads under tight memory (greedy and seeded sampling, n > 1, EOS, stop token ids, stop
+strings, preemption, aborts); several tokens per stream chunk; the loop leaves early when the
+next iteration's blocks are not free and at the first finish while a request waits; which
+plans may run it; bad values refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import byte_llama
+
+from paxcache import Engine, SamplingParams
+from paxcache.decode_loop import MAX_STOP_IDS, eligible
+from paxcache.models import ByteTokenizer
+from paxcache.scheduler import StepPlan
+from paxcache.sequence import new_request
+
+BS = 8
+EOS = 257
+
+
+@pytest.fixture(scope="module")
+def model():
+    return byte_llama()
+
+
+def _engine(model, decode_steps, **kw):
+    args = dict(num_blocks=24, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32)
+    args.update(kw)
+    return Engine(model, ByteTokenizer(), decode_steps=decode_steps, compile_cache=False, **args)
+
+
+def _summary(outs):
+    """Everything a client sees of each completion."""
+    return [
+        [
+            (
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                [(d["token_id"], round(d["logprob"], 4)) for d in c.logprobs or []],
+            )
+            for c in o.outputs
+        ]
+        for o in outs
+    ]
+
+
+def _run(eng, requests, abort_at=None, check=False):
+    """Adds ``requests`` (id -> (prompt, params)), steps to the end (aborting ``abort_at``'s
+    request after that many steps), and returns the finished outputs by id."""
+    for rid, (prompt, sp) in requests.items():
+        eng.add_request(rid, prompt, sp)
+    done, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if abort_at is not None and steps == abort_at[1]:
+            eng.abort(abort_at[0])
+        if check:
+            bad = [k for k, v in eng.check_invariants().items() if not v]
+            assert not bad, bad
+    return done
+
+
+REQUEST = st.fixed_dictionaries(
+    {
+        "prompt_len": st.integers(1, 40),
+        "max_tokens": st.integers(1, 30),
+        "temperature": st.sampled_from([0.0, 0.0, 0.8]),
+        "n": st.sampled_from([1, 1, 2]),
+        "logprobs": st.sampled_from([None, 2]),
+        "stop_token": st.booleans(),
+        "stop_string": st.booleans(),
+        "ignore_eos": st.booleans(),
+    }
+)
+
+
+def _requests(specs, seed):
+    rng = np.random.default_rng(seed)
+    requests = {}
+    for i, spec in enumerate(specs):
+        prompt = list(map(int, rng.integers(0, 256, spec["prompt_len"])))
+        sp = SamplingParams(
+            max_tokens=spec["max_tokens"],
+            temperature=spec["temperature"],
+            seed=seed + i,
+            n=spec["n"],
+            logprobs=spec["logprobs"],
+            stop_token_ids=[int(rng.integers(0, 256))] if spec["stop_token"] else None,
+            stop=[chr(int(rng.integers(32, 127)))] if spec["stop_string"] else None,
+            ignore_eos=spec["ignore_eos"],
+        )
+        requests[f"r{i}"] = (prompt, sp)
+    return requests
+
+
+@settings(
+    max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    specs=st.lists(REQUEST, min_size=2, max_size=7),
+    seed=st.integers(0, 2**16),
+    abort=st.one_of(st.none(), st.tuples(st.integers(0, 6), st.integers(1, 6))),
+)
+def test_multi_step_decode_gives_the_single_step_tokens_under_tight_memory(
+    model, specs, seed, abort
+):
+    # 24 blocks of 8 tokens for 4 rows of up to 2 x 70 tokens: preemption (recompute) and
+    # loops that stop early for want of blocks both happen.
+    requests = _requests(specs, seed)
+    abort_at = None if abort is None else (f"r{abort[0] % len(specs)}", abort[1])
+    single = _run(_engine(model, 1), requests, abort_at)
+    multi_eng = _engine(model, 4)
+    multi = _run(multi_eng, requests, abort_at, check=True)
+    aborted = set() if abort_at is None else {abort_at[0]}
+    keep = sorted(set(requests) - aborted)
+    assert _summary([multi[r] for r in keep]) == _summary([single[r] for r in keep])
+    assert set(multi) == set(single) == set(requests)
+    st_ = multi_eng.stats()
+    assert st_["num_free_blocks"] == st_["num_total_blocks"]  # nothing leaked
+
+
+def test_multi_step_decode_streams_up_to_k_tokens_per_step(model):
+    eng = _engine(model, 4)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    eng.add_request("a", [5, 6, 7], sp)
+    chunks = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            chunks.append(len(out.outputs[0].new_token_ids))
+    # The prefill step samples one token; then decodes of 4, 4 and the last 3.
+    assert chunks == [1, 4, 4, 3]
+    st_ = eng.stats()
+    assert st_["num_multi_step_decodes"] == 3 and st_["num_multi_step_iterations"] == 11
+    single = _engine(model, 1).generate([[5, 6, 7]], sp)[0].outputs[0].token_ids
+    assert out.outputs[0].token_ids == single
+
+
+def test_multi_step_decode_stops_when_the_next_blocks_are_not_free(model):
+    # Two sequences of 8 prompt tokens in 4 blocks: each new block boundary (every 8 tokens)
+    # needs a block; with 4 blocks in all, the loop must leave before the pool runs dry and
+    # the scheduler preempts as it would for single steps.
+    sp = SamplingParams(max_tokens=14, ignore_eos=True)
+    prompts = [list(range(10, 18)), list(range(40, 48))]
+    multi_eng = _engine(model, 8, num_blocks=5, watermark=0.0)
+    outs = _run(multi_eng, {"a": (prompts[0], sp), "b": (prompts[1], sp)}, check=True)
+    single = _engine(model, 1, num_blocks=5, watermark=0.0).generate(prompts, sp)
+    assert [outs[r].outputs[0].token_ids for r in "ab"] == [o.outputs[0].token_ids for o in single]
+    st_ = multi_eng.stats()
+    assert st_["num_preemptions"] > 0
+    # A loop of 8 never ran whole: every one stopped at a block it could not get.
+    assert st_["num_multi_step_iterations"] < 8 * st_["num_multi_step_decodes"]
+
+
+def test_multi_step_decode_ends_at_the_first_finish_while_a_request_waits(model):
+    eng = _engine(model, 8, max_num_seqs=2)
+    eng.add_request("short", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.add_request("long", [4, 5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.add_request("queued", [7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()  # both prefills: one token each; "queued" waits for a slot
+    outs = {o.request_id: o for o in eng.step()}  # a multi-step decode
+    assert outs["short"].finished
+    # "short" finished in iteration 0, so the loop ended there: "long" got one token too.
+    assert len(outs["long"].outputs[0].token_ids) == 2
+    assert eng.stats()["num_multi_step_iterations"] == 1
+    outs = {o.request_id: o for o in eng.step()}  # "queued" is admitted at once
+    assert "queued" in outs
+
+
+def test_only_plain_decode_plans_run_as_multi_step_decodes():
+    def seq(rid, **params):
+        return new_request(rid, [1, 2, 3], SamplingParams(max_tokens=5, **params), seed=0)[0]
+
+    a, b = seq("a"), seq("b")
+    plan = StepPlan(rows=[(a, 1), (b, 1)], samples=[(a, 0), (b, 1)])
+    assert eligible(plan, {EOS})
+    assert not eligible(StepPlan(), {EOS})
+    assert not eligible(StepPlan(rows=[(a, 2)], samples=[(a, 0)]), {EOS})  # a prefill chunk
+    assert not eligible(StepPlan(rows=[(a, 1)], samples=[]), {EOS})  # a row that samples nothing
+    f = seq("f")
+    assert not eligible(StepPlan(rows=[(a, 1)], samples=[(a, 0), (f, 0)]), {EOS})  # a follower
+    c = seq("c")
+    c.matcher = object()  # a grammar: the host must mask every token
+    assert not eligible(StepPlan(rows=[(c, 1)], samples=[(c, 0)]), {EOS})
+    d = seq("d", stop_token_ids=list(range(MAX_STOP_IDS)))  # + EOS: one id too many
+    assert not eligible(StepPlan(rows=[(d, 1)], samples=[(d, 0)]), {EOS})
+    e = seq("e", stop_token_ids=list(range(MAX_STOP_IDS)), ignore_eos=True)
+    assert eligible(StepPlan(rows=[(e, 1)], samples=[(e, 0)]), {EOS})
+    p = StepPlan(rows=[(a, 1)], samples=[(a, 0)], prompt_positions=[(0, 2)])
+    assert not eligible(p, {EOS})
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
+def test_decode_steps_must_be_a_positive_int(model, bad):
+    with pytest.raises(ValueError, match="decode_steps"):
+        _engine(model, bad)
+
+
+def test_server_streams_multi_step_chunks_as_the_single_step_engine_completes(model):
+    import openai
+    from server_harness import serve_in_thread
+
+    from paxcache.server import create_app
+
+    prompt = "The quick brown fox"
+    single = _engine(model, 1).generate(
+        [ByteTokenizer().encode(prompt)], SamplingParams(max_tokens=24, ignore_eos=True)
+    )[0]
+    text = single.outputs[0].text
+    stop = text[9:11]  # a stop string the device cannot see, inside the 3rd chunk
+    engine = _engine(model, 4, model_name="tiny")
+    with serve_in_thread(create_app(engine)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        chunks = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, stream=True, temperature=0, stop=[stop]
+        )
+        pieces = [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks if c.choices]
+    assert "".join(t for t, _ in pieces) == text[: text.index(stop)]
+    assert pieces[-1][1] == "stop"
+    assert engine.stats()["num_multi_step_decodes"] > 0
