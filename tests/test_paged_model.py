@@ -13,7 +13,8 @@ from flax import nnx
 
 import kernels_pallas as kp
 from paxcache import allocator
-from paxcache.attention import build_metadata, metadata_from_state
+from paxcache.attention import build_metadata
+from paxcache.attention import metadata_from_state as _eager_metadata_from_state
 from paxcache.config import CacheConfig
 from paxcache.models import LlamaConfig, LlamaForCausalLM
 from paxcache.nn import PagedAttention
@@ -68,8 +69,24 @@ def model():
     return _model()
 
 
+# The helpers below run jitted: eagerly, each of their dozens of small ops is an XLA:CPU
+# program of its own (compiled on first use): the module's first test took ~16 s idle.
+metadata_from_state = jax.jit(
+    _eager_metadata_from_state,
+    static_argnums=(3, 4),
+    static_argnames=("impl", "interpret", "mesh"),
+)
+_allocate = jax.jit(allocator.allocate, static_argnames=("commit",))
+_DENSE: dict = {}
+
+
 def _dense_logits(model, ids):
-    return np.asarray(model(jnp.asarray([ids], jnp.int32))[0])
+    if id(model) not in _DENSE:
+        graphdef, params = nnx.split(model)
+        fn = jax.jit(lambda params, ids: nnx.merge(graphdef, params)(ids))
+        _DENSE[id(model)] = (fn, params, model)
+    fn, params, _ = _DENSE[id(model)]
+    return np.asarray(fn(params, jnp.asarray([ids], jnp.int32))[0])
 
 
 def _step(model, state, pages, rows, num_tokens=None):
@@ -104,7 +121,7 @@ def _cfg(**kw):
 
 def _alloc(state, slot, ids, commit=True):
     padded = jnp.asarray(list(ids) + [0] * (M * S - len(ids)), jnp.int32)
-    state, res = allocator.allocate(state, slot, padded, len(ids), commit=commit)
+    state, res = _allocate(state, slot, padded, len(ids), commit=commit)
     assert bool(res.ok)
     return state, int(res.num_cached_tokens)
 

@@ -352,6 +352,10 @@ def test_llama3_8b_whole_step_compiles_on_v5e(tmp_path, tp):
     (decode,) = [p for p in report["programs"] if p["name"] == "step+decode[T=16]"]
     assert decode["compiled"] and decode["fits_hbm"], decode
     assert set(decode["kernels"].values()) == {"pallas_tpu"} and decode["mosaic_kernels"] == 3
+    # So does the multi-step decode (the TPU default, 8 iterations), the cache in place.
+    (loop,) = [p for p in report["programs"] if p["name"] == "step+loop8[T=16]"]
+    assert loop["compiled"] and loop["fits_hbm"], loop
+    assert loop["memory"]["alias"] == decode["memory"]["alias"], loop
     weights = report["engine"]["weights_bytes_per_chip"] / 2**30
     assert (14.5 < weights < 15.5) if tp == 1 else (4 < weights < 5)
 
