@@ -230,7 +230,9 @@ class AbstractEngine(Engine):
 # --------------------------------------------------------------------------------------------
 
 
-def _step_args(engine: Engine, num_tokens: int | None, decode: bool, masked: bool) -> tuple:
+def _step_args(
+    engine: Engine, num_tokens: int | None, decode: bool, masked: bool, loop: bool = False
+) -> tuple:
     t = engine.buckets[-1] if num_tokens is None else int(num_tokens)
     if t not in engine.buckets:
         raise ValueError(f"num_tokens={t} is not one of the engine's buckets {engine.buckets}")
@@ -238,21 +240,30 @@ def _step_args(engine: Engine, num_tokens: int | None, decode: bool, masked: boo
         raise ValueError(
             f"no decode-only program for T={t} (decode buckets: {engine.decode_buckets})"
         )
-    return engine._empty_step_args(t, masked=masked, decode=decode)
+    loops = step_lib.loop_buckets(engine._shapes)
+    if loop and t not in loops:
+        raise ValueError(f"no multi-step decode for T={t} (its buckets: {loops})")
+    return engine._empty_step_args(t, masked=masked, decode=decode, loop=loop)
 
 
 def lower_step(
-    engine: Engine, num_tokens: int | None = None, *, decode: bool = False, masked: bool = False
+    engine: Engine,
+    num_tokens: int | None = None,
+    *,
+    decode: bool = False,
+    masked: bool = False,
+    loop: bool = False,
 ) -> jax.stages.Lowered:
     """The engine's fused step for the token bucket ``num_tokens`` (default: the largest),
     lowered for the engine's own devices: ``.as_text()`` is its StableHLO,
-    ``.compile().as_text()`` the optimised HLO. ``decode`` / ``masked``: the decode-only /
-    constrained variants. Nothing runs and the engine's state is untouched.
+    ``.compile().as_text()`` the optimised HLO. ``decode`` / ``masked`` / ``loop``: the
+    decode-only / constrained / multi-step decode variants. Nothing runs and the engine's
+    state is untouched.
 
     Raises:
       ValueError: ``num_tokens`` is not a bucket (or not a decode bucket with ``decode``).
     """
-    args = _step_args(engine, num_tokens, decode, masked)
+    args = _step_args(engine, num_tokens, decode, masked, loop)
     return engine._jit_step.trace(*args).lower()
 
 
@@ -263,6 +274,7 @@ def export_step(
     platforms: tuple[str, ...] = ("cuda",),
     decode: bool = False,
     masked: bool = False,
+    loop: bool = False,
 ) -> jax.export.Exported:
     """The engine's fused step exported for ``platforms`` (``jax.export``): the whole program
     the engine would run there, kernels included, from any host. Inside
@@ -270,7 +282,7 @@ def export_step(
     (``kernels_pallas.kernel_info("cuda")`` then says what each op got); ``.mlir_module()``
     is its StableHLO. Arguments as :func:`lower_step`.
     """
-    args = _step_args(engine, num_tokens, decode, masked)
+    args = _step_args(engine, num_tokens, decode, masked, loop)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), args)
     return jax.export.export(engine._jit_step, platforms=list(platforms))(*abstract)
 

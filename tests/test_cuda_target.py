@@ -187,6 +187,12 @@ def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
         with aot.cuda_target(capability):
             text = engine.export_step(64).mlir_module()
         assert (MOSAIC_GPU in text) == hopper, capability
+    # The GPU default runs decode-only steps as 8-iteration multi-step decodes: the while
+    # loop exports with the Hopper kernel inside it.
+    assert engine.decode_steps == 8
+    with aot.cuda_target("9.0"):
+        loop = engine.export_step(16, loop=True).mlir_module()
+    assert MOSAIC_GPU in loop and "stablehlo.while" in loop
 
 
 # --------------------------------------------------------------------------------------------
