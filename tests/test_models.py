@@ -25,6 +25,10 @@ from paxcache.models import (
 from paxcache.models.llama_config import rope_inv_freq as _rope_inv_freq
 from paxcache.models.loading import model_to_hf_tensors
 
+# The dense forward, jitted (one compile per model structure; eagerly every op of the model
+# compiles on its own, ~10-30 s per config on a loaded 2-core box).
+_fwd = nnx.jit(lambda model, x: model(x))
+
 
 def make(
     model_type: str = "llama", dtype=jnp.float32, param_dtype=None, seed: int = 0, **hf
@@ -64,7 +68,7 @@ def ids(b: int, t: int, seed: int = 0, vocab: int = 64) -> jax.Array:
 
 def test_dense_forward_returns_f32_logits_of_shape_btv() -> None:
     model = make()
-    out = model(ids(3, 7))
+    out = _fwd(model, ids(3, 7))
     chex.assert_shape(out, (3, 7, 64))
     assert out.dtype == jnp.float32
     chex.assert_tree_all_finite(out)
@@ -74,7 +78,7 @@ def test_dense_forward_is_causal() -> None:
     model = randomize(make())
     a = ids(1, 10, seed=1)
     b = a.at[0, 6:].set((a[0, 6:] + 1) % 64)
-    la, lb = model(a), model(b)
+    la, lb = _fwd(model, a), _fwd(model, b)
     chex.assert_trees_all_close(la[:, :6], lb[:, :6], atol=1e-6)
     assert not np.allclose(la[:, 6:], lb[:, 6:])
 
@@ -100,7 +104,7 @@ def test_random_model_matches_numpy_hf_reference(variant: str) -> None:
     toks = list(np.asarray(ids(1, 11, seed=3)[0]))
     want = forward_np(hf, model_to_hf_tensors(model), toks)
     tol = 1e-5 if hf["model_type"] == "phi3" else 2e-4
-    chex.assert_trees_all_close(model(jnp.asarray([toks]))[0], want, atol=tol, rtol=tol)
+    chex.assert_trees_all_close(_fwd(model, jnp.asarray([toks]))[0], want, atol=tol, rtol=tol)
 
 
 def test_longrope_switches_to_long_factors_past_the_original_length() -> None:
@@ -138,14 +142,14 @@ def test_gqa_equals_mha_with_each_kv_head_repeated_for_its_query_group() -> None
     mha.layers.k_proj.set_value(repeat(gqa.layers.k_proj[...]))
     mha.layers.v_proj.set_value(repeat(gqa.layers.v_proj[...]))
     x = ids(2, 9, seed=5)
-    chex.assert_trees_all_close(gqa(x), mha(x), atol=1e-5)
+    chex.assert_trees_all_close(_fwd(gqa, x), _fwd(mha, x), atol=1e-5)
 
 
 def test_mistral_sliding_window_limits_what_each_token_sees() -> None:
     model = randomize(make("mistral", sliding_window=3, num_hidden_layers=1), seed=6)
     a = ids(1, 8, seed=7)
     b = a.at[0, 0].set((a[0, 0] + 1) % 64)
-    diff = np.abs(np.asarray(model(a) - model(b)))[0].max(-1)  # [T]
+    diff = np.abs(np.asarray(_fwd(model, a) - _fwd(model, b)))[0].max(-1)  # [T]
     assert (diff[:3] > 1e-4).all()  # positions 0..2 still see token 0
     np.testing.assert_allclose(diff[3:], 0, atol=1e-6)  # window 3: position 3 sees 1..3
 
@@ -196,7 +200,7 @@ def test_bf16_model_stays_close_to_f32() -> None:
 def test_f32_params_with_bf16_compute() -> None:
     model = make(dtype=jnp.bfloat16, param_dtype=jnp.float32)
     assert model.layers.q_proj[...].dtype == jnp.float32
-    assert model(ids(1, 4)).dtype == jnp.float32
+    assert _fwd(model, ids(1, 4)).dtype == jnp.float32
 
 
 # -- RoPE ------------------------------------------------------------------------------------
@@ -385,7 +389,7 @@ def test_paged_forward_with_its_own_attention_layer_equals_dense(model_type: str
     seqs = [np.asarray(ids(1, 14, seed=13)[0]), np.asarray(ids(1, 9, seed=14)[0])]
     tables = jnp.asarray([[7, 2, 10, 0, -1], [5, 11, 3, -1, -1]], jnp.int32)
     cache = model.init_kv_cache(n, s, fill_value=float("nan"))
-    dense = [np.asarray(model(jnp.asarray(x[None]))[0]) for x in seqs]
+    dense = [np.asarray(_fwd(model, jnp.asarray(x[None]))[0]) for x in seqs]
 
     # Steps: (seq, start, stop) chunks processed together in one flat batch per step.
     steps = [
@@ -430,7 +434,7 @@ def test_forward_paged_logits_indices_selects_rows() -> None:
     logits, cache = model.forward_paged(toks, cache, md, logits_indices=jnp.asarray([5, 2]))
     chex.assert_shape(logits, (2, cfg.vocab_size))
     assert (cache.num_layers, cache.num_kv_heads, cache.num_blocks) == (2, 2, 2)
-    dense = model(toks[None])[0]
+    dense = _fwd(model, toks[None])[0]
     chex.assert_trees_all_close(logits, dense[jnp.asarray([5, 2])], atol=1e-4)
 
 

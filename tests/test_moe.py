@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from hf_moe_reference import moe_config, moe_forward_np, random_moe_tensors
 from hf_reference import write_checkpoint
+from tiny_models import forward
 from workers import run_worker
 
 from paxcache import Engine, SamplingParams
@@ -53,7 +54,7 @@ VARIANTS = {
 
 
 def _logits(model, ids) -> np.ndarray:
-    return np.asarray(model(jnp.asarray([ids])))[0]
+    return np.asarray(forward(model, jnp.asarray([ids])))[0]
 
 
 @pytest.mark.parametrize(

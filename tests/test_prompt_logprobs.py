@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import byte_llama
+from tiny_models import byte_llama, forward
 
 from paxcache import Engine, SamplingParams
 from paxcache.models import ByteTokenizer
@@ -44,7 +44,7 @@ def _prompts(seed: int = 0, lens=(1, 2, 40, 20, 57, 9)) -> list[list[int]]:
 def dense_prompt_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(logprob [P-1], top_ids [P-1, K], top_logprobs [P-1, K])`` of tokens 1.. of ``ids``
     from one dense forward."""
-    logits = model(jnp.asarray(ids, jnp.int32)[None])[0].astype(jnp.float32)
+    logits = forward(model, jnp.asarray(ids, jnp.int32)[None])[0].astype(jnp.float32)
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))[:-1]
     target = np.asarray(ids[1:])
     order = np.argsort(-logp, axis=-1)[:, :K]
@@ -57,7 +57,7 @@ def dense_prompt_logprobs(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray
 
 def _dense_ranks(model, ids: list[int]) -> list[tuple[int, int]]:
     """The rank of each next prompt token (1 = most likely), as a range over near ties."""
-    logits = model(jnp.asarray(ids, jnp.int32)[None])[0].astype(jnp.float32)
+    logits = forward(model, jnp.asarray(ids, jnp.int32)[None])[0].astype(jnp.float32)
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))[:-1]
     out = []
     for row, t in zip(logp, ids[1:], strict=True):
