@@ -144,19 +144,18 @@ def prepare(
     )
 
 
-def for_plan(
-    plan: StepPlan, scheduler: Scheduler, max_rows: int, num_steps: int
-) -> DecodeLoopInputs | None:
-    """The loop inputs of ``plan`` for ``num_steps`` iterations, or None when it is not
-    :func:`eligible`; stop ids and limits from ``scheduler``, which also says whether a
-    request waits (the loop then ends at the first finish, to give it the slot)."""
+def for_plan(plan: StepPlan, scheduler: Scheduler, shapes: Any) -> DecodeLoopInputs | None:
+    """The loop inputs of ``plan`` for ``shapes.decode_steps`` iterations and
+    ``shapes.max_rows`` rows, or None when that is 1 or the plan is not :func:`eligible`;
+    stop ids and limits from ``scheduler``, which also says whether a request waits (the
+    loop then ends at the first finish, to give it the slot)."""
     eos = scheduler.eos_token_ids
-    if num_steps < 2 or not eligible(plan, eos):
+    if shapes.decode_steps < 2 or not eligible(plan, eos):
         return None
     return prepare(
         plan,
-        max_rows,
-        num_steps,
+        shapes.max_rows,
+        shapes.decode_steps,
         eos_ids=eos,
         max_model_len=scheduler.max_model_len,
         exit_on_finish=scheduler.num_waiting > 0,

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from paxcache import allocator, decode_loop, grammar, kv_cache, kv_quant, sizing
+from paxcache import allocator, decode_loop, grammar, kv_cache, kv_quant, overlap, sizing
 from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
@@ -42,6 +42,7 @@ from paxcache.models import quantize
 from paxcache.models.layer_plan import shared_window
 from paxcache.models.tokenizer import IncrementalDecoder
 from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, RequestState
+from paxcache.overlap import StepFailed
 from paxcache.sampling import SamplingParams
 from paxcache.scheduler import Scheduler, StepPlan, StepResult
 from paxcache.sequence import Sequence as Seq
@@ -51,14 +52,6 @@ from paxcache.step import default_batch_limits
 __all__ = ["CompletionOutput", "Engine", "RequestOutput", "default_batch_limits"]
 
 logger = logging.getLogger(__name__)
-
-
-class _StepFailed(Exception):
-    """Carrying out a plan raised (the cause is chained); ``failed``: requests already failed."""
-
-    def __init__(self, failed: set[str]) -> None:
-        super().__init__("engine step failed")
-        self.failed = failed
 
 
 class Engine:
@@ -108,6 +101,8 @@ class Engine:
       decode_steps: K, the most decode iterations one device program runs when a step holds
         only decode rows (:mod:`paxcache.decode_loop`; streams then get up to K tokens per
         step); default by backend (1 on CPU, 8 on TPU/GPU); 1 is the single-step engine.
+      async_scheduling: dispatch a step that needs no host decision before reading the one
+        before it (:mod:`paxcache.overlap`); ``False``: every step is read before the next.
     """
 
     def __init__(
@@ -136,6 +131,7 @@ class Engine:
         compile_cache: str | os.PathLike[str] | bool | None = None,
         warmup: bool = True,
         decode_steps: int | None = None,
+        async_scheduling: bool = True,
     ) -> None:
         cfg, kv_dtype = model.config, kv_quant.resolve_kv_dtype(kv_cache_dtype, model.dtype, impl)
         cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
@@ -163,6 +159,10 @@ class Engine:
         self.compile_cache_dir = None if cache_dir is None else compile_cache_lib.enable(cache_dir)
         self._auto_warmup = bool(warmup)
         self.decode_steps = decode_loop.resolve_decode_steps(decode_steps, self._target_backend())
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
+        self.async_scheduling = async_scheduling
+        self._pipeline = overlap.Pipeline(self) if async_scheduling else None
         self._warmed_up = False
 
         model_max = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -234,17 +234,12 @@ class Engine:
             )
         self._requests: dict[str, RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
+        n, mib = self.cache_config.num_blocks, self.bytes_per_block * num_blocks / 2**20
+        limits = (max_num_seqs, max_num_batched_tokens, self.max_model_len, list(self.buckets))
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB on %s), max_num_seqs %d, "
             "max_num_batched_tokens %d, max_model_len %d, step buckets %s",
-            self.cache_config.num_blocks,
-            block_size,
-            self.bytes_per_block * self.cache_config.num_blocks / 2**20,
-            jax.default_backend(),
-            max_num_seqs,
-            max_num_batched_tokens,
-            self.max_model_len,
-            list(self.buckets),
+            *(n, block_size, mib, jax.default_backend(), *limits),
         )
 
     # ------------------------------------------------------------------ construction
@@ -498,16 +493,8 @@ class Engine:
             logger.info("first step: warming up %d step shapes first", len(self.buckets))
             self.warmup()
         outputs, self._pending_outputs = self._pending_outputs, []
-        plan = self.scheduler.schedule()
-        touched = list(plan.failed)  # finished by the scheduler: they can never fit
-        if plan.rows or plan.swap_out or plan.swap_in:
-            try:
-                result = self._execute(plan)
-            except _StepFailed as e:
-                touched += self._recover(plan, e)
-            else:
-                if result is not None:
-                    touched += self.scheduler.postprocess(plan, result)
+        pipe = self._pipeline
+        touched = pipe.step() if pipe is not None else self._run(self.scheduler.schedule())
         reqs = {s.request_id: self._requests.get(s.request_id) for s in touched}
         for req in reqs.values():
             if req is None:
@@ -520,36 +507,67 @@ class Engine:
                 s.new_ids = []
         return outputs
 
-    def _execute(self, plan: StepPlan) -> StepResult | None:
-        """Carries out ``plan``: its swaps' KV copies, then the fused step (if it has rows).
+    def _run(self, plan: StepPlan) -> list[Seq]:
+        """Carries ``plan`` out synchronously (swaps, then the step if it has rows), reads and
+        post-processes it; returns the sequences touched (the plan's failed ones first)."""
+        touched = list(plan.failed)  # finished by the scheduler: they can never fit
+        if not (plan.rows or plan.swap_out or plan.swap_in):
+            return touched
+        try:
+            flight = self._dispatch(plan)
+            if flight is None:
+                return touched
+            result = overlap.read(flight, flight.state)
+        except StepFailed as e:
+            return touched + self._recover(plan, e)
+        return touched + self.scheduler.postprocess(plan, result)
 
-        The new block state is not committed here (``postprocess`` adopts it), so a failure
-        that surfaces at the transfer leaves the block manager holding the donated input,
-        which :meth:`_recover` then sees is gone.
-
-        Raises:
-          _StepFailed: anything raised on the way (the cause is chained).
-        """
+    def _dispatch(
+        self,
+        plan: StepPlan,
+        *,
+        inputs: step_lib.StepInputs | None = None,
+        state: Any = None,
+        free_after: int | None = None,
+    ) -> overlap.InFlight | None:
+        """Runs ``plan``'s swaps' KV copies, then dispatches its step (JAX returns before the
+        device finishes) on ``state`` (default: the block manager's) with ``inputs`` (default
+        built from the plan). None when the plan has no rows. The block manager does not
+        adopt the new state here (``postprocess`` does), so a failure at the transfer leaves
+        it holding the donated input, which :meth:`_recover` then sees is gone. Raises
+        StepFailed (the cause chained)."""
         try:
             self._move_kv(plan)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
-            raise _StepFailed(set()) from e
+            raise StepFailed(set()) from e
         if not plan.rows:
             return None
-        inputs, failed = step_lib.prepare_inputs(plan, self._shapes)
-        if self.decode_steps > 1:  # None unless the plan can run as a multi-step decode
-            loop = decode_loop.for_plan(plan, self.scheduler, self.max_num_seqs, self.decode_steps)
+        failed: set[str] = set()
+        if inputs is None:
+            inputs, failed = step_lib.prepare_inputs(plan, self._shapes)
+            loop = decode_loop.for_plan(plan, self.scheduler, self._shapes)  # None: one step
             inputs = inputs.replace(decode_loop=loop)
+        if free_after is None:
+            need = self.scheduler.blocks_needed(plan.rows)
+            free_after = self.block_manager.num_free_blocks - need
+        state = self.block_manager.state if state is None else state
         try:
+            inputs = self._place_inputs(inputs)
             with step_lib.tracing_for(self._on_trace):
-                state, kv, out = self._jit_step(
-                    self.block_manager.state, self._device_kv(), self._params, inputs
-                )
-            result = step_lib.read_result(plan, state, out, failed)
+                state, kv, out = self._jit_step(state, self._device_kv(), self._params, inputs)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
-            raise _StepFailed(failed) from e
+            raise StepFailed(failed) from e
         self._kv = self._with_host_pool(kv)
-        return result
+        return overlap.InFlight(plan, inputs, failed, state, out, free_after)
+
+    def _place_inputs(self, inputs: step_lib.StepInputs) -> step_lib.StepInputs:
+        """``inputs`` committed to the device, as every step call gets them (a continuation's
+        tokens are a device array: :mod:`.overlap`; placement is part of the executable)."""
+        if self.mesh is None:
+            return jax.device_put(inputs, jax.local_devices()[0])
+        from paxcache import sharding
+
+        return sharding.place(inputs, sharding.replicated(self.mesh))  # every host's devices
 
     def _move_kv(self, plan: StepPlan) -> None:
         """The plan's swaps (out, then in), in chunks warm-up compiled (``_max_swap_pairs``)."""
@@ -559,7 +577,7 @@ class Engine:
                 src, dst = np.asarray(pairs[i : i + chunk], np.int32).T
                 self._kv = move(self._kv, src, dst, impl=self._swap_impl)
 
-    def _recover(self, plan: StepPlan, err: _StepFailed) -> list[Seq]:
+    def _recover(self, plan: StepPlan, err: StepFailed) -> list[Seq]:
         """After carrying out a plan raised: fails the requests of that step only. If the step
         had already consumed (donated) the cache, the cache is rebuilt empty and every request
         holding blocks fails too (their KV is gone); queued requests are unaffected.
@@ -633,21 +651,13 @@ class Engine:
         return self.block_manager.state, self._device_kv(), self._params, inputs
 
     def warmup(self) -> None:
-        """Compiles every program serving can run, so serving never compiles.
-
-        Every token bucket of the fused step (with ``warmup_structured`` and llguidance, also
-        its masked variant, which constrained requests run; with ``warmup_prompt_logprobs``
-        the variant ``echo`` / prompt-logprob requests run; on TPU the decode-only variant of
-        ``decode_buckets``; :func:`step.warmup_variants`), the block manager's allocator
-        functions and, with a host pool, every swap program (out and in, every pair bucket). A
-        Mosaic TPU kernel that fails to compile is replaced by the XLA path here, with one
-        warning naming the op and the error (``stats()["kernel_impls"]``: ``"xla (fallback:
-        ...)"``). Logs one line per compiled step program (``logging`` INFO, logger
-        ``paxcache.engine``) and a summary; a program compiled later, at its first use, logs
-        a warning naming it (:func:`step.log_first_use`). With the persistent compile cache
-        (see :mod:`paxcache.compile_cache`) a restart loads the executables instead of
-        compiling them. :meth:`step` calls this on first use unless built with
-        ``warmup=False``."""
+        """Compiles every program serving can run (:func:`step.warmup_variants`: each token
+        bucket; its constrained (``warmup_structured``), prompt-logprob
+        (``warmup_prompt_logprobs``), decode-only and multi-step decode variants), the
+        allocator functions and every swap program. A kernel that fails to compile is
+        replaced by the XLA path here, with one warning (``stats()["kernel_impls"]``). Logs
+        one line per program; a program compiled later logs a warning naming it
+        (:func:`step.log_first_use`). :meth:`step` calls this first unless ``warmup=False``."""
         t0 = time.perf_counter()
         compile_cache_lib.check_memory_maps()  # a compile past the kernel's limit aborts
         hits0 = compile_cache_lib.cache_hits()
@@ -660,8 +670,9 @@ class Engine:
             for i, variant in enumerate(variants):
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()
+                state, kv, params, inputs = self._empty_step_args(*variant)
                 with step_lib.tracing_for(self._on_trace):
-                    state, kv, out = self._jit_step(*self._empty_step_args(*variant))
+                    state, kv, out = self._jit_step(state, kv, params, self._place_inputs(inputs))
                 self._kv = self._with_host_pool(kv)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
@@ -699,18 +710,11 @@ class Engine:
         return events - (compile_cache_lib.cache_hits() - self._cache_hits_at_start)
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges; cheap enough to poll every second.
-
-        Besides the block, prefix-cache and compilation figures: ``num_preemptions`` (units
-        preempted) split into ``num_preemptions_swap`` and ``num_preemptions_recompute``;
-        ``num_swaps`` and ``num_swapped_out_seqs`` (both the swap preemptions: one count) /
-        ``num_swapped_out_blocks`` and ``num_swapped_in_seqs`` / ``num_swapped_in_blocks``
-        (sequences and blocks moved each way); ``num_running`` / ``num_waiting`` /
-        ``num_swapped`` (sequences); ``oldest_waiting_age_s``: seconds since the oldest request
-        that has a sequence queued (waiting or swapped) arrived, 0 when none is queued;
-        ``num_traces``: step programs this engine traced (programs an earlier engine with the
-        same step configuration traced are shared: :func:`step.jitted_step`).
-        """
+        """Counters and gauges; cheap enough to poll every second. Besides the block,
+        prefix-cache and compilation figures, the scheduler's counters (``num_preemptions`` =
+        ``_swap`` + ``_recompute``; ``num_swaps`` and ``num_swapped_out_seqs`` are the swap
+        preemptions, kept under their metric names), queue sizes, ``oldest_waiting_age_s``
+        and ``num_traces`` (step programs this engine traced; :func:`step.jitted_step`)."""
         bm, sched = self.block_manager, self.scheduler
         total = self.cache_config.num_blocks
         free = bm.num_free_blocks
@@ -752,24 +756,20 @@ class Engine:
             "decode_steps": self.decode_steps,
             "num_multi_step_decodes": sched.num_multi_step_decodes,
             "num_multi_step_iterations": sched.num_multi_step_iterations,
+            "num_overlapped_steps": self._pipeline.num_continued if self._pipeline else 0,
+            "num_wasted_rows": self._pipeline.num_wasted_rows if self._pipeline else 0,
             **quantize.weight_stats(self.model),  # quantization, weight_dtype
             "kv_cache_dtype": jnp.dtype(self._kv.dtype).name,
             "kv_scales": kv_quant.scale_stats(self.kv_scales),  # {"k": [L], "v": [L]} or None
         }
 
     def check_invariants(self) -> dict[str, bool]:
-        """Named consistency checks of the whole cache state; all True when consistent.
-
-        For tests and debugging (the stress suite calls it after every step); it reads the
-        block state back from the device, and its first call compiles a few functions.
-        Checks: the allocator's own (``allocator.check_invariants``, prefixed ``allocator.``);
-        the block manager's bookkeeping (``block_manager.*``, and ``free_count_cached``: its
-        cached free counts are current); the scheduler's queues and accounting
-        (:meth:`Scheduler.check_invariants <paxcache.scheduler.Scheduler.check_invariants>`:
-        queues, age order, slots, lengths, ``planned_rows_ran``); every unfinished sequence of
-        a live request is in exactly one queue (``requests_accounted``); and, with no request
-        alive, every device and host block free (``idle_frees_everything``).
-        """
+        """Named consistency checks of the whole cache state, all True when consistent (tests
+        and debugging; reads the device): the allocator's (``allocator.*``), the block
+        manager's (``block_manager.*``, ``free_count_cached``), the scheduler's
+        (:meth:`Scheduler.check_invariants <paxcache.scheduler.Scheduler.check_invariants>`),
+        every unfinished sequence in one queue (``requests_accounted``) and, with no request
+        alive, every block free (``idle_frees_everything``)."""
         bm = self.block_manager
         checks: dict[str, bool] = {}
         for name, ok in bm.check_invariants().items():
@@ -779,7 +779,9 @@ class Engine:
                 checks["block_manager." + name.removeprefix("manager_")] = ok
             else:
                 checks["allocator." + name] = ok
-        checks.update(self.scheduler.check_invariants())
+        flight = self._pipeline and self._pipeline.inflight  # its rows are a token ahead
+        ahead = {id(s) for s, _ in flight.plan.rows} if flight else set()
+        checks.update(self.scheduler.check_invariants(ahead))
         sched = self.scheduler
         live = sched.running + sched.swapped + [s for unit in sched.waiting for s in unit]
         unfinished = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]

@@ -338,7 +338,7 @@ class Scheduler:
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _blocks_needed(self, rows: list[tuple[Sequence, int]]) -> int:
+    def blocks_needed(self, rows: list[tuple[Sequence, int]]) -> int:
         """Fresh blocks the allocator's ``append`` takes to feed ``rows``, exactly.
 
         A row needs a block per block boundary it crosses beyond its allocation, and one more
@@ -491,7 +491,7 @@ class Scheduler:
         """
         preempted = False
         bm = self.block_manager
-        while rows and self._blocks_needed(rows) > bm.num_free_blocks:
+        while rows and self.blocks_needed(rows) > bm.num_free_blocks:
             unit = self._unit_of(max(self.running, key=lambda s: s.age))
             if len(unit) == len(self.running):
                 # The oldest unit is all that runs and still does not fit: it never will.
@@ -520,9 +520,9 @@ class Scheduler:
             if self.running and any(s.preempted_at >= self.num_departures for s in unit):
                 return  # R5: no departure since it was preempted
             lead = unit[0]
-            reserve = self._blocks_needed(rows)  # R6
+            reserve = self.blocks_needed(rows)  # R6
             if lead.state == SeqState.SWAPPED:
-                own = self._blocks_needed([(lead, 1)])  # its decode may start a new block
+                own = self.blocks_needed([(lead, 1)])  # its decode may start a new block
                 try:
                     pairs = bm.swap_in(lead, reserve=reserve + own)
                 except OutOfBlocksError:
@@ -697,9 +697,11 @@ class Scheduler:
 
     # -- checks ---------------------------------------------------------------------------
 
-    def check_invariants(self) -> dict[str, bool]:
+    def check_invariants(self, ahead: Collection[int] = ()) -> dict[str, bool]:
         """Named checks of the queues and of the accounting against the block manager (all
-        True when consistent; reads the block state back from the device).
+        True when consistent; reads the block state back from the device). ``ahead``: ids
+        (``id(seq)``) of sequences with a token in a step in flight, which the block state
+        already holds and the accounting not yet (:mod:`paxcache.overlap`).
 
         Every live sequence in exactly one queue with the matching state; queues in age order
         and every running sequence older than every queued one; at most ``max_num_seqs``
@@ -755,7 +757,7 @@ class Scheduler:
             and all(bool(swapped_flags[bm.slot(s)]) == (id(s) in swapped_ids) for s in holders)
         )
         checks["lengths_match"] = checks["slots_accounted"] and (
-            all(int(seq_lens[bm.slot(s)]) == s.num_allocated for s in holders)
+            all(int(seq_lens[bm.slot(s)]) == s.num_allocated + (id(s) in ahead) for s in holders)
             and all(s.num_computed <= s.num_allocated <= len(s.token_ids) for s in holders)
             and all(s.num_computed == s.num_allocated == 0 for s in waiting)
         )

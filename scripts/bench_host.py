@@ -22,10 +22,13 @@ once, then called back to back, blocking on each), ``step_over_fused`` the stead
 ``Engine.step()`` time over it: 1.0 means the host costs nothing. Everything is measured in
 one run, as ratios against the fused step of the same build.
 
-Modes: ``sync`` (one decode iteration per step, ``decode_steps=1``), ``multistep``
+Modes: ``sync`` (``async_scheduling=False, decode_steps=1``: each step read before the
+next is planned), ``overlap`` (``async_scheduling=True``: the next decode step dispatched
+before the current one is read; ``device_idle_us_per_step`` is then the host time between a
+read and the next dispatch, which the device spends on the step already queued), ``multistep``
 (``decode_steps=8``: a decode-only step runs up to 8 iterations in one program; it is timed
-for ``--steps / 8`` steps, the same tokens), ``overlap`` (``async_scheduling=True``): each
-is measured when the engine takes its arguments, and listed as not built otherwise.
+for ``--steps / 8`` steps, the same tokens): each is measured when the engine takes its
+arguments, and listed as not built otherwise.
 ``tokens_per_s_over_sync`` is a row's tokens/s over the sync row of the same model and rows.
 
     python scripts/bench_host.py [--quick] [--json bench/results/host_<date>.json]
@@ -57,14 +60,15 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from paxcache import Engine, SamplingParams  # noqa: E402
+from paxcache import overlap as overlap_lib  # noqa: E402
 from paxcache import step as step_lib  # noqa: E402
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from paxcache.models.tokenizer import IncrementalDecoder  # noqa: E402
 
 MODES = {
-    "sync": {"decode_steps": 1},
+    "sync": {"async_scheduling": False, "decode_steps": 1},
     "overlap": {"async_scheduling": True, "decode_steps": 1},
-    "multistep": {"decode_steps": 8},
+    "multistep": {"async_scheduling": False, "decode_steps": 8},
 }
 
 
@@ -110,7 +114,7 @@ class Phases:
     def installed(self, eng: Engine) -> Iterator[None]:
         sched = eng.scheduler
         saved = (sched.schedule, sched.postprocess, eng._jit_step)
-        saved_mod = (step_lib.prepare_inputs, step_lib.read_result)
+        saved_mod = (step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result)
         saved_push = IncrementalDecoder.push
         jit_step, read_result = eng._jit_step, step_lib.read_result
 
@@ -133,13 +137,13 @@ class Phases:
         sched.postprocess = self.timed("postprocess", sched.postprocess)
         eng._jit_step = dispatch
         step_lib.prepare_inputs = self.timed("prepare", step_lib.prepare_inputs)
-        step_lib.read_result = read
+        step_lib.read_result = overlap_lib.read_result = read
         IncrementalDecoder.push = self.timed("detokenize", saved_push)
         try:
             yield
         finally:
             sched.schedule, sched.postprocess, eng._jit_step = saved
-            step_lib.prepare_inputs, step_lib.read_result = saved_mod
+            step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result = saved_mod
             IncrementalDecoder.push = saved_push
 
 

@@ -304,6 +304,7 @@ def _time_engine_device_step(engine: Any, iters: int) -> list[float]:
         samples=[(sq, i) for i, sq in enumerate(seqs)],
     )
     inputs, _ = step_lib.prepare_inputs(plan, engine._shapes)
+    inputs = engine._place_inputs(inputs)  # on the device, as the engine's own calls
     state, kv = bm.state, engine._device_kv()
     ts = []
     for _ in range(iters + 2):

@@ -129,6 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(streams get up to this many tokens per chunk); default 1 on CPU, 8 on TPU/GPU",
     )
     p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="read every step before dispatching the next (default: a step that needs no "
+        "scheduling decision is dispatched while the host post-processes the one before)",
+    )
+    p.add_argument(
         "--no-structured-warmup",
         action="store_true",
         help="do not compile the constrained-decoding step variants at start-up (the first "
@@ -366,6 +372,7 @@ def _load_engine(
         max_model_len=args.max_model_len,
         compile_cache=False if args.no_compile_cache else args.compile_cache,
         decode_steps=args.decode_steps,
+        async_scheduling=not args.no_async_scheduling,
     )
 
 

@@ -1,0 +1,251 @@
+"""Overlapped scheduling (``Engine(async_scheduling=True)``): the device runs step N+1 while
+the host post-processes step N.
+
+The engine keeps at most one step in flight. Each :meth:`Pipeline.step` call reads exactly one
+step, as the synchronous engine does, so both take the same number of calls:
+
+1. With nothing in flight, the scheduler plans step N and the engine dispatches it (swaps,
+   inputs, the jitted step: JAX returns before the device finishes).
+2. If step N+1 is N's *continuation* (:func:`continuation`: every row of N samples its own
+   sequence's next token, nothing waits or is swapped out, every running sequence is in N, no
+   grammar, the blocks N+1 takes are free by the scheduler's own arithmetic), it is
+   dispatched at once: its rows are N's sequences feeding one token each, their input tokens
+   gathered on the device from N's sampled array (:func:`gather_tokens`), their sampling keys
+   one token further on; the block state it reads is N's output, still on the device. This is
+   the plan :meth:`Scheduler.schedule <paxcache.scheduler.Scheduler.schedule>` would make
+   after N (the same rows; the keys depend on the request only), so the tokens are the
+   synchronous engine's.
+3. Step N is read (one transfer) and post-processed (tokens, detokenization, stops, frees)
+   while N+1 runs; the block manager adopts the newest state. A request that finished in N
+   (or was aborted) had a row in N+1 whose token is dropped: one wasted row at most.
+
+A step that cannot be continued (prefill rows that do not finish, admissions, preemption,
+constrained rows) is read before anything else is planned. With ``decode_steps > 1`` the
+decode-only steps run as multi-step decodes (:mod:`paxcache.decode_loop`) and nothing is
+continued: the two are alternatives, a host round trip per K tokens or one hidden per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxcache.sampling import request_keys
+from paxcache.scheduler import Scheduler, StepPlan
+from paxcache.step import StepInputs, StepShapes, read_result
+
+__all__ = ["InFlight", "Pipeline", "StepFailed", "continuation", "gather_tokens", "read"]
+
+
+class StepFailed(Exception):
+    """Carrying out a plan raised (the cause is chained); ``failed``: requests already failed."""
+
+    def __init__(self, failed: set[str]) -> None:
+        super().__init__("engine step failed")
+        self.failed = failed
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose outputs the host has not read.
+
+    Attributes:
+      plan: its plan.
+      inputs: its inputs (host arrays, but ``token_ids`` for a continuation).
+      failed: requests whose host work for it failed (:func:`paxcache.step.prepare_inputs`).
+      state: the block state it returns (on the device).
+      out: its :class:`~paxcache.step.StepOutputs` (on the device).
+      free_after: free device blocks after it, by the scheduler's arithmetic.
+    """
+
+    plan: StepPlan
+    inputs: Any
+    failed: set[str]
+    state: Any
+    out: Any
+    free_after: int
+
+
+def read(flight: InFlight, state: Any) -> Any:
+    """Reads a dispatched step's outputs (:func:`paxcache.step.read_result`: one transfer)
+    with ``state`` the block state the block manager is to adopt.
+
+    Raises:
+      StepFailed: the transfer (or the step behind it) raised.
+    """
+    try:
+        return read_result(flight.plan, state, flight.out, flight.failed)
+    except Exception as e:  # noqa: BLE001 - the engine fails this step's requests
+        raise StepFailed(flight.failed) from e
+
+
+@jax.jit
+def gather_tokens(sampled_tokens: jax.Array, sources: jax.Array) -> jax.Array:
+    """``i32[T]`` input tokens of a continuation: row ``i`` feeds what sample ``sources[i]``
+    (``i32[T]``) of the previous step drew (``sampled_tokens``: ``i32[R]``, on the device);
+    padding rows read sample 0 (never written, never read)."""
+    return jnp.take(sampled_tokens, sources, mode="clip")
+
+
+def continuation(
+    prev: InFlight, scheduler: Scheduler, shapes: StepShapes, max_model_len: int
+) -> tuple[StepPlan, StepInputs, int] | None:
+    """The step after ``prev`` when it needs no host decision, as ``(plan, inputs with
+    placeholder token_ids, fresh blocks it takes)``; None when the scheduler must plan it
+    after reading ``prev`` (see the module docstring)."""
+    plan, inputs = prev.plan, prev.inputs
+    if shapes.decode_steps > 1:  # decode-only steps run as multi-step decodes instead
+        return None
+    if not plan.rows or inputs.decode_loop is not None or inputs.prompt_logprobs is not None:
+        return None
+    if len(plan.samples) != len(plan.rows):
+        return None
+    # Sequences that finished (or were aborted) since prev went out are gone: their rows
+    # are dropped (prev's own finishes are not known yet: their rows here are wasted).
+    keep = [j for j, (seq, _) in enumerate(plan.rows) if not seq.is_finished]
+    rows = [plan.rows[j] for j in keep]
+    if not rows or scheduler.waiting or scheduler.swapped or len(scheduler.running) != len(rows):
+        return None
+    if len(rows) > scheduler.max_num_batched_tokens:
+        return None
+    lengths = []
+    for j in keep:
+        (seq, q), (sampler, row) = plan.rows[j], plan.samples[j]
+        if row != j or sampler is not seq or seq.matcher is not None:
+            return None
+        if seq.request_id in prev.failed:
+            return None
+        length = seq.num_computed + q  # after prev
+        if length + 1 > max_model_len:
+            return None
+        lengths.append(length)
+    block = scheduler.block_size
+    need = sum(1 for n in lengths if n % block == 0)  # the new token starts a block
+    if need > prev.free_after:
+        return None
+    r, n = shapes.max_rows, len(rows)
+    t = shapes.bucket(n)
+    sources = np.zeros(t, np.int32)
+    sources[:n] = keep
+    kv_lens = np.zeros(r, np.int32)
+    kv_lens[:n] = np.asarray(lengths) + 1
+    q_lens = np.zeros(r, np.int32)
+    q_lens[:n] = 1
+    grows = np.zeros(r, bool)
+    grows[:n] = True
+    seeds = np.zeros(r, np.uint64)
+    generated = np.zeros(r, np.int64)
+    index = np.zeros(r, np.int64)
+    for j, (seq, _) in enumerate(rows):
+        seeds[j], generated[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated + 1, seq.index
+    logits_rows = np.zeros(r, np.int32)
+    logits_rows[:n] = np.arange(n)
+
+    def kept(values: Any, pad: float) -> np.ndarray:  # prev's per-sample values, kept rows
+        values = np.asarray(values)
+        out = np.full(r, pad, values.dtype)
+        out[:n] = values[keep]
+        return out
+
+    old = inputs.sampling
+    sampling = old.replace(
+        logits_rows=logits_rows,
+        temperature=kept(old.temperature, 0),
+        top_k=kept(old.top_k, 0),
+        top_p=kept(old.top_p, 1),
+        min_p=kept(old.min_p, 0),
+        keys=request_keys(seeds, generated, index),
+    )
+    slots = np.zeros(r, np.int32)
+    slots[:n] = np.asarray(inputs.slot_ids)[keep]
+    nxt = StepInputs(
+        token_ids=sources,  # the sample each row reads: gather_tokens makes them tokens
+        slot_ids=slots,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_rows=np.asarray(n, np.int32),
+        grows=grows,
+        sampling=sampling,
+        decode_only=shapes.decode_variant,
+    )
+    next_plan = StepPlan(
+        rows=[(seq, 1) for seq, _ in rows],
+        slots=[plan.slots[j] for j in keep],
+        samples=[(seq, j) for j, (seq, _) in enumerate(rows)],
+    )
+    return next_plan, nxt, need
+
+
+class Pipeline:
+    """The engine's overlapped step loop: at most one step in flight (module docstring).
+
+    Args:
+      engine: the :class:`~paxcache.engine.Engine` whose steps it runs (its ``_dispatch``,
+        ``_run`` and ``_recover``; the scheduler stays the engine's).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.inflight: InFlight | None = None
+        self.num_continued = 0  # steps dispatched as a continuation (while one was in flight)
+        self.num_wasted_rows = 0  # their rows whose sequence had finished when read
+
+    def step(self) -> list[Any]:
+        """One call: dispatches the next step when it is a continuation (else the scheduler
+        plans one first, when nothing is in flight), then reads and post-processes one step.
+        Returns the sequences touched, as the synchronous step does."""
+        eng = self.engine
+        touched: list[Any] = []
+        flight = self.inflight
+        if flight is not None and all(seq.is_finished for seq, _ in flight.plan.rows):
+            # Every row's request finished or was aborted since it went out: nothing to read
+            # (the manager adopted its state when the step before it was read).
+            self.num_wasted_rows += len(flight.plan.rows)
+            self.inflight = None
+        # The block state the next step starts from: the one the manager holds (the step in
+        # flight's output, adopted, with any frees since), unless that step was dispatched
+        # just now, in this call: then its own output (the manager's was donated to it).
+        fresh = self.inflight is None
+        if self.inflight is None:
+            plan = eng.scheduler.schedule()
+            if not plan.rows:  # swaps only, or nothing: the synchronous path
+                return eng._run(plan)
+            touched += plan.failed
+            try:
+                self.inflight = eng._dispatch(plan)
+            except StepFailed as e:
+                return touched + eng._recover(plan, e)
+        prev, self.inflight = self.inflight, None
+        nxt = continuation(prev, eng.scheduler, eng._shapes, eng.max_model_len)
+        if nxt is not None:
+            plan, inputs, need = nxt
+            tokens = gather_tokens(prev.out.sampled.tokens, inputs.token_ids)
+            inputs = inputs.replace(token_ids=tokens)
+            try:
+                self.inflight = eng._dispatch(
+                    plan,
+                    inputs=inputs,
+                    state=prev.state if fresh else None,
+                    free_after=prev.free_after - need,
+                )
+            except StepFailed as e:  # it may have consumed prev's state: fail both
+                return touched + eng._recover(prev.plan, e)
+            self.num_continued += 1
+        if self.inflight is not None:
+            newest = self.inflight.state
+        else:  # nothing newer in flight: prev's output, or what the manager made of it since
+            newest = prev.state if fresh else eng.block_manager.state
+        try:
+            result = read(prev, newest)
+        except StepFailed as e:
+            self.inflight = None
+            return touched + eng._recover(prev.plan, e)
+        if newest is not prev.state:  # its free count is not prev's: read when asked
+            result = dataclasses.replace(result, num_free_blocks=None)
+        # Rows of a continuation whose sequence finished (or was aborted) after it went out.
+        self.num_wasted_rows += sum(1 for seq, _ in prev.plan.rows if seq.is_finished)
+        return touched + eng.scheduler.postprocess(prev.plan, result)
