@@ -110,3 +110,22 @@ def test_a_waiting_request_is_planned_by_the_scheduler_not_continued(model):
 def test_async_scheduling_must_be_a_bool(model, bad):
     with pytest.raises(ValueError, match="async_scheduling"):
         _engine(model, bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [([], (True, None)), (["--no-async-scheduling", "--decode-steps", "4"], (False, 4))],
+)
+def test_serve_flags_reach_the_engine(argv, want):
+    from test_security_server import _serve_script
+
+    serve = _serve_script()
+    seen = {}
+
+    class Recorder:
+        @classmethod
+        def from_pretrained(cls, model, **kwargs):
+            seen.update(kwargs)
+
+    serve._load_engine(Recorder, serve.parse_args(argv), None, "recompute")
+    assert (seen["async_scheduling"], seen["decode_steps"]) == want
