@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxcache import allocator
-from paxcache.sampling import SampleOutput, request_keys
+from paxcache.sampling import SampleOutput, sequence_keys
 from paxcache.scheduler import Scheduler, StepPlan
 
 __all__ = [
@@ -123,21 +123,15 @@ def prepare(
     iterations; ``max_rows`` is R. Keys follow :func:`paxcache.step.prepare_sampling`'s
     rule ``(seed, tokens generated, completion index)``."""
     r = max_rows
-    seeds = np.zeros(r, np.uint64)
-    generated = np.zeros(r, np.int64)
-    index = np.zeros(r, np.int64)
     stop_ids = np.full((r, MAX_STOP_IDS), -1, np.int32)
     max_new = np.ones(r, np.int32)
     for j, (seq, _) in enumerate(plan.samples):
-        seeds[j], generated[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
         ids = _stop_ids(seq, eos_ids)
         stop_ids[j, : len(ids)] = ids
         left = min(seq.params.max_tokens - seq.num_generated, max_model_len - len(seq.token_ids))
         max_new[j] = max(1, left)
-    steps = generated[None, :] + np.arange(num_steps)[:, None]  # [K, R]
-    keys = request_keys(np.tile(seeds, num_steps), steps.ravel(), np.tile(index, num_steps))
     return DecodeLoopInputs(
-        keys=keys.reshape(num_steps, r, 2),
+        keys=sequence_keys([seq for seq, _ in plan.samples], r, range(num_steps)),
         stop_ids=stop_ids,
         max_new=max_new,
         exit_on_finish=np.asarray(exit_on_finish),

@@ -547,7 +547,7 @@ class Engine:
             inputs, failed = step_lib.prepare_inputs(plan, self._shapes)
             loop = decode_loop.for_plan(plan, self.scheduler, self._shapes)  # None: one step
             inputs = inputs.replace(decode_loop=loop)
-        if free_after is None:
+        if free_after is None and self._pipeline is not None:  # only a continuation reads it
             need = self.scheduler.blocks_needed(plan.rows)
             free_after = self.block_manager.num_free_blocks - need
         state = self.block_manager.state if state is None else state

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxcache.sampling import request_keys
+from paxcache.sampling import sequence_keys
 from paxcache.scheduler import Scheduler, StepPlan
 from paxcache.step import StepInputs, StepShapes, read_result
 
@@ -59,7 +59,8 @@ class InFlight:
       failed: requests whose host work for it failed (:func:`paxcache.step.prepare_inputs`).
       state: the block state it returns (on the device).
       out: its :class:`~paxcache.step.StepOutputs` (on the device).
-      free_after: free device blocks after it, by the scheduler's arithmetic.
+      free_after: free device blocks after it, by the scheduler's arithmetic (None for a
+        synchronous engine, which never continues a step).
     """
 
     plan: StepPlan
@@ -67,7 +68,7 @@ class InFlight:
     failed: set[str]
     state: Any
     out: Any
-    free_after: int
+    free_after: int | None
 
 
 def read(flight: InFlight, state: Any) -> Any:
@@ -125,7 +126,7 @@ def continuation(
         lengths.append(length)
     block = scheduler.block_size
     need = sum(1 for n in lengths if n % block == 0)  # the new token starts a block
-    if need > prev.free_after:
+    if prev.free_after is None or need > prev.free_after:
         return None
     r, n = shapes.max_rows, len(rows)
     t = shapes.bucket(n)
@@ -137,11 +138,6 @@ def continuation(
     q_lens[:n] = 1
     grows = np.zeros(r, bool)
     grows[:n] = True
-    seeds = np.zeros(r, np.uint64)
-    generated = np.zeros(r, np.int64)
-    index = np.zeros(r, np.int64)
-    for j, (seq, _) in enumerate(rows):
-        seeds[j], generated[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated + 1, seq.index
     logits_rows = np.zeros(r, np.int32)
     logits_rows[:n] = np.arange(n)
 
@@ -158,7 +154,7 @@ def continuation(
         top_k=kept(old.top_k, 0),
         top_p=kept(old.top_p, 1),
         min_p=kept(old.min_p, 0),
-        keys=request_keys(seeds, generated, index),
+        keys=sequence_keys([seq for seq, _ in rows], r, (1,))[0],  # one token on
     )
     slots = np.zeros(r, np.int32)
     slots[:n] = np.asarray(inputs.slot_ids)[keep]

@@ -34,7 +34,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ __all__ = [
     "random_seed",
     "request_key",
     "request_keys",
+    "sequence_keys",
     "sample",
     "token_logprobs",
 ]
@@ -335,6 +336,21 @@ def request_keys(
     hi = (h >> np.uint64(32)).astype(np.uint32)
     lo = (h & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     return np.stack([hi, lo], axis=-1)
+
+
+def sequence_keys(seqs: Sequence[Any], num_rows: int, ahead: Sequence[int] = (0,)) -> np.ndarray:
+    """``u32[len(ahead), num_rows, 2]``: for each ``a`` in ``ahead``, row ``j``'s key for the
+    sample ``a`` tokens after the next one of ``seqs[j]`` (its ``seed``, ``num_generated``
+    and ``index``: :func:`request_keys`' rule); rows past ``len(seqs)`` are padding."""
+    seeds = np.zeros(num_rows, np.uint64)
+    generated = np.zeros(num_rows, np.int64)
+    index = np.zeros(num_rows, np.int64)
+    for j, seq in enumerate(seqs):
+        seeds[j], generated[j], index[j] = seq.seed & _U64, seq.num_generated, seq.index
+    k = len(ahead)
+    steps = generated[None, :] + np.asarray(ahead, np.int64)[:, None]  # [k, R]
+    keys = request_keys(np.tile(seeds, k), steps.ravel(), np.tile(index, k))
+    return keys.reshape(k, num_rows, 2)
 
 
 def request_key(seed: int, step: int, index: int = 0) -> np.ndarray:

@@ -52,7 +52,8 @@ def _summary(outs):
 
 def _run(eng, requests, abort_at=None, check=False):
     """Adds ``requests`` (id -> (prompt, params)), steps to the end (aborting ``abort_at``'s
-    request after that many steps), and returns the finished outputs by id."""
+    request after that many steps; ``check``: the invariants after every step), and returns
+    the finished outputs by id and the number of steps."""
     for rid, (prompt, sp) in requests.items():
         eng.add_request(rid, prompt, sp)
     done, steps = {}, 0
@@ -66,7 +67,9 @@ def _run(eng, requests, abort_at=None, check=False):
         if check:
             bad = [k for k, v in eng.check_invariants().items() if not v]
             assert not bad, bad
-    return done
+    for out in eng.step():  # an abort of the last live request reports at the next step
+        done[out.request_id] = out
+    return done, steps
 
 
 REQUEST = st.fixed_dictionaries(
@@ -117,9 +120,9 @@ def test_multi_step_decode_gives_the_single_step_tokens_under_tight_memory(
     # loops that stop early for want of blocks both happen.
     requests = _requests(specs, seed)
     abort_at = None if abort is None else (f"r{abort[0] % len(specs)}", abort[1])
-    single = _run(_engine(model, 1), requests, abort_at)
+    single, _ = _run(_engine(model, 1), requests, abort_at)
     multi_eng = _engine(model, 4)
-    multi = _run(multi_eng, requests, abort_at, check=True)
+    multi, _ = _run(multi_eng, requests, abort_at, check=True)
     aborted = set() if abort_at is None else {abort_at[0]}
     keep = sorted(set(requests) - aborted)
     assert _summary([multi[r] for r in keep]) == _summary([single[r] for r in keep])
@@ -151,7 +154,7 @@ def test_multi_step_decode_stops_when_the_next_blocks_are_not_free(model):
     sp = SamplingParams(max_tokens=14, ignore_eos=True)
     prompts = [list(range(10, 18)), list(range(40, 48))]
     multi_eng = _engine(model, 8, num_blocks=5, watermark=0.0)
-    outs = _run(multi_eng, {"a": (prompts[0], sp), "b": (prompts[1], sp)}, check=True)
+    outs, _ = _run(multi_eng, {"a": (prompts[0], sp), "b": (prompts[1], sp)}, check=True)
     single = _engine(model, 1, num_blocks=5, watermark=0.0).generate(prompts, sp)
     assert [outs[r].outputs[0].token_ids for r in "ab"] == [o.outputs[0].token_ids for o in single]
     st_ = multi_eng.stats()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_decode_loop import REQUEST, _requests, _summary
+from test_decode_loop import REQUEST, _requests, _run, _summary
 from tiny_models import byte_llama
 
 from paxcache import Engine, SamplingParams
@@ -27,23 +27,6 @@ def _engine(model, async_scheduling, **kw):
     return Engine(
         model, ByteTokenizer(), async_scheduling=async_scheduling, compile_cache=False, **args
     )
-
-
-def _run(eng, requests, abort_at=None, check=False):
-    for rid, (prompt, sp) in requests.items():
-        eng.add_request(rid, prompt, sp)
-    done, steps = {}, 0
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        steps += 1
-        if abort_at is not None and steps == abort_at[1]:
-            eng.abort(abort_at[0])
-        if check:  # with a step in flight: its rows are a token ahead of the accounting
-            bad = [k for k, v in eng.check_invariants().items() if not v]
-            assert not bad, bad
-    return done, steps
 
 
 @settings(
