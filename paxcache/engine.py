@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,12 +35,19 @@ from paxcache import allocator, decode_loop, grammar, kv_cache, kv_quant, overla
 from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
+from paxcache.engine_config import EngineConfig
 from paxcache.errors import DuplicateSequenceError
 from paxcache.manager import BlockManager
 from paxcache.models import quantize
 from paxcache.models.layer_plan import shared_window
 from paxcache.models.tokenizer import IncrementalDecoder
-from paxcache.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput, RequestState
+from paxcache.outputs import (
+    INTERNAL_ERROR,
+    CompletionOutput,
+    OutputProcessor,
+    RequestOutput,
+    RequestState,
+)
 from paxcache.overlap import StepFailed
 from paxcache.sampling import SamplingParams
 from paxcache.scheduler import Scheduler, StepPlan, StepResult
@@ -64,131 +70,71 @@ class Engine:
         The engine's kernel choice and mesh reach that layer through the step's
         :class:`~paxcache.attention.AttentionMetadata`.
       tokenizer: its tokenizer (``encode``, ``decode``, ``eos_token_id``).
-      model_name: the name reported by ``stats`` and the server.
-      num_blocks: device KV blocks; default: enough for ``max_num_seqs`` full-length
-        sequences, capped by ``kv_memory_bytes`` (or 1 GiB on CPU); on an accelerator 90% of
-        the free memory less the largest step's own needs (:mod:`paxcache.sizing`).
-      block_size: tokens per block.
-      max_num_seqs: most sequences running (and rows in one step); default by backend
-        (``default_batch_limits``: 64 on CPU, 256 on TPU/GPU).
-      max_num_batched_tokens: token budget of one step (decodes + prefill chunks); default
-        by backend (256 on CPU, 2048 on TPU/GPU).
-      num_host_blocks: host (pinned memory) blocks for swap preemption.
-      kv_cache_dtype: ``"auto"`` (model dtype), ``"int8"``, ``"fp8"`` (e4m3; :mod:`.kv_quant`).
-      enable_prefix_caching: reuse computed blocks of identical prompt prefixes.
-      preemption_mode: ``"swap"`` (needs host blocks) or ``"recompute"``.
-      policy: scheduling policy, ``"fifo"`` or ``"prefill_first"``.
-      tp, ep: tensor- and expert-parallel degrees (mesh axes ``tp``, ``ep``: :mod:`.sharding`).
-      max_model_len: longest sequence (prompt + output); default the model's
-        ``max_position_embeddings``.
-      kv_memory_bytes: KV cache budget in bytes (alternative to ``num_blocks``).
-      watermark: fraction of blocks kept free at admission.
-      impl: kernel implementation of every op of the step (attention, KV writes, block
-        copies): ``"auto"`` (Pallas on TPU/GPU, XLA on CPU), ``"reference"``, ``"pallas"``...
-        Swaps between device and host memory always run the memory-kinds program (a Mosaic
-        kernel cannot address host memory), so they follow ``impl`` only for
-        ``"reference"``.
-      interpret: run Pallas kernels in interpret mode (CPU tests).
-      seed: seed for requests that do not set one.
-      compile_cache: JAX's persistent compilation cache (process-wide, see
-        :mod:`paxcache.compile_cache`): ``None`` (default) uses the directory JAX already
-        has, else ``$XDG_CACHE_HOME/paxcache/jax`` (``~/.cache/paxcache/jax``); a path uses
-        that directory; ``False`` leaves the cache as it is (off unless JAX was told
-        otherwise).
-      warmup: compile every step bucket on first use (the first :meth:`step`), logging one
-        line per bucket, so no later step compiles; ``False`` compiles each bucket when a
-        step first needs it (or call :meth:`warmup` yourself).
-      decode_steps: K, the most decode iterations one device program runs when a step holds
-        only decode rows (:mod:`paxcache.decode_loop`; streams then get up to K tokens per
-        step); default by backend (1 on CPU, 8 on TPU/GPU); 1 is the single-step engine.
-      async_scheduling: dispatch a step that needs no host decision before reading the one
-        before it (:mod:`paxcache.overlap`); ``False``: every step is read before the next.
+      config: an :class:`~paxcache.engine_config.EngineConfig` (its parts: the KV cache, the
+        scheduler, the kernels, the parallel layout).
+      **options: instead of ``config``, its options as flat keywords
+        (:meth:`EngineConfig.from_kwargs <paxcache.engine_config.EngineConfig.from_kwargs>`:
+        ``num_blocks``, ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+        ``num_host_blocks``, ``kv_cache_dtype``, ``enable_prefix_caching``,
+        ``preemption_mode``, ``policy``, ``tp``, ``ep``, ``max_model_len``,
+        ``kv_memory_bytes``, ``watermark``, ``impl``, ``interpret``, ``seed``,
+        ``compile_cache``, ``warmup``, ``decode_steps``, ``async_scheduling``, ``model_name``).
+
+    ``engine.config`` is the config with the by-backend defaults resolved; the attributes
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``decode_steps``,
+    ``impl``, ``tp``, ``ep`` are its values.
     """
 
     def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        model_name: str = "model",
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        num_host_blocks: int = 0,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        policy: str = "fifo",
-        tp: int = 1,
-        ep: int = 1,
-        max_model_len: int | None = None,
-        kv_memory_bytes: int | None = None,
-        watermark: float = 0.01,
-        impl: str = "auto",
-        interpret: bool = False,
-        seed: int | None = None,
-        compile_cache: str | os.PathLike[str] | bool | None = None,
-        warmup: bool = True,
-        decode_steps: int | None = None,
-        async_scheduling: bool = True,
+        self, model: Any, tokenizer: Any, config: EngineConfig | None = None, **options: Any
     ) -> None:
-        cfg, kv_dtype = model.config, kv_quant.resolve_kv_dtype(kv_cache_dtype, model.dtype, impl)
-        cache_dir = compile_cache_lib.resolve(compile_cache)  # validates before any work
-        max_num_seqs, max_num_batched_tokens = step_lib.resolve_batch_limits(
-            self._target_backend(), max_num_seqs, max_num_batched_tokens
-        )
-        if preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be 'swap' or 'recompute': {preemption_mode!r}")
-        if preemption_mode == "swap" and num_host_blocks <= 0:
-            raise ValueError("preemption_mode='swap' needs num_host_blocks > 0")
-        for name, val in (("block_size", block_size), ("tp", tp), ("ep", ep)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if config is not None and options:
+            raise TypeError(f"give either config or keyword options, not both: {sorted(options)}")
+        config = EngineConfig.from_kwargs(**options) if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        cfg = model.config
+        model_max = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.config = config = config.resolve(self._target_backend(), model_max)
+        kv_opts, sched, par = config.cache, config.scheduler, config.parallel
+        self.impl, self.interpret = config.kernel.impl, config.kernel.interpret
+        kv_dtype = kv_quant.resolve_kv_dtype(kv_opts.kv_cache_dtype, model.dtype, self.impl)
+        cache_dir = compile_cache_lib.resolve(config.compile_cache)
         # The allocator frees blocks behind a window only when every layer has that window.
         self.sliding_window = shared_window(cfg.layer_windows())
         self.model = model
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.impl = impl
-        self.interpret = interpret
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.tp, self.ep, self.kv_dtype = tp, ep, kv_dtype
-        self._rng = np.random.default_rng(seed)
+        self.model_name = config.model_name
+        self.max_num_seqs = max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.max_model_len = sched.max_model_len
+        self.tp, self.ep, self.kv_dtype = par.tp, par.ep, kv_dtype
+        self._rng = np.random.default_rng(config.seed)
         self.compile_cache_dir = None if cache_dir is None else compile_cache_lib.enable(cache_dir)
-        self._auto_warmup = bool(warmup)
-        self.decode_steps = decode_loop.resolve_decode_steps(decode_steps, self._target_backend())
-        if not isinstance(async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
-        self.async_scheduling = async_scheduling
-        self._pipeline = overlap.Pipeline(self) if async_scheduling else None
+        self._auto_warmup = config.warmup
+        self.decode_steps = sched.decode_steps
+        self.async_scheduling = sched.async_scheduling
+        self._pipeline = overlap.Pipeline(self) if sched.async_scheduling else None
         self._warmed_up = False
 
-        model_max = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.max_model_len = int(max_model_len or model_max)
-        if self.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {model_max}"
-            )
+        block_size = kv_opts.block_size
         max_blocks_per_seq = -(-self.max_model_len // block_size)
-        kv_heads = max(cfg.num_key_value_heads, tp)  # tp > K: kv heads replicated (sharding.py)
+        kv_heads = max(cfg.num_key_value_heads, self.tp)  # tp > K: replicated (sharding.py)
         self.bytes_per_block = kv_cache.bytes_per_block(
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
         )
-        self.buckets = step_lib.token_buckets(max_num_batched_tokens)
-        decode = step_lib.wants_decode_variant(impl, self._target_backend())
+        self.buckets = step_lib.token_buckets(self.max_num_batched_tokens)
+        decode = step_lib.wants_decode_variant(self.impl, self._target_backend())
         self._shapes = step_lib.StepShapes(
             self.buckets, max_num_seqs, cfg.vocab_size, decode, self.decode_steps
         )
         self.decode_buckets = step_lib.decode_buckets(self._shapes)  # () off TPU kernels
         graphdef, params = nnx.split(model)
-        self.mesh, self._params = self._place_params(model, params, tp)
+        self.mesh, self._params = self._place_params(model, params, self.tp)
         self._step_config = step_lib.StepConfig(
-            graphdef=graphdef, impl=impl, interpret=interpret, mesh=self.mesh
+            graphdef=graphdef, impl=self.impl, interpret=self.interpret, mesh=self.mesh
         )
-        self._swap_impl = "reference" if impl == "reference" else "auto"
+        self._swap_impl = "reference" if self.impl == "reference" else "auto"
         self.kv_scales = self._calibrate_kv(kv_heads, block_size)  # {} for a float cache
         self._num_traces = 0
         self._compiles_at_start = compile_cache_lib.backend_compiles()
@@ -203,26 +149,27 @@ class Engine:
             self._build_cache,
             block_size=block_size,
             max_blocks_per_seq=max_blocks_per_seq,
-            num_host_blocks=num_host_blocks,
-            watermark=watermark,
-            enable_prefix_caching=enable_prefix_caching,
+            num_host_blocks=kv_opts.num_host_blocks,
+            watermark=kv_opts.watermark,
+            enable_prefix_caching=kv_opts.enable_prefix_caching,
             kv_heads=kv_heads,
             scheduler_args=dict(
                 max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                preemption_mode=preemption_mode,
-                policy=policy,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                preemption_mode=sched.preemption_mode,
+                policy=sched.policy,
                 max_model_len=self.max_model_len,
                 eos_token_ids=eos_ids,
             ),
         )
-        if num_blocks is None and kv_memory_bytes is None and self._on_accelerator():
+        num_blocks = kv_opts.num_blocks
+        if num_blocks is None and kv_opts.kv_memory_bytes is None and self._on_accelerator():
             num_blocks = self._size_for_device(build, kv_heads, max_blocks_per_seq)
         elif num_blocks is None:
             num_blocks = sizing.host_num_blocks(
-                kv_memory_bytes, max_num_seqs, max_blocks_per_seq, self.bytes_per_block
+                kv_opts.kv_memory_bytes, max_num_seqs, max_blocks_per_seq, self.bytes_per_block
             )
-        if num_blocks < 1:
+        if num_blocks < 1:  # an explicit value is checked by KVCacheConfig
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         build(int(num_blocks))
         if num_blocks * block_size < self.max_model_len:
@@ -232,10 +179,9 @@ class Engine:
                 num_blocks * block_size,
                 self.max_model_len,
             )
-        self._requests: dict[str, RequestState] = {}
-        self._pending_outputs: list[RequestOutput] = []
+        self.outputs = OutputProcessor()  # live requests and their outputs
         n, mib = self.cache_config.num_blocks, self.bytes_per_block * num_blocks / 2**20
-        limits = (max_num_seqs, max_num_batched_tokens, self.max_model_len, list(self.buckets))
+        limits = (max_num_seqs, self.max_num_batched_tokens, self.max_model_len, list(self.buckets))
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB on %s), max_num_seqs %d, "
             "max_num_batched_tokens %d, max_model_len %d, step buckets %s",
@@ -250,25 +196,32 @@ class Engine:
         model: str = "tiny",
         *,
         dtype: Any = None,
-        **kwargs: Any,
+        quantization: str | None = None,
+        config: EngineConfig | None = None,
+        **options: Any,
     ) -> Engine:
         """Loads ``"tiny"`` or an HF-format directory (``dtype`` None: bf16 on TPU/GPU, f32 on CPU).
 
-        Keyword arguments are ``quantization`` (None, ``"int8"``, ``"int8-w8a8"``, ``"fp8"``:
-        :func:`paxcache.models.load_pretrained`) and those of :class:`Engine` (``num_blocks``,
-        ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``tp``, ``ep``, ...).
+        ``quantization`` (None, ``"int8"``, ``"int8-w8a8"``, ``"fp8"``) is
+        :func:`paxcache.models.load_pretrained`'s; ``config`` or the flat ``options``
+        (``num_blocks``, ``block_size``, ``max_num_seqs``, ``tp``, ``ep``, ...) are
+        :class:`Engine`'s, validated before the weights load; ``model_name`` defaults to the
+        directory's name.
         """
         from paxcache.models import load_pretrained
 
-        kv_quant.check_kv_cache_dtype(kwargs.get("kv_cache_dtype", "auto"))  # before the load
+        if config is not None and options:
+            raise TypeError(f"give either config or keyword options, not both: {sorted(options)}")
+        name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
+        options.setdefault("model_name", name)
+        config = EngineConfig.from_kwargs(**options) if config is None else config
         t0 = time.perf_counter()
         dtype = step_lib.default_dtype() if dtype is None else dtype
-        tp, ep, quant = kwargs.get("tp", 1), kwargs.get("ep", 1), kwargs.pop("quantization", None)
-        m, tok = load_pretrained(model, dtype=dtype, tp=tp, ep=ep, quantization=quant)  # shards
-        name = "tiny" if str(model) == "tiny" else str(model).rstrip("/").split("/")[-1]
+        tp, ep = config.parallel.tp, config.parallel.ep
+        m, tok = load_pretrained(model, dtype=dtype, tp=tp, ep=ep, quantization=quantization)
         what = f"{m.config.model_type}, {m.config.num_hidden_layers} layers, {quantize.describe(m)}"
-        logger.info("loaded %s (%s) in %.1fs", name, what, time.perf_counter() - t0)
-        return cls(m, tok, model_name=name, **kwargs)
+        logger.info("loaded %s (%s) in %.1fs", config.model_name, what, time.perf_counter() - t0)
+        return cls(m, tok, config)
 
     # Placement hooks: where the weights, block state and KV cache live. scripts/compile_check.py
     # overrides them to build the same engine from abstract values on a TPU topology.
@@ -436,7 +389,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._requests:
+        if request_id in self.outputs:
             raise DuplicateSequenceError(f"request id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
         ids = list(self.tokenizer.encode(prompt)) if text is not None else [int(t) for t in prompt]
@@ -465,19 +418,19 @@ class Engine:
             make_decoder=lambda: IncrementalDecoder(self.tokenizer),
             make_matcher=make_matcher,
         )
-        self._requests[request_id] = RequestState(request_id, text, list(ids), params, seqs)
+        self.outputs.add(RequestState(request_id, text, list(ids), params, seqs))
         self.scheduler.add(seqs)
 
     def abort(self, request_id: str) -> None:
         """Stops a request now and frees its blocks; unknown or finished ids are ignored."""
-        req = self._requests.pop(request_id, None)
+        req = self.outputs.get(request_id)
         if req is None:
             return
         self.scheduler.finish(req.seqs, "abort")
-        self._pending_outputs.append(req.output(finished=True))
+        self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return len(self.outputs) > 0
 
     # ------------------------------------------------------------------ the step
 
@@ -492,20 +445,9 @@ class Engine:
         if self._auto_warmup and not self._warmed_up:
             logger.info("first step: warming up %d step shapes first", len(self.buckets))
             self.warmup()
-        outputs, self._pending_outputs = self._pending_outputs, []
         pipe = self._pipeline
         touched = pipe.step() if pipe is not None else self._run(self.scheduler.schedule())
-        reqs = {s.request_id: self._requests.get(s.request_id) for s in touched}
-        for req in reqs.values():
-            if req is None:
-                continue
-            finished = all(s.is_finished for s in req.seqs)
-            outputs.append(req.output(finished=finished))
-            if finished:
-                self._requests.pop(req.request_id, None)
-            for s in req.seqs:
-                s.new_ids = []
-        return outputs
+        return self.outputs.process(touched)
 
     def _run(self, plan: StepPlan) -> list[Seq]:
         """Carries ``plan`` out synchronously (swaps, then the step if it has rows), reads and
@@ -600,7 +542,7 @@ class Engine:
             victims |= {s.request_id for s in self.scheduler.reset_cache(state)}
         touched: list[Seq] = []
         for rid in victims:
-            req = self._requests.get(rid)
+            req = self.outputs.get(rid)
             if req is not None:
                 self.scheduler.finish(req.seqs, "error", INTERNAL_ERROR)
                 touched += req.seqs
@@ -712,8 +654,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters and gauges; cheap enough to poll every second. Besides the block,
         prefix-cache and compilation figures, the scheduler's counters (``num_preemptions`` =
-        ``_swap`` + ``_recompute``; ``num_swaps`` and ``num_swapped_out_seqs`` are the swap
-        preemptions, kept under their metric names), queue sizes, ``oldest_waiting_age_s``
+        ``num_swaps`` + ``num_preemptions_recompute``: a swap preemption is one swap-out of
+        one sequence), queue sizes, ``oldest_waiting_age_s``
         and ``num_traces`` (step programs this engine traced; :func:`step.jitted_step`)."""
         bm, sched = self.block_manager, self.scheduler
         total = self.cache_config.num_blocks
@@ -728,10 +670,8 @@ class Engine:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
             "num_preemptions": sched.num_preemptions,
-            "num_preemptions_swap": sched.num_preemptions_swap,
             "num_preemptions_recompute": sched.num_preemptions_recompute,
-            "num_swaps": sched.num_preemptions_swap,  # one swap-out per swap preemption
-            "num_swapped_out_seqs": sched.num_preemptions_swap,
+            "num_swaps": sched.num_swaps,
             "num_swapped_out_blocks": sched.num_swapped_out_blocks,
             "num_swapped_in_seqs": sched.num_swapped_in_seqs,
             "num_swapped_in_blocks": sched.num_swapped_in_blocks,
@@ -784,10 +724,10 @@ class Engine:
         checks.update(self.scheduler.check_invariants(ahead))
         sched = self.scheduler
         live = sched.running + sched.swapped + [s for unit in sched.waiting for s in unit]
-        unfinished = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        unfinished = [s for r in self.outputs.requests() for s in r.seqs if not s.is_finished]
         checks["requests_accounted"] = sorted(map(id, unfinished)) == sorted(map(id, live))
         st = jax.device_get({"active": bm.state.active})
-        checks["idle_frees_everything"] = bool(self._requests) or (
+        checks["idle_frees_everything"] = len(self.outputs) > 0 or (
             bm.num_free_blocks == self.cache_config.num_blocks
             and bm.num_free_host_blocks == self.num_host_blocks
             and not st["active"].any()

@@ -158,3 +158,62 @@ class RequestState:
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
             prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None,
         )
+
+
+class OutputProcessor:
+    """The engine's one owner of live requests and of the outputs they report.
+
+    It holds a :class:`RequestState` per request added and not yet reported finished, and
+    turns the sequences a step touched (from ``Scheduler.postprocess``) into one
+    :class:`RequestOutput` per request, in the order first touched; an abort's final output is
+    queued here and reported with the next step's.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[str, RequestState] = {}
+        self._pending: list[RequestOutput] = []
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    def requests(self) -> list[RequestState]:
+        """The live requests, in the order they were added."""
+        return list(self._requests.values())
+
+    def add(self, req: RequestState) -> None:
+        """Starts tracking ``req`` (its id must not be live: the engine checks first)."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already live")
+        self._requests[req.request_id] = req
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """Stops tracking ``request_id`` and queues its final output (the caller has finished
+        its sequences); None for an unknown or finished id."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._pending.append(req.output(finished=True))
+        return req
+
+    def process(self, touched: list[Any]) -> list[RequestOutput]:
+        """The outputs of one step: the queued abort outputs, then one per live request with
+        a touched sequence (``touched``: sequences with ``request_id``, ``is_finished`` and this
+        step's ``new_ids``, which are cleared once reported). A request whose sequences all
+        finished is reported finished and forgotten."""
+        outputs, self._pending = self._pending, []
+        reqs = {s.request_id: self._requests.get(s.request_id) for s in touched}
+        for req in reqs.values():
+            if req is None:
+                continue
+            finished = all(s.is_finished for s in req.seqs)
+            outputs.append(req.output(finished=finished))
+            if finished:
+                self._requests.pop(req.request_id, None)
+            for s in req.seqs:
+                s.new_ids = []
+        return outputs

@@ -207,11 +207,12 @@ class Scheduler:
       max_model_len: longest sequence; one that reaches it finishes with ``"length"``.
       eos_token_ids: tokens that end a sequence (unless its ``ignore_eos``).
 
-    Counters (each fact counted once): ``num_preemptions_swap`` (units preempted by swapping
-    their lead out: the sequences swapped out) and ``num_preemptions_recompute``, summed by
-    the ``num_preemptions`` property; ``num_swapped_out_blocks``, ``num_swapped_in_seqs`` /
-    ``_blocks``; ``num_departures`` (running sequences that
-    finished, were aborted or failed); ``num_prompt_tokens`` (of requests added),
+    Counters (each fact counted once): ``num_swaps`` (units preempted by swapping their lead
+    out: one swap-out, one sequence out, per swap preemption) and
+    ``num_preemptions_recompute``, summed by the ``num_preemptions`` property;
+    ``num_swapped_out_blocks``, ``num_swapped_in_seqs`` / ``_blocks``; ``num_departures``
+    (running sequences that finished, were aborted or failed); ``num_prompt_tokens`` (of
+    requests added),
     ``num_prefill_tokens_computed`` (prompt tokens run through the model),
     ``num_generated_tokens``; ``num_refused_rows`` (planned rows the allocator refused: 0
     unless the block arithmetic has a bug); ``num_multi_step_decodes`` (steps that ran as a
@@ -250,7 +251,7 @@ class Scheduler:
         self.waiting: collections.deque[list[Sequence]] = collections.deque()
         self.swapped: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.num_preemptions_swap = 0
+        self.num_swaps = 0
         self.num_preemptions_recompute = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_seqs = self.num_swapped_in_blocks = 0
@@ -307,7 +308,7 @@ class Scheduler:
     @property
     def num_preemptions(self) -> int:
         """Units preempted, either way."""
-        return self.num_preemptions_swap + self.num_preemptions_recompute
+        return self.num_swaps + self.num_preemptions_recompute
 
     @property
     def num_waiting(self) -> int:
@@ -393,7 +394,7 @@ class Scheduler:
         plan.preempted += unit
         lead = unit[0]
         if self._can_swap(unit) and self._swap_out(lead, plan):
-            self.num_preemptions_swap += 1
+            self.num_swaps += 1
             lead.state = SeqState.SWAPPED
             lead.shared_last = False  # its table now points at private host copies
             ages = [s.age for s in self.swapped]

@@ -449,7 +449,7 @@ def test_a_request_failing_in_host_work_fails_alone(engine) -> None:
         def flush(self):
             return ""
 
-    engine._requests["a"].seqs[0].decoder = Exploding()
+    engine.outputs.get("a").seqs[0].decoder = Exploding()
     final = _drain(engine, ["a", "b"])
     a, b = final["a"], final["b"]
     assert a.outputs[0].finish_reason == "error" and "/secret" not in (a.error or "")

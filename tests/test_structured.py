@@ -396,7 +396,7 @@ def test_a_failed_matcher_fails_its_request_alone(engine):
     eng = engine
     eng.add_request("bad", "q", SamplingParams(max_tokens=5, structured_outputs=AB5))
     eng.add_request("good", "q", SamplingParams(max_tokens=5, structured_outputs=AB5, seed=1))
-    (bad,) = eng._requests["bad"].seqs
+    (bad,) = eng.outputs.get("bad").seqs
     assert not bad.matcher.consume(ord("z")) and bad.matcher.error
     outs = {}
     while eng.has_unfinished_requests():

@@ -105,12 +105,12 @@ class EngineStatsCollector:
             "paxcache_preemptions_by_mode_total": (
                 "Preemptions by mode.",
                 "mode",
-                {"swap": "num_preemptions_swap", "recompute": "num_preemptions_recompute"},
+                {"swap": "num_swaps", "recompute": "num_preemptions_recompute"},
             ),
             "paxcache_swapped_sequences_total": (
                 "Sequences moved between device and host memory.",
                 "direction",
-                {"out": "num_swapped_out_seqs", "in": "num_swapped_in_seqs"},
+                {"out": "num_swaps", "in": "num_swapped_in_seqs"},  # a swap moves one seq
             ),
             "paxcache_swapped_blocks_total": (
                 "KV blocks moved between device and host memory.",
