@@ -6,16 +6,19 @@ order. Only process 0 serves HTTP; its engine thread (the server's ``EngineRunne
 each round by broadcasting it as an :class:`EngineRound` (:func:`broadcast_round`, through
 ``sharding.broadcast_from_leader``): the new requests, the aborts, whether to sample stats, and
 a shutdown flag; then it applies them and steps. Every other process runs
-:func:`run_follower`, which receives the same round (:func:`receive_round`) and makes the same
-calls. Requests without a seed get one drawn on process 0 (:func:`with_leader_seed`), so
-sampling matches on every host. While idle the leader still sends an empty round every
-:data:`HEARTBEAT_S` seconds; on shutdown it sends a final round that ends the followers.
+:func:`run_follower`, which receives the same round (:func:`receive_round`). Both apply a round
+with the same code, :meth:`EngineLoop.run_round` (aborts, adds, the step, stats; on a failed
+step every live request aborted), so they make the same calls in the same order. Requests
+without a seed get one drawn on process 0 (:func:`with_leader_seed`), so sampling matches on
+every host. While idle the leader still sends an empty round every :data:`HEARTBEAT_S`
+seconds; on shutdown it sends a final round that ends the followers.
 
 Rounds travel as JSON of known fields, validated on receipt (:meth:`EngineRound.from_wire`),
 never pickle: a follower must not run whatever reaches the channel.
 
 This module sits beside the engine: it imports the sampling parameters and the sharding
-helpers, never the server.
+helpers, never the server (which imports it: a single-host server runs :class:`EngineLoop` too,
+without broadcasting).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import dataclasses
 import logging
 import secrets
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +38,11 @@ from paxcache.sampling import SamplingParams
 __all__ = [
     "HEARTBEAT_S",
     "MAX_REQUEST_ID_CHARS",
+    "EngineLoop",
     "EngineRound",
     "RoundAdd",
     "RoundError",
+    "RoundResult",
     "broadcast_round",
     "process_count",
     "receive_round",
@@ -78,7 +85,8 @@ class EngineRound:
       stop: the server is shutting down; followers return after the aborts.
       aborts: request ids to abort, in order.
       adds: requests to add, in order.
-      stats: sample ``engine.stats()`` after this round's step.
+      stats: sample ``engine.stats()`` after this round's step (a round without a step
+        samples them anyway).
     """
 
     stop: bool
@@ -187,13 +195,158 @@ def receive_round() -> EngineRound:
         raise RoundError(str(e)) from None
 
 
+@dataclass
+class RoundResult:
+    """What :meth:`EngineLoop.run_round` did with one round.
+
+    Attributes:
+      stopped: a stop round: its aborts were applied and nothing else.
+      added: the ids ``engine.add_request`` accepted, in order.
+      refused: request id -> the exception ``engine.add_request`` raised (not re-raised: the
+        leader answers the request with it, a follower got the same one and goes on).
+      stepped: ``engine.step()`` was called (whether or not it raised).
+      outputs: the step's ``RequestOutput`` list (empty without a step or when it raised).
+      step_error: what ``engine.step()`` raised, or None.
+      aborted_on_error: the live requests aborted because the step raised, in order.
+      stats: ``engine.stats()`` sampled after the round, or None (not sampled or it raised).
+    """
+
+    stopped: bool = False
+    added: list[str] = dataclasses.field(default_factory=list)
+    refused: dict[str, Exception] = dataclasses.field(default_factory=dict)
+    stepped: bool = False
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    step_error: Exception | None = None
+    aborted_on_error: list[str] = dataclasses.field(default_factory=list)
+    stats: dict[str, Any] | None = None
+
+
+class EngineLoop:
+    """Applies rounds to an engine: the one loop body that process 0's engine thread (the
+    server's ``EngineRunner``) and every follower (:func:`run_follower`) run, so every host
+    makes the same engine calls in the same order.
+
+    Args:
+      engine: an object with the ``Engine`` interface (``add_request(..., cache_salt=)``,
+        ``step``, ``abort``, ``has_unfinished_requests``, ``stats``, ``warmup``).
+
+    Attributes:
+      live: the requests added and not yet finished or aborted, in the order they were added
+        (on process 0: the requests the server answers).
+      last_stats_t: ``time.monotonic()`` of the last ``engine.stats()`` call (0: none yet).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.live: dict[str, None] = {}
+        self.last_stats_t = 0.0
+
+    def warmup(self) -> str | None:
+        """``engine.warmup()``; returns None, or an error message when it raised (logged)."""
+        try:
+            t0 = time.monotonic()
+            self.engine.warmup()
+            logger.info("engine warm-up done in %.1fs", time.monotonic() - t0)
+        except Exception:  # noqa: BLE001 - the server reports it; followers keep going
+            logger.exception("engine warm-up failed")
+            return "warm-up failed (see the server log)"
+        return None
+
+    def sample_stats(self) -> dict[str, Any] | None:
+        """``dict(engine.stats())``, or None when it raised (logged: metrics never take the
+        engine down)."""
+        self.last_stats_t = time.monotonic()
+        try:
+            return dict(self.engine.stats())
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.stats() failed")
+            return None
+
+    def abort(self, request_id: str) -> None:
+        """``engine.abort(request_id)`` (errors logged); it is no longer live."""
+        self.live.pop(request_id, None)
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.abort(%r) failed", request_id)
+
+    def abort_live(self) -> list[str]:
+        """Aborts every live request, in order; returns their ids."""
+        ids = list(self.live)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self.engine.has_unfinished_requests())
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.has_unfinished_requests() failed")
+            return False
+
+    def run_round(
+        self, rnd: EngineRound, *, admitted: Callable[[RoundResult], None] | None = None
+    ) -> RoundResult:
+        """Applies one round: its aborts in order; on a stop round, nothing more (stats are
+        sampled); else its adds in order, ``engine.step()`` when the engine has unfinished
+        requests (should it raise, every live request is aborted, in order), and
+        ``engine.stats()`` when ``rnd.stats`` or when there was nothing to step.
+
+        Never raises for an engine error: every one is logged or recorded in the result.
+
+        Args:
+          rnd: the round (process 0 built it; followers received it).
+          admitted: called once the adds are applied, before the step (not on a stop round),
+            with the result so far (``added``, ``refused``), so process 0 answers them without
+            waiting for the step.
+        """
+        result = RoundResult()
+        for rid in rnd.aborts:
+            self.abort(rid)
+        if rnd.stop:
+            result.stopped = True
+            result.stats = self.sample_stats()
+            return result
+        for add in rnd.adds:
+            try:
+                self.engine.add_request(
+                    add.request_id, add.prompt, add.params, cache_salt=add.cache_salt
+                )
+            except Exception as e:  # noqa: BLE001 - recorded: process 0 answers the request
+                logger.debug("request %s refused by the engine: %r", add.request_id, e)
+                result.refused[add.request_id] = e
+                continue
+            self.live[add.request_id] = None
+            result.added.append(add.request_id)
+        if admitted is not None:
+            admitted(result)
+        if not self._has_work():
+            result.stats = self.sample_stats()
+            return result
+        result.stepped = True
+        try:
+            result.outputs = list(self.engine.step())
+        except Exception as e:  # noqa: BLE001 - the requests in flight fail, the loop goes on
+            logger.exception(
+                "engine.step() failed; aborting the %d requests in flight", len(self.live)
+            )
+            result.step_error = e
+            result.aborted_on_error = self.abort_live()
+        for out in result.outputs:
+            if out.finished:
+                self.live.pop(out.request_id, None)
+        if rnd.stats:
+            result.stats = self.sample_stats()
+        return result
+
+
 def run_follower(engine: Any, *, warmup: bool = True) -> None:
     """Runs ``engine`` on a process other than 0 of a multi-host server, until it shuts down.
 
-    Mirrors process 0's engine thread (see the module docstring): warms up, then each round
-    receives process 0's :class:`EngineRound` and makes the same ``abort`` / ``add_request`` /
-    ``step`` / ``stats`` calls in the same order, discarding the outputs. Returns when process
-    0 sends its shutdown round.
+    Runs process 0's loop (see the module docstring): warms up, samples stats, then each
+    round receives process 0's :class:`EngineRound` and applies it with
+    :meth:`EngineLoop.run_round`, the method process 0 applies it with, discarding the
+    outputs. Returns when process 0 sends its shutdown round.
 
     Args:
       engine: this process's ``Engine``, built with the same arguments as process 0's.
@@ -203,55 +356,11 @@ def run_follower(engine: Any, *, warmup: bool = True) -> None:
       RoundError: a received round does not match the schema (the hosts can no longer stay
         in lockstep, so the follower stops rather than guess).
     """
+    loop = EngineLoop(engine)
     if warmup:
-        try:
-            engine.warmup()
-        except Exception:  # noqa: BLE001 - the leader keeps going too
-            logger.exception("engine warm-up failed")
-    live: dict[str, None] = {}  # the leader's sinks: requests added and not finished, in order
-
-    def stats() -> None:
-        try:
-            engine.stats()
-        except Exception:  # noqa: BLE001
-            logger.exception("engine.stats() failed")
-
-    def abort(rid: str) -> None:
-        live.pop(rid, None)
-        try:
-            engine.abort(rid)
-        except Exception:  # noqa: BLE001
-            logger.exception("engine.abort(%r) failed", rid)
-
-    stats()
+        loop.warmup()
+    loop.sample_stats()
     while True:
-        rnd = receive_round()
-        for rid in rnd.aborts:
-            abort(rid)
-        if rnd.stop:
-            stats()
+        if loop.run_round(receive_round()).stopped:
             logger.info("leader shut down; follower exiting")
             return
-        for add in rnd.adds:
-            try:
-                engine.add_request(
-                    add.request_id, add.prompt, add.params, cache_salt=add.cache_salt
-                )
-            except Exception:  # noqa: BLE001 - the leader got the same error and answered it
-                continue
-            live[add.request_id] = None
-        if not engine.has_unfinished_requests():
-            stats()
-            continue
-        try:
-            outs = engine.step()
-        except Exception:  # noqa: BLE001 - as the leader: fail (abort) the requests in flight
-            logger.exception("engine.step() failed; aborting the requests in flight")
-            outs = []
-            for rid in list(live):
-                abort(rid)
-        for out in outs:
-            if out.finished:
-                live.pop(out.request_id, None)
-        if rnd.stats:
-            stats()

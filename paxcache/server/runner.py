@@ -3,19 +3,22 @@
 One background thread (:class:`EngineRunner`) owns the engine. Request handlers never touch
 the engine; they hand requests to the thread through a lock-protected queue
 (:meth:`EngineRunner.submit`, :meth:`EngineRunner.abort`) and receive its events through an
-:class:`Exchange` (``loop.call_soon_threadsafe``). The thread loops: abort requests whose
-clients went away, add pending requests, ``engine.step()``, and dispatch each
-``RequestOutput`` to its request's exchange; it sleeps on a condition variable when there is
-nothing to do (no busy spin). The engine isolates failures per request (a request whose host
-work or device step fails finishes with an error, the others go on); should ``engine.step()``
-itself raise, the requests in flight fail with a 503 and the server keeps serving.
+:class:`Exchange` (``loop.call_soon_threadsafe``). The thread loops: it takes the queue into an
+``EngineRound`` (abort requests whose clients went away, add pending requests, sample stats or
+not), applies it with :meth:`paxcache.multihost.EngineLoop.run_round` (the aborts, the adds,
+``engine.step()``), and dispatches the result (acceptances and refusals before the step, then
+each ``RequestOutput``) to its requests' exchanges; it sleeps on a condition variable when
+there is nothing to do (no busy spin). The engine isolates failures per request (a request
+whose host work or device step fails finishes with an error, the others go on); should
+``engine.step()`` itself raise, the requests in flight fail with a 503 and the server keeps
+serving.
 
 Coalescing: outputs are ``output_kind="delta"`` and folded into one :class:`Progress` per
 engine request until the handler takes them, so a slow streaming reader holds one pending
 update per completion, not one per token.
 
 Multi-host: with ``jax.process_count() > 1`` each loop iteration first broadcasts its round
-to the followers (:mod:`paxcache.multihost`).
+to the followers (:mod:`paxcache.multihost`), which apply it with the same ``EngineLoop``.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from typing import Any
 from paxcache.errors import PaxcacheError
 from paxcache.multihost import (
     HEARTBEAT_S,
+    EngineLoop,
     EngineRound,
     RoundAdd,
+    RoundResult,
     broadcast_round,
     process_count,
     with_leader_seed,
@@ -293,8 +298,8 @@ class EngineRunner:
         self._inflight = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._loop = EngineLoop(engine)  # engine thread only; its ``live`` are the sinks' ids
         self._sinks: dict[str, Sink] = {}  # engine thread only
-        self._last_stats_t = 0.0
         self.ready = threading.Event()
         self.warmup_error: str | None = None
         self.stats_snapshot: dict[str, Any] = {}
@@ -388,171 +393,139 @@ class EngineRunner:
                 sink.num_tokens,
             )
 
-    def _refresh_stats(self, force: bool) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_stats_t < self._stats_interval_s:
-            return
-        self._last_stats_t = now
-        try:
-            self.stats_snapshot = dict(self.engine.stats())
-        except Exception:  # noqa: BLE001 - metrics must never take the server down
-            logger.exception("engine.stats() failed")
+    def _take_stats(self, stats: dict[str, Any] | None) -> None:
+        if stats is not None:
+            self.stats_snapshot = stats
 
-    def _has_work(self) -> bool:
-        try:
-            return bool(self.engine.has_unfinished_requests())
-        except Exception:  # noqa: BLE001
-            logger.exception("engine.has_unfinished_requests() failed")
-            return False
-
-    def _run(self) -> None:
+    def _start_engine(self) -> None:
+        """Warms the engine up (when asked), samples its stats, and reports ready (unless the
+        warm-up failed): what every follower does first too."""
         if self._warmup:
-            try:
-                t0 = time.monotonic()
-                self.engine.warmup()
-                logger.info("engine warm-up done in %.1fs", time.monotonic() - t0)
-            except Exception:  # noqa: BLE001
-                logger.exception("engine warm-up failed")
-                self.warmup_error = "warm-up failed (see the server log)"
-        self._refresh_stats(force=True)
+            self.warmup_error = self._loop.warmup()
+        self._take_stats(self._loop.sample_stats())
         if self.warmup_error is None:
             self.ready.set()
+
+    def _run(self) -> None:
+        self._start_engine()
         while True:
             try:
-                if not self._iterate():
-                    return
+                result = self._iterate()
             except Exception:  # noqa: BLE001 - keep serving whatever went wrong
                 logger.exception("engine loop error; failing the requests in flight")
                 self.num_engine_errors += 1
-                self._fail_all(503, "engine error", "engine_error")
+                self._loop.abort_live()
+                self._fail_sinks(list(self._sinks), 503, "engine error", "engine_error")
                 time.sleep(0.01)
+                continue
+            if result.stopped:
+                return
+            if not result.stepped:  # idle: sleep until there is news (multi-host: a heartbeat)
+                with self._cond:
+                    if not (self._pending or self._aborts or self._stopping):
+                        self._cond.wait(HEARTBEAT_S if self._multihost else None)
 
-    def _iterate(self) -> bool:
-        """One loop iteration; False when the thread should exit."""
+    def _iterate(self) -> RoundResult:
+        """One round: takes the queue, builds the round (broadcast first when multi-host),
+        applies it with ``EngineLoop.run_round`` (the code every follower runs) and delivers
+        what it did."""
         with self._cond:
             pending = list(self._pending)
             self._pending.clear()
             aborts = dict.fromkeys(self._aborts)  # ordered: every host aborts in the same order
             self._aborts.clear()
             stopping = self._stopping
-        stats_due = False
-        if self._multihost:
-            pending, stats_due = self._broadcast_round(pending, aborts, stopping)
-        if stopping:
-            self._fail_all(503, "server is shutting down", "service_unavailable", pending)
-            self._refresh_stats(force=True)
-            return False
-        for rid in aborts:
-            self._abort_one(rid)
-        for sub in pending:
-            if sub.request_id in aborts:
-                self._done()
-                self._ended(sub.sink, sub.params, "abort")
-            else:
-                self._add(sub)
-        if self._has_work():
-            self._step()
-            if not self._multihost:
-                self._refresh_stats(force=False)
-            elif stats_due:  # decided before the broadcast, so followers sample stats too
-                self._refresh_stats(force=True)
-            return True
-        self._refresh_stats(force=True)
-        with self._cond:
-            if not (self._pending or self._aborts or self._stopping):
-                self._cond.wait(HEARTBEAT_S if self._multihost else None)
-        return True
-
-    def _broadcast_round(
-        self, pending: list[Submission], aborts: dict[str, None], stopping: bool
-    ) -> tuple[list[Submission], bool]:
-        """Multi-host: sends this round to the followers before anything is applied.
-
-        Returns the pending submissions (unseeded ones get a seed drawn here, the same on every
-        host) and whether stats are sampled after this round's step.
-        """
-        subs = [
-            s
-            if s.params.seed is not None
-            else dataclasses.replace(s, params=with_leader_seed(s.params))
-            for s in pending
-        ]
-        stats_due = time.monotonic() - self._last_stats_t >= self._stats_interval_s
+        if self._multihost:  # unseeded requests get a seed drawn here, the same on every host
+            pending = [
+                s
+                if s.params.seed is not None
+                else dataclasses.replace(s, params=with_leader_seed(s.params))
+                for s in pending
+            ]
         rnd = EngineRound(
             stop=stopping,
-            # On shutdown the leader aborts (``_fail_all``) the requests it tracks, in order.
-            aborts=tuple(self._sinks) if stopping else tuple(aborts),
+            # On shutdown every request in flight is aborted, in order.
+            aborts=tuple(self._loop.live) if stopping else tuple(aborts),
             adds=()
             if stopping
             else tuple(
                 RoundAdd(s.request_id, s.prompt, s.params, s.cache_salt)
-                for s in subs
+                for s in pending
                 if s.request_id not in aborts
             ),
-            stats=stats_due,
+            # Decided before the round, so followers sample stats when process 0 does.
+            stats=time.monotonic() - self._loop.last_stats_t >= self._stats_interval_s,
         )
-        broadcast_round(rnd)
-        return subs, stats_due
-
-    def _add(self, sub: Submission) -> None:
-        try:
-            self.engine.add_request(
-                sub.request_id, sub.prompt, sub.params, cache_salt=sub.cache_salt
+        if self._multihost:
+            broadcast_round(rnd)  # before anything is applied
+        result = self._loop.run_round(rnd, admitted=lambda r: self._admitted(pending, aborts, r))
+        self._take_stats(result.stats)
+        if result.stopped:
+            self._fail_pending(pending, 503, "server is shutting down", "service_unavailable")
+            self._fail_sinks(
+                list(self._sinks), 503, "server is shutting down", "service_unavailable"
             )
-        except PaxcacheError as e:  # our own messages: safe to show
-            sub.sink.put(Failed(400, str(e)))
-            self._done()
-            return
-        except ValueError:
-            logger.warning("request %s refused by the engine", sub.request_id, exc_info=True)
-            sub.sink.put(Failed(400, "the engine refused this request"))
-            self._done()
-            return
-        except Exception:  # noqa: BLE001
-            logger.exception("engine.add_request(%s) failed", sub.request_id)
-            sub.sink.put(Failed(503, "engine error", "engine_error"))
-            self._done()
-            return
-        sub.sink.completions = max(1, int(sub.params.n or 1))
-        self._sinks[sub.request_id] = sub.sink
-        sub.sink.put(ACCEPTED)
+        elif result.step_error is not None:
+            self.num_engine_errors += 1
+            self._fail_sinks(result.aborted_on_error, 503, "engine error", "engine_error")
+        self._deliver(result.outputs)
+        return result
 
-    def _abort_one(self, rid: str) -> None:
-        sink = self._sinks.pop(rid, None)
-        try:
-            self.engine.abort(rid)
-        except Exception:  # noqa: BLE001
-            logger.exception("engine.abort(%r) failed", rid)
-        if sink is not None:
-            self._done()
-            self._ended(sink, None, "abort")
-
-    def _fail_all(
-        self, status: int, message: str, type_: str, pending: Sequence[Submission] = ()
+    def _admitted(
+        self, pending: list[Submission], aborts: dict[str, None], result: RoundResult
     ) -> None:
+        """The round's aborts and adds are applied: answer them (before the step)."""
+        for rid in aborts:
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                self._done()
+                self._ended(sink, None, "abort")
+        for sub in pending:
+            if sub.request_id in aborts:
+                self._done()
+                self._ended(sub.sink, sub.params, "abort")
+                continue
+            err = result.refused.get(sub.request_id)
+            if err is None:
+                sub.sink.completions = max(1, int(sub.params.n or 1))
+                self._sinks[sub.request_id] = sub.sink
+                sub.sink.put(ACCEPTED)
+                continue
+            if isinstance(err, PaxcacheError):  # our own messages: safe to show
+                sub.sink.put(Failed(400, str(err)))
+            elif isinstance(err, ValueError):
+                logger.warning("request %s refused by the engine", sub.request_id, exc_info=err)
+                sub.sink.put(Failed(400, "the engine refused this request"))
+            else:
+                logger.error("engine.add_request(%s) failed", sub.request_id, exc_info=err)
+                sub.sink.put(Failed(503, "engine error", "engine_error"))
+            self._done()
+
+    def _fail_pending(
+        self, pending: Sequence[Submission], status: int, message: str, type_: str
+    ) -> None:
+        """Submissions never added end with ``Failed(status, message, type_)``."""
         reason = "abort" if type_ == "service_unavailable" else "error"  # shutdown: aborted
         for sub in pending:
             sub.sink.put(Failed(status, message, type_))
             self._ended(sub.sink, sub.params, reason)
         self._done(len(pending))
-        for rid, sink in list(self._sinks.items()):
+
+    def _fail_sinks(
+        self, request_ids: Sequence[str], status: int, message: str, type_: str
+    ) -> None:
+        """Requests in flight (already aborted in the engine) end with ``Failed(...)``."""
+        reason = "abort" if type_ == "service_unavailable" else "error"  # shutdown: aborted
+        for rid in request_ids:
+            sink = self._sinks.pop(rid, None)
+            if sink is None:
+                continue
             sink.put(Failed(status, message, type_))
             self._ended(sink, None, reason)
-            with contextlib.suppress(Exception):
-                self.engine.abort(rid)
-        self._done(len(self._sinks))
-        self._sinks.clear()
+            self._done()
 
-    def _step(self) -> None:
-        try:
-            outs = self.engine.step()
-        except Exception:  # noqa: BLE001
-            logger.exception(
-                "engine.step() failed; failing the %d requests in flight", len(self._sinks)
-            )
-            self.num_engine_errors += 1
-            self._fail_all(503, "engine error", "engine_error")
-            return
+    def _deliver(self, outs: Sequence[RequestOutput]) -> None:
+        """A step's outputs to their requests' sinks (and the latency callbacks)."""
         now = time.monotonic()
         for out in outs:
             sink = self._sinks.get(out.request_id)
