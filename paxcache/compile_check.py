@@ -18,8 +18,8 @@ back to XLA, which is reported as a failure here), and XLA's memory analysis per
 (arguments = weights + KV cache + block state, temporaries, total HBM) next to the engine's
 own KV sizing for that chip's HBM (``0.9`` of what the weights leave free, as
 ``Engine(num_blocks=None)`` sizes it on a live chip). The engine is built with the same
-hooks it uses on a live chip (``Engine._place_params``, ``_init_state``, ``_create_kv``,
-``_memory_stats``): :class:`AbstractEngine` only swaps concrete arrays for abstract ones.
+placement interface it uses on a live chip (:class:`~paxcache.placement.Placement`):
+:class:`AbstractPlacement` only swaps concrete arrays for abstract ones.
 
 :func:`check_kernels` compiles the kernel grid (``kernels_pallas.aot.kernel_grid``).
 """
@@ -46,9 +46,11 @@ from paxcache.engine import Engine
 from paxcache.models import quantize
 from paxcache.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
 from paxcache.models.loading import model_class
+from paxcache.placement import Placement
 
 __all__ = [
     "AbstractEngine",
+    "AbstractPlacement",
     "abstract_model",
     "check_engine",
     "check_kernels",
@@ -110,15 +112,94 @@ def _bytes_per_device(tree: Any) -> int:
     return total
 
 
+class AbstractPlacement(Placement):
+    """:class:`~paxcache.placement.Placement` on abstract values: weights, block state and KV
+    cache are ``ShapeDtypeStruct``s on ``devices`` (a TPU topology's, or host devices standing
+    in for a GPU), the engine takes ``backend``'s defaults, and KV sizing sees the chip's HBM
+    less this chip's share of the weights. Nothing placed here runs (``runs = False``: no 8-bit
+    KV calibration; an 8-bit cache's scales are ``f32[L]`` placeholders whose values do not
+    change a compiled program).
+
+    Args:
+      devices: the target devices (``kernels_pallas.aot.tpu_devices(name)``).
+      hbm_bytes: HBM of one chip (default ``kernels_pallas.aot.hbm_bytes(devices[0])``).
+      backend: whose defaults the engine takes (``"tpu"``, or ``"gpu"``).
+    """
+
+    runs = False
+
+    def __init__(self, devices: list, hbm_bytes: int | None = None, backend: str = "tpu") -> None:
+        self.devices = list(devices)
+        self._backend = backend
+        self.hbm_bytes = hbm_bytes or aot.hbm_bytes(self.devices[0])
+        if self.hbm_bytes is None:
+            raise ValueError(
+                f"unknown HBM size for {self.devices[0].device_kind!r}; pass hbm_bytes"
+            )
+        self.weights_bytes_per_device = 0  # set by place_params
+
+    def backend(self) -> str:
+        return self._backend  # its defaults (batch limits, KV sizing), whatever this host is
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = {"bytes_limit": int(self.hbm_bytes), "bytes_in_use": self.weights_bytes_per_device}
+        if self._backend == "gpu":  # XLA's pool as paxcache.sizing.configure_gpu_allocator sets it
+            stats.update(
+                bytes_limit=int(sizing.GPU_POOL_FRACTION * self.hbm_bytes),
+                device_total_bytes=int(self.hbm_bytes),
+            )
+        return stats
+
+    def place_params(self, model: Any, params: Any, tp: int, ep: int) -> tuple[Any, Any]:
+        sharding.validate_tp(model.config, tp, num_devices=len(self.devices))
+        sharding.validate_ep(model.config, tp, ep, num_devices=len(self.devices))
+        if tp == ep == 1:
+            one = SingleDeviceSharding(self.devices[0])
+            mesh, placed = None, jax.tree.map(lambda x: _abstract(x, one), params)
+        else:
+            mesh = sharding.make_mesh(tp, self.devices, ep=ep)
+            specs = sharding.param_specs(params, model.config, tp, ep)
+            placed = jax.tree.map(lambda x, s: _abstract(x, NamedSharding(mesh, s)), params, specs)
+        self.weights_bytes_per_device = _bytes_per_device(placed)
+        return mesh, placed
+
+    def init_state(self, cache_config: Any, mesh: Any) -> Any:
+        state = jax.eval_shape(lambda: allocator.init(cache_config))
+        where = SingleDeviceSharding(self.devices[0]) if mesh is None else sharding.replicated(mesh)
+        return jax.tree.map(lambda x: _abstract(x, where), state)
+
+    def create_kv(self, mesh: Any, **dims: Any) -> kv_cache.KVCache:
+        def place(num_blocks: int, memory_kind: str | None) -> kernels_pallas.PagedKVCache:
+            shape = kernels_pallas.kv_cache_shape(
+                dims["num_layers"],
+                num_blocks,
+                dims["block_size"],
+                dims["num_kv_heads"],
+                dims["head_dim"],
+                dims["dtype"],
+            )
+            if mesh is None:
+                where = SingleDeviceSharding(self.devices[0], memory_kind=memory_kind)
+                return jax.tree.map(lambda x: _abstract(x, where), shape)
+            specs = kernels_pallas.kv_cache_specs(sharding.TP_AXIS)
+            return jax.tree.map(
+                lambda x, spec: _abstract(x, NamedSharding(mesh, spec, memory_kind=memory_kind)),
+                shape,
+                specs,
+            )
+
+        host = None
+        if dims.get("num_host_blocks"):
+            host = place(dims["num_host_blocks"], "pinned_host")
+        return kv_cache.KVCache(device=place(dims["num_blocks"], None), host=host)
+
+
 class AbstractEngine(Engine):
     """The serving engine on abstract values for the devices of a TPU topology (or, with
-    ``target_backend="gpu"``, host devices standing in for a GPU: :meth:`export_step`).
-
-    Construction runs ``Engine.__init__`` unchanged (sizing, buckets, scheduler, the jitted
-    step); only the placement hooks return ``ShapeDtypeStruct``s on ``devices`` instead of
-    arrays, and the KV sizing sees the chip's HBM minus this chip's share of the weights.
-    Nothing can run, everything can be compiled: ``self._jit_step.trace(
-    *self._empty_step_args(t)).lower().compile()``.
+    ``target_backend="gpu"``, host devices standing in for a GPU: :meth:`export_step`): the
+    :class:`Engine` itself, built with an :class:`AbstractPlacement`. Nothing can run,
+    everything can be compiled: ``self._jit_step.trace(*self._empty_step_args(t)).lower()
+    .compile()``.
 
     Args:
       model: from :func:`abstract_model`.
@@ -126,7 +207,7 @@ class AbstractEngine(Engine):
       hbm_bytes: HBM of one chip (default ``kernels_pallas.aot.hbm_bytes(devices[0])``).
       target_backend: whose defaults the engine takes (``"tpu"``; ``"gpu"`` for an engine
         exported under ``aot.cuda_target``, placed on host devices: ``jax.devices("cpu")``).
-      **kwargs: :class:`~paxcache.engine.Engine` arguments (``tp``, ``block_size``, ...).
+      **kwargs: :class:`~paxcache.engine.Engine` options (``tp``, ``block_size``, ...).
     """
 
     def __init__(
@@ -138,91 +219,16 @@ class AbstractEngine(Engine):
         target_backend: str = "tpu",
         **kwargs: Any,
     ) -> None:
-        self._devices = list(devices)
-        self._backend = target_backend
-        self._hbm = hbm_bytes or aot.hbm_bytes(self._devices[0])
-        if self._hbm is None:
-            raise ValueError(
-                f"unknown HBM size for {self._devices[0].device_kind!r}; pass hbm_bytes"
-            )
-        tp, self.ep = int(kwargs.get("tp", 1)), int(kwargs.get("ep", 1))
-        sharding.validate_tp(model.config, tp, num_devices=len(self._devices))
-        sharding.validate_ep(model.config, tp, self.ep, num_devices=len(self._devices))
-        self.weights_bytes_per_device = _bytes_per_device(
-            self._shard_params(model, nnx.split(model)[1], tp)[1]
-        )
-        super().__init__(model, _NoTokenizer(), **kwargs)
+        where = AbstractPlacement(devices, hbm_bytes, target_backend)
+        super().__init__(model, _NoTokenizer(), placement=where, **kwargs)
 
-    # -- placement hooks (see Engine) ------------------------------------------------------
-
-    def _target_backend(self) -> str:
-        return self._backend  # its defaults (batch limits, KV sizing), whatever this host is
+    @property
+    def weights_bytes_per_device(self) -> int:
+        return self.placement.weights_bytes_per_device
 
     def export_step(self, num_tokens: int | None = None, **kwargs: Any) -> jax.export.Exported:
         """:func:`export_step` of this engine (e.g. under ``aot.cuda_target("9.0")``)."""
         return export_step(self, num_tokens, **kwargs)
-
-    def _memory_stats(self) -> dict[str, int]:
-        stats = {"bytes_limit": int(self._hbm), "bytes_in_use": self.weights_bytes_per_device}
-        if self._backend == "gpu":  # XLA's pool as paxcache.sizing.configure_gpu_allocator sets it
-            stats.update(
-                bytes_limit=int(sizing.GPU_POOL_FRACTION * self._hbm),
-                device_total_bytes=int(self._hbm),
-            )
-        return stats
-
-    def _shard_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
-        if tp == self.ep == 1:
-            one = SingleDeviceSharding(self._devices[0])
-            return None, jax.tree.map(lambda x: _abstract(x, one), params)
-        mesh = sharding.make_mesh(tp, self._devices, ep=self.ep)
-        specs = sharding.param_specs(params, model.config, tp, self.ep)
-        return mesh, jax.tree.map(lambda x, s: _abstract(x, NamedSharding(mesh, s)), params, specs)
-
-    def _place_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
-        return self._shard_params(model, params, tp)
-
-    def _init_state(self) -> Any:
-        state = jax.eval_shape(lambda: allocator.init(self.cache_config))
-        where = (
-            SingleDeviceSharding(self._devices[0])
-            if self.mesh is None
-            else sharding.replicated(self.mesh)
-        )
-        return jax.tree.map(lambda x: _abstract(x, where), state)
-
-    def _calibrate_kv(self, kv_heads: int, block_size: int) -> dict[str, Any]:
-        """No calibration pass: nothing runs on abstract values (an 8-bit cache's scales
-        are ``f32[L]`` placeholders in :meth:`_create_kv`; their values do not change a
-        compiled program)."""
-        return {}
-
-    def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
-        def place(num_blocks: int, memory_kind: str | None) -> kernels_pallas.PagedKVCache:
-            shape = kernels_pallas.kv_cache_shape(
-                dims["num_layers"],
-                num_blocks,
-                dims["block_size"],
-                dims["num_kv_heads"],
-                dims["head_dim"],
-                dims["dtype"],
-            )
-            if self.mesh is None:
-                where = SingleDeviceSharding(self._devices[0], memory_kind=memory_kind)
-                return jax.tree.map(lambda x: _abstract(x, where), shape)
-            specs = kernels_pallas.kv_cache_specs(sharding.TP_AXIS)
-            return jax.tree.map(
-                lambda x, spec: _abstract(
-                    x, NamedSharding(self.mesh, spec, memory_kind=memory_kind)
-                ),
-                shape,
-                specs,
-            )
-
-        host = None
-        if dims.get("num_host_blocks"):
-            host = place(dims["num_host_blocks"], "pinned_host")
-        return kv_cache.KVCache(device=place(dims["num_blocks"], None), host=host)
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from paxcache.outputs import (
     RequestState,
 )
 from paxcache.overlap import StepFailed
+from paxcache.placement import Placement
 from paxcache.sampling import SamplingParams
 from paxcache.scheduler import Scheduler, StepPlan, StepResult
 from paxcache.sequence import Sequence as Seq
@@ -80,22 +81,33 @@ class Engine:
         ``kv_memory_bytes``, ``watermark``, ``impl``, ``interpret``, ``seed``,
         ``compile_cache``, ``warmup``, ``decode_steps``, ``async_scheduling``, ``model_name``).
 
+      placement: where the weights, block state and KV cache live and whose defaults the
+        engine takes (:class:`~paxcache.placement.Placement`, the live devices, by default;
+        :mod:`paxcache.compile_check` passes abstract ones).
+
     ``engine.config`` is the config with the by-backend defaults resolved; the attributes
     ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``decode_steps``,
     ``impl``, ``tp``, ``ep`` are its values.
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any, config: EngineConfig | None = None, **options: Any
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig | None = None,
+        *,
+        placement: Placement | None = None,
+        **options: Any,
     ) -> None:
         if config is not None and options:
             raise TypeError(f"give either config or keyword options, not both: {sorted(options)}")
         config = EngineConfig.from_kwargs(**options) if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.placement = where = Placement() if placement is None else placement
         cfg = model.config
         model_max = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.config = config = config.resolve(self._target_backend(), model_max)
+        self.config = config = config.resolve(where.backend(), model_max)
         kv_opts, sched, par = config.cache, config.scheduler, config.parallel
         self.impl, self.interpret = config.kernel.impl, config.kernel.interpret
         kv_dtype = kv_quant.resolve_kv_dtype(kv_opts.kv_cache_dtype, model.dtype, self.impl)
@@ -124,18 +136,19 @@ class Engine:
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
         )
         self.buckets = step_lib.token_buckets(self.max_num_batched_tokens)
-        decode = step_lib.wants_decode_variant(self.impl, self._target_backend())
+        decode = step_lib.wants_decode_variant(self.impl, where.backend())
         self._shapes = step_lib.StepShapes(
             self.buckets, max_num_seqs, cfg.vocab_size, decode, self.decode_steps
         )
         self.decode_buckets = step_lib.decode_buckets(self._shapes)  # () off TPU kernels
         graphdef, params = nnx.split(model)
-        self.mesh, self._params = self._place_params(model, params, self.tp)
+        self.mesh, self._params = where.place_params(model, params, self.tp, self.ep)
         self._step_config = step_lib.StepConfig(
             graphdef=graphdef, impl=self.impl, interpret=self.interpret, mesh=self.mesh
         )
         self._swap_impl = "reference" if self.impl == "reference" else "auto"
-        self.kv_scales = self._calibrate_kv(kv_heads, block_size)  # {} for a float cache
+        # An 8-bit cache's per-layer scales ({} for a float one, or where nothing runs).
+        self.kv_scales = kv_quant.calibrate_engine(self, kv_heads, block_size) if where.runs else {}
         self._num_traces = 0
         self._compiles_at_start = compile_cache_lib.backend_compiles()
         self._cache_hits_at_start = compile_cache_lib.cache_hits()
@@ -163,7 +176,7 @@ class Engine:
             ),
         )
         num_blocks = kv_opts.num_blocks
-        if num_blocks is None and kv_opts.kv_memory_bytes is None and self._on_accelerator():
+        if num_blocks is None and kv_opts.kv_memory_bytes is None and where.on_accelerator():
             num_blocks = self._size_for_device(build, kv_heads, max_blocks_per_seq)
         elif num_blocks is None:
             num_blocks = sizing.host_num_blocks(
@@ -223,51 +236,13 @@ class Engine:
         logger.info("loaded %s (%s) in %.1fs", config.model_name, what, time.perf_counter() - t0)
         return cls(m, tok, config)
 
-    # Placement hooks: where the weights, block state and KV cache live. scripts/compile_check.py
-    # overrides them to build the same engine from abstract values on a TPU topology.
-
-    def _target_backend(self) -> str:
-        """The platform the engine's programs run on (batch-limit defaults, KV sizing)."""
-        return jax.default_backend()
-
-    def _on_accelerator(self) -> bool:
-        """Whether the default KV sizing takes a fraction of free accelerator memory."""
-        return self._target_backend() != "cpu"
-
-    def _memory_stats(self) -> dict[str, int] | None:
-        """Memory stats the KV sizing uses (None: the first device's ``memory_stats()``)."""
-        return None
-
-    def _place_params(self, model: Any, params: Any, tp: int) -> tuple[Any, Any]:
-        """``(mesh, params)``: no mesh for ``tp == 1``, else sharded over a ``tp`` mesh."""
-        if tp == self.ep == 1:
-            return None, params
-        from paxcache import sharding
-
-        return sharding.setup_tensor_parallel(model, params, tp, self.ep)
-
-    def _init_state(self) -> allocator.BlockState:
-        """The empty block state, committed to the device like every later (jit-produced)
-        state, so the first step after warm-up hits the same compiled executable."""
-        state = allocator.init(self.cache_config)
-        if self.mesh is None:
-            return jax.device_put(state, jax.devices()[0])
-        from paxcache import sharding
-
-        # Replicated on every tp device (every host's, see sharding.place).
-        return sharding.place(state, sharding.replicated(self.mesh))
-
     def _new_device_state(self) -> tuple[allocator.BlockState, kv_cache.KVCache]:
         """A fresh (empty) block state and KV cache, placed as the step expects (start-up,
         and recovery after a failed step consumed the donated buffers)."""
-        return self._init_state(), self._create_kv(**self._kv_spec)
-
-    def _create_kv(self, **dims: Any) -> kv_cache.KVCache:
-        """The KV cache (split over kv heads on the ``tp`` mesh)."""
-        from paxcache import sharding
-
-        where = None if self.mesh is None else sharding.kv_sharding(self.mesh)
-        return kv_cache.KVCache.create(**dims, sharding=where)
+        where = self.placement
+        return where.init_state(self.cache_config, self.mesh), where.create_kv(
+            self.mesh, **self._kv_spec
+        )
 
     def _device_kv(self) -> kv_cache.KVCache:
         """The cache the fused step takes: device pages only. The host pool stays out of the
@@ -282,8 +257,6 @@ class Engine:
         """Most blocks one swap program moves (a plan's pairs are moved in chunks of this):
         one sequence's blocks, at most the host pool."""
         return min(self.cache_config.max_blocks_per_seq, self.num_host_blocks)
-
-    _calibrate_kv = kv_quant.calibrate_engine  # hook: 8-bit KV scales ({} for a float cache)
 
     def _on_trace(self, inputs: step_lib.StepInputs) -> None:
         """A call of this engine traced a new step program (see :func:`step.tracing_for`)."""
@@ -321,7 +294,7 @@ class Engine:
         """Device KV blocks on an accelerator (see :mod:`paxcache.sizing`): the largest step
         is compiled over a small cache to measure what it needs besides its arguments."""
         device = jax.devices()[0]
-        stats = self._memory_stats() or sizing.device_memory_stats(device)  # before the probe
+        stats = self.placement.memory_stats() or sizing.device_memory_stats(device)  # pre-probe
         build(max(1, min(64, max_blocks_per_seq)))
         with step_lib.tracing_for(self._on_trace):
             probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()

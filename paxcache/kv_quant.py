@@ -250,10 +250,10 @@ def calibrate_scales(
 
 
 def calibrate_engine(engine: Any, kv_heads: int, block_size: int) -> dict[str, np.ndarray]:
-    """An engine's 8-bit KV scales (``Engine._calibrate_kv``): ``{}`` for a float cache.
+    """An engine's 8-bit KV scales: ``{}`` for a float cache.
 
     Runs :func:`calibrate_scales` with the engine's model, placed parameters, tokenizer,
-    kernels and mesh, into a float cache made by its own ``_create_kv`` (so it is placed and
+    kernels and mesh, into a float cache made by its placement (so it is placed and
     split over kv heads as the engine's cache is). Called during construction, after the
     parameters are placed and before the KV cache is sized or built.
     """
@@ -262,7 +262,8 @@ def calibrate_engine(engine: Any, kv_heads: int, block_size: int) -> dict[str, n
     cfg, conf = engine.model.config, engine._step_config
 
     def make_cache(num_blocks: int, block_size: int) -> kp.PagedKVCache:
-        kv = engine._create_kv(
+        kv = engine.placement.create_kv(
+            engine.mesh,
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=kv_heads,
             head_dim=cfg.head_dim,

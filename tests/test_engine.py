@@ -10,6 +10,7 @@ from tiny_models import byte_llama
 
 from paxcache import Engine, SamplingParams
 from paxcache.models import ByteTokenizer, greedy_generate
+from paxcache.placement import Placement
 
 BS = 8
 
@@ -244,15 +245,16 @@ def test_engine_impl_reaches_every_kernel_of_the_step(model):
     assert {op: seen["cpu"].get(op) for op in ops} == dict.fromkeys(ops, "pallas_tpu")
 
 
-class _FakeAcceleratorEngine(Engine):
-    """The engine as it sizes its cache on an accelerator: free memory from fake stats."""
+class _FakeAccelerator(Placement):
+    """The live (CPU) devices as an accelerator with fake memory figures: the engine sizes
+    its cache as it does on one."""
 
     STATS = {"bytes_limit": 64 << 20, "bytes_in_use": 16 << 20}
 
-    def _on_accelerator(self) -> bool:
+    def on_accelerator(self) -> bool:
         return True
 
-    def _memory_stats(self) -> dict[str, int]:
+    def memory_stats(self) -> dict[str, int]:
         return dict(self.STATS)
 
 
@@ -262,20 +264,23 @@ def test_accelerator_sizing_reserves_the_largest_steps_buffers(model, dense_ref)
     and the cache fit together; the engine then serves normally."""
     from paxcache import kv_cache
 
-    eng = _FakeAcceleratorEngine(
-        model, ByteTokenizer(), block_size=BS, max_num_seqs=4, max_num_batched_tokens=16
+    eng = Engine(
+        model,
+        ByteTokenizer(),
+        placement=_FakeAccelerator(),
+        block_size=BS,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
     )
     reserve = eng.step_reserve_bytes
     assert reserve > 0
-    free = (
-        _FakeAcceleratorEngine.STATS["bytes_limit"] - _FakeAcceleratorEngine.STATS["bytes_in_use"]
-    )
+    free = _FakeAccelerator.STATS["bytes_limit"] - _FakeAccelerator.STATS["bytes_in_use"]
     per_block = eng.bytes_per_block
     assert eng.cache_config.num_blocks == (int(0.9 * free) - reserve) // per_block
     assert eng._kv.num_blocks == eng.cache_config.num_blocks
     # Without the reserve it would have been more blocks: the reserve is really taken off.
     plain, _ = kv_cache.num_blocks_for_budget(
-        0.9, 2, 2, 16, BS, model.dtype, memory_stats=_FakeAcceleratorEngine.STATS
+        0.9, 2, 2, 16, BS, model.dtype, memory_stats=_FakeAccelerator.STATS
     )
     assert eng.cache_config.num_blocks < plain
     outs = eng.generate(_prompts()[:2], GREEDY10)
@@ -283,8 +288,15 @@ def test_accelerator_sizing_reserves_the_largest_steps_buffers(model, dense_ref)
 
 
 def test_accelerator_sizing_names_the_reserve_when_nothing_fits(model):
-    class Tight(_FakeAcceleratorEngine):
+    class Tight(_FakeAccelerator):
         STATS = {"bytes_limit": 16 << 20, "bytes_in_use": (16 << 20) - 4096}
 
     with pytest.raises(ValueError, match="for the model step"):
-        Tight(model, ByteTokenizer(), block_size=BS, max_num_seqs=4, max_num_batched_tokens=16)
+        Engine(
+            model,
+            ByteTokenizer(),
+            placement=Tight(),
+            block_size=BS,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+        )
