@@ -168,14 +168,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     choices = []
     for tag, out in enumerate(outs):
         prompt_lps[tag] = out.prompt_logprobs
-        for index, (texts, _, lps, reason) in out.completions.items():
+        for index, comp in out.completions.items():
             idx = tag * body.n + index
-            text, logprobs = piece(idx, "".join(texts), lps, first=True)
+            text, logprobs = piece(idx, "".join(comp.texts), comp.logprobs, first=True)
             choice = {
                 "index": idx,
                 "text": text,
                 "logprobs": logprobs,
-                "finish_reason": finish_reason(ending(reason)),
+                "finish_reason": finish_reason(ending(comp.finish_reason)),
             }
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
@@ -279,11 +279,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         {
             "index": index,
             "message": message,
-            "logprobs": logprobs(lps),
+            "logprobs": logprobs(comp.logprobs),
             "finish_reason": fr,
         }
-        for index, (texts, _, lps, reason) in outs[0].completions.items()
-        for message, fr in [chat_message(plan, "".join(texts), finish_reason(reason))]
+        for index, comp in outs[0].completions.items()
+        for message, fr in [
+            chat_message(plan, "".join(comp.texts), finish_reason(comp.finish_reason))
+        ]
     ]
     choices.sort(key=lambda ch: ch["index"])
     resp = {**head, "choices": choices, "usage": usage(outs), "system_fingerprint": None}

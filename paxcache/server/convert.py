@@ -300,7 +300,7 @@ def usage(progress: Sequence[Progress]) -> dict[str, Any]:
     """OpenAI ``usage`` over a request's prompts (each prompt counted once), with
     ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix cache)."""
     p = sum(x.prompt_tokens or 0 for x in progress)
-    c = sum(len(acc[1]) for x in progress for acc in x.completions.values())
+    c = sum(len(comp.token_ids) for x in progress for comp in x.completions.values())
     cached = sum(x.cached or 0 for x in progress)
     return {
         "prompt_tokens": p,
@@ -313,7 +313,7 @@ def usage(progress: Sequence[Progress]) -> dict[str, Any]:
 def request_error(progress: Progress) -> APIError | None:
     """The error a finished engine request ended with (500 for the engine's internal error,
     else 400), or None."""
-    reasons = [acc[3] for acc in progress.completions.values()]
+    reasons = [comp.finish_reason for comp in progress.completions.values()]
     if not progress.error and "error" not in reasons:
         return None
     if progress.error == INTERNAL_ERROR:

@@ -51,6 +51,7 @@ from paxcache.server.protocol import DEFAULT_MAX_QUEUE, APIError
 
 __all__ = [
     "ACCEPTED",
+    "CompletionProgress",
     "EngineRunner",
     "Exchange",
     "Failed",
@@ -79,14 +80,44 @@ ACCEPTED = "accepted"
 """The event telling a handler the engine added its request."""
 
 
+@dataclass(slots=True)
+class CompletionProgress:
+    """What one completion of an engine request produced over some outputs.
+
+    Attributes:
+      texts: text pieces, in order (joined only when taken).
+      token_ids: generated token ids.
+      logprobs: per-token logprob entries, or None (the request asked for none).
+      finish_reason: the completion's finish reason, once it finished.
+    """
+
+    texts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+
+    def merge(self, later: CompletionProgress, keep_text: bool = True) -> None:
+        """Appends ``later`` (what came after ``self``): its token ids and finish reason, and
+        with ``keep_text`` its text pieces and logprob entries (streaming totals keep only
+        the counts and the finish state)."""
+        if keep_text:
+            self.texts.extend(later.texts)
+            if later.logprobs is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(later.logprobs)
+        self.token_ids.extend(later.token_ids)
+        if later.finish_reason is not None:
+            self.finish_reason = later.finish_reason
+
+
 class Progress:
     """What one engine request produced since a handler last looked: text pieces, token ids
     and logprobs per completion (from ``output_kind="delta"`` outputs, concatenated only when
     taken), so a slow reader holds O(its output), whatever the number of steps.
 
     Attributes:
-      completions: completion index -> ``[text pieces, token ids, logprob entries or None,
-        finish reason or None]``.
+      completions: completion index -> its :class:`CompletionProgress`.
       finished: the engine request finished.
       error: the engine's error message, if it failed.
       prompt_tokens: prompt length (once known).
@@ -97,7 +128,7 @@ class Progress:
     __slots__ = ("cached", "completions", "error", "finished", "prompt_logprobs", "prompt_tokens")
 
     def __init__(self) -> None:
-        self.completions: dict[int, list] = {}
+        self.completions: dict[int, CompletionProgress] = {}
         self.finished = False
         self.error: str | None = None
         self.prompt_tokens: int | None = None
@@ -105,51 +136,58 @@ class Progress:
         self.prompt_logprobs: list | None = None
 
     def add(self, out: RequestOutput) -> None:
+        """Adds a delta output: the rule :func:`fold` adds a later :class:`Progress` by."""
         for c in out.outputs:
-            acc = self.completions.get(c.index)
-            if acc is None:
-                acc = self.completions[c.index] = [[], [], None, None]
-            if c.text:
-                acc[0].append(c.text)
-            acc[1].extend(c.token_ids)
-            if c.logprobs is not None:
-                if acc[2] is None:
-                    acc[2] = []
-                acc[2].extend(c.logprobs)
-            if c.finish_reason is not None:
-                acc[3] = c.finish_reason
-        self.finished = self.finished or out.finished
-        self.error = self.error or out.error
-        if out.prompt_token_ids:
-            self.prompt_tokens = len(out.prompt_token_ids)
-        if out.num_cached_tokens is not None:
-            self.cached = out.num_cached_tokens
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+            self._completion(c.index).merge(
+                CompletionProgress(
+                    [c.text] if c.text else [], c.token_ids, c.logprobs, c.finish_reason
+                )
+            )
+        self._update(
+            out.finished,
+            out.error,
+            len(out.prompt_token_ids) if out.prompt_token_ids else None,
+            out.num_cached_tokens,
+            out.prompt_logprobs,
+        )
+
+    def _completion(self, index: int) -> CompletionProgress:
+        acc = self.completions.get(index)
+        if acc is None:
+            acc = self.completions[index] = CompletionProgress()
+        return acc
+
+    def _update(
+        self,
+        finished: bool,
+        error: str | None,
+        prompt_tokens: int | None,
+        cached: int | None,
+        prompt_logprobs: list | None,
+    ) -> None:
+        """The request's fields after later news (None: nothing new)."""
+        self.finished = self.finished or finished
+        self.error = self.error or error
+        if prompt_tokens is not None:
+            self.prompt_tokens = prompt_tokens
+        if cached is not None:
+            self.cached = cached
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
 
 
 def fold(total: Progress, new: Progress, keep_text: bool = True) -> None:
     """Adds ``new`` (progress since the last take) into ``total`` (a request's whole result;
     streaming keeps only counts and finish state, not the text it already sent)."""
-    for index, (texts, ids, lps, reason) in new.completions.items():
-        acc = total.completions.setdefault(index, [[], [], None, None])
-        if keep_text:
-            acc[0].extend(texts)
-            if lps is not None:
-                if acc[2] is None:
-                    acc[2] = []
-                acc[2].extend(lps)
-        acc[1].extend(ids)
-        if reason is not None:
-            acc[3] = reason
-    total.finished = total.finished or new.finished
-    total.error = total.error or new.error
-    if new.prompt_tokens is not None:
-        total.prompt_tokens = new.prompt_tokens
-    if new.cached is not None:
-        total.cached = new.cached
-    if new.prompt_logprobs is not None and keep_text:
-        total.prompt_logprobs = new.prompt_logprobs
+    for index, piece in new.completions.items():
+        total._completion(index).merge(piece, keep_text)
+    total._update(
+        new.finished,
+        new.error,
+        new.prompt_tokens,
+        new.cached,
+        new.prompt_logprobs if keep_text else None,
+    )
 
 
 class Exchange:

@@ -68,14 +68,14 @@ async def stream_events(
             for tag, prog in got.items():
                 if on_progress is not None:
                     on_progress(tag, prog)
-                for index, (texts, _, lps, reason) in sorted(prog.completions.items()):
+                for index, comp in sorted(prog.completions.items()):
                     idx = tag * n + index
-                    delta = "".join(texts)
-                    fr = finish_reason(reason)
-                    if delta or lps or (fr is not None and idx not in reported):
+                    delta = "".join(comp.texts)
+                    fr = finish_reason(comp.finish_reason)
+                    if delta or comp.logprobs or (fr is not None and idx not in reported):
                         if fr is not None:
                             reported.add(idx)
-                        yield sse(make_chunk(idx, delta, fr, lps))
+                        yield sse(make_chunk(idx, delta, fr, comp.logprobs))
                 fold(totals[tag], prog, keep_text=False)
                 err = request_error(totals[tag]) if prog.finished else None
                 if err is not None:
