@@ -275,3 +275,32 @@ def test_engine_errors_outside_the_step_are_logged_never_raised(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert "engine warm-up failed" in messages and "engine.abort('a') failed" in messages
     assert messages.count("engine.stats() failed") == 2
+
+
+def test_a_round_that_raises_outside_the_engine_answers_its_submissions_and_keeps_serving():
+    """A broadcast that fails (the round's submissions already left the queue) ends those
+    submissions and the requests in flight with a 503; nothing stays counted in flight and
+    the next round serves."""
+    engine, events = RecordingEngine(), _Events()
+    failures = iter([False, True, False])
+
+    def broadcast(rnd):
+        if next(failures):
+            raise OSError("the other hosts are gone")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_mod, "broadcast_round", broadcast)
+        runner = EngineRunner(engine, max_queue=100, multihost=True)
+        runner._start_engine()
+        params = SamplingParams(max_tokens=8, seed=1)
+        runner.submit([Submission("live", "ok", params, Sink(events, 0), None)])
+        assert runner._round() is not None  # added, stepped once
+        runner.submit([Submission("new", "ok", params, Sink(events, 1), None)])
+        assert runner._round() is None  # the broadcast raised
+        assert runner.num_inflight == 0 and runner.num_engine_errors == 1
+        assert events.got[0][-1] == Failed(503, "engine error", "engine_error")
+        assert events.got[1] == [Failed(503, "engine error", "engine_error")]
+        assert ("abort", "live") in engine.calls and not engine.reqs
+        runner.submit([Submission("later", "ok", params, Sink(events, 2), None)])
+        assert runner._round() is not None and events.got[2][0] == ACCEPTED
+        assert runner.num_inflight == 1

@@ -338,6 +338,7 @@ class EngineRunner:
         self._thread: threading.Thread | None = None
         self._loop = EngineLoop(engine)  # engine thread only; its ``live`` are the sinks' ids
         self._sinks: dict[str, Sink] = {}  # engine thread only
+        self._unanswered: dict[int, Submission] = {}  # this round's, not yet answered
         self.ready = threading.Event()
         self.warmup_error: str | None = None
         self.stats_snapshot: dict[str, Any] = {}
@@ -447,13 +448,8 @@ class EngineRunner:
     def _run(self) -> None:
         self._start_engine()
         while True:
-            try:
-                result = self._iterate()
-            except Exception:  # noqa: BLE001 - keep serving whatever went wrong
-                logger.exception("engine loop error; failing the requests in flight")
-                self.num_engine_errors += 1
-                self._loop.abort_live()
-                self._fail_sinks(list(self._sinks), 503, "engine error", "engine_error")
+            result = self._round()
+            if result is None:
                 time.sleep(0.01)
                 continue
             if result.stopped:
@@ -462,6 +458,22 @@ class EngineRunner:
                 with self._cond:
                     if not (self._pending or self._aborts or self._stopping):
                         self._cond.wait(HEARTBEAT_S if self._multihost else None)
+
+    def _round(self) -> RoundResult | None:
+        """One :meth:`_iterate`; should anything in it raise outside the engine calls (which
+        ``EngineLoop`` isolates), e.g. the broadcast to the other hosts, the requests in flight
+        and the round's submissions not yet answered fail with a 503 and None is returned: the
+        server keeps serving."""
+        try:
+            return self._iterate()
+        except Exception:  # noqa: BLE001 - keep serving whatever went wrong
+            logger.exception("engine loop error; failing the requests in flight")
+            self.num_engine_errors += 1
+            self._loop.abort_live()
+            unanswered, self._unanswered = list(self._unanswered.values()), {}
+            self._fail_pending(unanswered, 503, "engine error", "engine_error")
+            self._fail_sinks(list(self._sinks), 503, "engine error", "engine_error")
+            return None
 
     def _iterate(self) -> RoundResult:
         """One round: takes the queue, builds the round (broadcast first when multi-host),
@@ -480,6 +492,7 @@ class EngineRunner:
                 else dataclasses.replace(s, params=with_leader_seed(s.params))
                 for s in pending
             ]
+        self._unanswered = {id(sub): sub for sub in pending}  # until _admitted answers each
         rnd = EngineRound(
             stop=stopping,
             # On shutdown every request in flight is aborted, in order.
@@ -499,6 +512,7 @@ class EngineRunner:
         result = self._loop.run_round(rnd, admitted=lambda r: self._admitted(pending, aborts, r))
         self._take_stats(result.stats)
         if result.stopped:
+            self._unanswered = {}
             self._fail_pending(pending, 503, "server is shutting down", "service_unavailable")
             self._fail_sinks(
                 list(self._sinks), 503, "server is shutting down", "service_unavailable"
@@ -519,6 +533,7 @@ class EngineRunner:
                 self._done()
                 self._ended(sink, None, "abort")
         for sub in pending:
+            self._unanswered.pop(id(sub), None)
             if sub.request_id in aborts:
                 self._done()
                 self._ended(sub.sink, sub.params, "abort")
