@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 import logging
 from collections.abc import Collection
 
@@ -84,115 +83,12 @@ import numpy as np
 from paxcache.errors import OutOfBlocksError
 from paxcache.manager import BlockManager
 from paxcache.outputs import INTERNAL_ERROR
+from paxcache.plan import StepPlan, StepResult
 from paxcache.sequence import SeqState, Sequence, check_stop
 
 __all__ = ["Scheduler", "SeqState", "Sequence", "StepPlan", "StepResult"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """What one step runs, and what :meth:`Scheduler.schedule` changed to make room for it.
-
-    Attributes:
-      rows: ``(seq, q)`` in batch order: ``q`` tokens of ``seq`` are fed.
-      slots: the block-manager slot of each row's sequence.
-      samples: ``(seq, row_index)``: ``seq`` samples its next token from the logits of the
-        last token of batch row ``row_index`` (a follower samples from its leader's row).
-      swap_out: ``(device_block, host_block)`` copies to make before the step (the blocks of
-        the sequences swapped out).
-      swap_in: ``(host_block, device_block)`` copies to make before the step, after
-        ``swap_out`` (never both in one step: rule R3).
-      swapped_out: sequences preempted by swapping (their KV is in ``swap_out``).
-      swapped_in: sequences resumed from the host (their KV is in ``swap_in``).
-      admitted: sequences given blocks this step (new, or resumed after a recompute).
-      preempted: sequences preempted this step (swapped out or freed for recompute).
-      failed: sequences the scheduler finished with an error (they can never fit).
-      prompt_positions: ``(row_index, position)``: the step also computes the log-probability
-        of prompt token ``position + 1`` from the logits of that row's token at ``position``
-        (rows of sequences with ``prompt_logprobs``, every position of the row that has a
-        next prompt token).
-    """
-
-    rows: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
-    slots: list[int] = dataclasses.field(default_factory=list)
-    samples: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
-    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    swapped_out: list[Sequence] = dataclasses.field(default_factory=list)
-    swapped_in: list[Sequence] = dataclasses.field(default_factory=list)
-    admitted: list[Sequence] = dataclasses.field(default_factory=list)
-    preempted: list[Sequence] = dataclasses.field(default_factory=list)
-    failed: list[Sequence] = dataclasses.field(default_factory=list)
-    prompt_positions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(q for _, q in self.rows)
-
-
-@dataclasses.dataclass
-class StepResult:
-    """What the device step returned, on the host (row ``i`` of ``plan.rows``, sample ``j``
-    of ``plan.samples``).
-
-    Attributes:
-      state: the block state the step returned (the allocator's ``append`` and ``commit``
-        ran in it); the block manager adopts it.
-      num_free_blocks: its free-block count.
-      row_ok: ``bool[R]`` whether row ``i`` got its blocks (always, unless a bug).
-      tokens: ``i32[R]`` sampled token ``j``.
-      logprob: ``f32[R]`` its log-probability, or None when no sample asked for logprobs.
-      top_ids, top_logprobs: ``[R, K]`` the top-K candidates, or None (as ``logprob``).
-      prompt_logprob, prompt_top_ids, prompt_top_logprobs, prompt_rank: entry ``k`` of
-        ``plan.prompt_positions``: ``f32[P]``, ``i32[P, K]``, ``f32[P, K]``, ``i32[P]`` (the
-        token's rank, 1 = most likely); None when the plan has none.
-      failed_requests: requests whose host work for this step raised (preparing their
-        sampling inputs): they fail, the others go on.
-      steps: ``i32[R]`` for a multi-step decode (:mod:`paxcache.decode_loop`): iterations
-        row ``i`` ran; ``tokens``, ``logprob``, ``top_ids``, ``top_logprobs`` then hold one
-        entry per iteration first (``[K, R, ...]``). None for one step.
-    """
-
-    state: object
-    num_free_blocks: int
-    row_ok: np.ndarray
-    tokens: np.ndarray
-    logprob: np.ndarray | None = None
-    top_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    prompt_logprob: np.ndarray | None = None
-    prompt_top_ids: np.ndarray | None = None
-    prompt_top_logprobs: np.ndarray | None = None
-    prompt_rank: np.ndarray | None = None
-    failed_requests: Collection[str] = ()
-    steps: np.ndarray | None = None
-
-    def iterations(self) -> list[tuple[np.ndarray, StepResult]]:
-        """``(ran bool[R], this iteration's result)`` per iteration of the step: one for a
-        single step (``ran`` is ``row_ok``), ``max(steps)`` for a multi-step decode."""
-        if self.steps is None:
-            return [(np.asarray(self.row_ok, bool), self)]
-
-        def at(x: np.ndarray | None, k: int) -> np.ndarray | None:
-            return None if x is None else x[k]
-
-        steps = np.asarray(self.steps)
-        return [
-            (
-                steps > k,
-                dataclasses.replace(
-                    self,
-                    tokens=self.tokens[k],
-                    logprob=at(self.logprob, k),
-                    top_ids=at(self.top_ids, k),
-                    top_logprobs=at(self.top_logprobs, k),
-                    steps=None,
-                ),
-            )
-            for k in range(int(steps.max(initial=0)))
-        ]
 
 
 class Scheduler:
@@ -596,8 +492,10 @@ class Scheduler:
             self.num_multi_step_iterations += int(np.max(result.steps, initial=0))
         touched: dict[int, Sequence] = {}
         finished: list[Sequence] = []
-        for ran, one in result.iterations():
-            self._advance(plan, ran, one, failed, touched, finished)
+        if result.steps is None:
+            self._advance(plan, np.asarray(row_ok, bool), result, failed, touched, finished)
+        else:
+            self._advance_loop(plan, result, failed, touched, finished)
         for seq in finished:
             if seq.request_id not in failed:
                 self.remove([seq])
@@ -607,6 +505,83 @@ class Scheduler:
                 self.finish(seq.group, "error", INTERNAL_ERROR)
                 touched.update((id(s), s) for s in seq.group)
         return list(touched.values())
+
+    def _advance_loop(
+        self,
+        plan: StepPlan,
+        result: StepResult,
+        failed: dict,
+        touched: dict[int, Sequence],
+        finished: list[Sequence],
+    ) -> None:
+        """A multi-step decode's accounting (every row one token per iteration, sampling its
+        own sequence): a plain row (no stop strings, logprobs or grammar) takes its tokens at
+        once (:meth:`_take_chunk`, one detokenization); the others, and any row the chunk
+        cannot prove equal, go iteration by iteration (:meth:`_advance`), as one step each."""
+        steps = np.asarray(result.steps)
+        slow = np.zeros(len(steps), bool)
+        for j, (seq, row) in enumerate(plan.samples):
+            n = int(steps[row])
+            if n == 0 or seq.request_id in failed or seq.is_finished:
+                continue
+            toks = [int(t) for t in result.tokens[:n, j]]
+            try:
+                took = self._take_chunk(seq, toks)
+            except Exception:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("request %s failed while detokenizing", seq.request_id)
+                failed[seq.request_id] = None
+                continue
+            if not took:
+                slow[row] = True
+                continue
+            touched[id(seq)] = seq
+            if seq.is_finished:
+                finished.append(seq)
+        if slow.any():
+            for ran, one in result.iterations():
+                self._advance(plan, ran & slow, one, failed, touched, finished)
+            order = {id(s): s for s, _ in plan.samples if id(s) in touched}  # plan order
+            touched.clear()
+            touched.update(order)
+
+    def _take_chunk(self, seq: Sequence, toks: list[int]) -> bool:
+        """Appends the ``toks`` one decode row of a multi-step decode generated and applies the
+        stop conditions to them at once, exactly as ``len(toks)`` single steps would; False,
+        changing nothing, when that is not certain (stop strings, logprobs, a grammar, a stop
+        or length condition before the last token, text the decoder cannot take at once)."""
+        p = seq.params
+        if p.stop or seq.logprobs is not None or seq.matcher is not None:
+            return False
+        stop_ids = frozenset(p.stop_token_ids or ())
+        eos = frozenset() if p.ignore_eos else self.eos_token_ids
+        n = len(toks)
+        if any(t in stop_ids or t in eos for t in toks[:-1]):
+            return False
+        if seq.num_generated + n - 1 >= p.max_tokens or len(seq.token_ids) + n - 1 >= (
+            self.max_model_len
+        ):
+            return False  # a length stop before the last token
+        stop_last = toks[-1] in stop_ids or toks[-1] in eos  # not detokenized
+        body = toks[:-1] if stop_last else toks
+        piece = seq.decoder.push_chunk(body) if body else ""
+        if piece is None:
+            return False
+        prompt_left = max(0, seq.num_prompt - seq.num_computed)
+        self.num_prefill_tokens_computed += min(prompt_left, n)
+        seq.num_computed += n
+        if seq.num_computed > seq.num_allocated:
+            seq.num_allocated = seq.num_computed
+            seq.shared_last = False
+        seq.token_ids.extend(toks)
+        seq.new_ids.extend(toks)
+        self.num_generated_tokens += n
+        seq.text += piece
+        if stop_last:
+            seq.finish("stop")
+        elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.finish("length")
+            seq.text += seq.decoder.flush()
+        return True
 
     def _advance(
         self,

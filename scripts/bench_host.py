@@ -11,7 +11,8 @@ decode steps of ``Engine.step()``. Each step's host thread is split into:
 * ``dispatch_us``: the call of the jitted step (returns before the device finishes);
 * ``wait_us``: ``step.read_result`` (waits for the device, then one transfer back);
 * ``postprocess_us``: ``Scheduler.postprocess`` less detokenization (appending tokens, stop
-  checks, freeing); ``detokenize_us``: ``IncrementalDecoder.push``;
+  checks, freeing); ``detokenize_us``: ``IncrementalDecoder.push`` and ``push_chunk`` (a
+  multi-step row's tokens at once, where the text allows);
 * ``host_us``: the step's wall time less ``dispatch_us`` and ``wait_us`` (on the CPU backend
   the call of a small program runs it in the calling thread, so dispatch holds device time
   there); ``device_idle_us``: the wall time from one step's ``read_result`` returning to the
@@ -88,8 +89,16 @@ def micro_model() -> LlamaForCausalLM:
 
 def supported(mode: str) -> bool:
     """Whether this build's ``Engine`` takes the mode's arguments."""
-    params = inspect.signature(Engine.__init__).parameters
-    return all(k in params for k in MODES[mode])
+    try:
+        from paxcache.engine_config import EngineConfig
+    except ImportError:  # a build from before EngineConfig: the options were parameters
+        params = inspect.signature(Engine.__init__).parameters
+        return all(k in params for k in MODES[mode])
+    try:
+        EngineConfig.from_kwargs(**MODES[mode])
+    except TypeError:  # an option this build does not have
+        return False
+    return True
 
 
 class Phases:
@@ -116,6 +125,7 @@ class Phases:
         saved = (sched.schedule, sched.postprocess, eng._jit_step)
         saved_mod = (step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result)
         saved_push = IncrementalDecoder.push
+        saved_chunk = getattr(IncrementalDecoder, "push_chunk", None)  # newer builds
         jit_step, read_result = eng._jit_step, step_lib.read_result
 
         def dispatch(*args: Any) -> Any:
@@ -139,12 +149,16 @@ class Phases:
         step_lib.prepare_inputs = self.timed("prepare", step_lib.prepare_inputs)
         step_lib.read_result = overlap_lib.read_result = read
         IncrementalDecoder.push = self.timed("detokenize", saved_push)
+        if saved_chunk is not None:
+            IncrementalDecoder.push_chunk = self.timed("detokenize", saved_chunk)
         try:
             yield
         finally:
             sched.schedule, sched.postprocess, eng._jit_step = saved
             step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result = saved_mod
             IncrementalDecoder.push = saved_push
+            if saved_chunk is not None:
+                IncrementalDecoder.push_chunk = saved_chunk
 
 
 def build(model_name: str, rows: int, extra: dict) -> Engine:

@@ -147,6 +147,38 @@ def test_multi_step_decode_streams_up_to_k_tokens_per_step(model):
     assert out.outputs[0].token_ids == single
 
 
+def test_a_plain_rows_tokens_are_detokenized_once_per_step(monkeypatch):
+    """Rows without stop strings, logprobs or a grammar take a loop's tokens at once (one
+    ``push_chunk`` per step, no per-token push), with the single-step engine's text; a row
+    with a stop string goes token by token in the same steps."""
+    from paxcache.models.tokenizer import IncrementalDecoder
+
+    calls = {"push": 0, "push_chunk": 0}
+    for name in calls:
+        orig = getattr(IncrementalDecoder, name)
+
+        def counted(self, *a, _orig=orig, _name=name):
+            calls[_name] += 1
+            return _orig(self, *a)
+
+        monkeypatch.setattr(IncrementalDecoder, name, counted)
+
+    def tiny(decode_steps):  # the bundled model writes text (the byte model, invalid UTF-8)
+        limits = dict(max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
+        return Engine.from_pretrained("tiny", decode_steps=decode_steps, **limits)
+
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    requests = {"plain": ("Once upon a time", plain)}
+    multi, _ = _run(tiny(4), requests)
+    assert calls == {"push": 1, "push_chunk": 3}  # the prefill's token, then 4 + 4 + 3
+    stop = SamplingParams(max_tokens=12, ignore_eos=True, stop=["the"])
+    requests["stops"] = ("The little dog", stop)
+    both, _ = _run(tiny(4), requests)
+    single, _ = _run(tiny(1), requests)
+    assert _summary([both[r] for r in requests]) == _summary([single[r] for r in requests])
+    assert _summary([multi["plain"]]) == _summary([single["plain"]])
+
+
 def test_multi_step_decode_stops_when_the_next_blocks_are_not_free(model):
     # Two sequences of 8 prompt tokens in 4 blocks: each new block boundary (every 8 tokens)
     # needs a block; with 4 blocks in all, the loop must leave before the pool runs dry and

@@ -621,6 +621,30 @@ class IncrementalDecoder:
         self.ids.extend(int(i) for i in ids)
         return self._advance(final=False)
 
+    def push_chunk(self, ids: Sequence[int]) -> str | None:
+        """Adds ``ids`` with three decodes, returning what pushing them one by one would have
+        returned in total (every later call then returns what it would after those pushes);
+        None, adding nothing, when that cannot be told without decoding id by id.
+
+        It can when nothing is held back now, ``ids`` are at most ``MAX_HELD_TOKENS`` (no
+        push of theirs could be forced out early), the window's text has no U+FFFD (no
+        incomplete character was held or forced out along the way) and the last id adds
+        text (so one by one nothing would be held at the end either).
+        """
+        ids = [int(i) for i in ids]
+        if not ids or self._read != len(self.ids) or len(ids) > MAX_HELD_TOKENS:
+            return None
+        window = self.ids[self._prefix :]
+        seen = self._decode(window)
+        text = self._decode(window + ids)
+        if "\ufffd" in text or len(text) <= len(self._decode(window + ids[:-1])):
+            return None
+        if not text.startswith(seen):  # a decoder that rewrites earlier text: id by id
+            return None
+        self.ids.extend(ids)
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(seen) :]
+
     def flush(self) -> str:
         """Returns any held-back text (incomplete characters as U+FFFD)."""
         return self._advance(final=True)
