@@ -520,11 +520,13 @@ class Scheduler:
         cannot prove equal, go iteration by iteration (:meth:`_advance`), as one step each."""
         steps = np.asarray(result.steps)
         slow = np.zeros(len(steps), bool)
+        steps_of_row = steps.tolist()
+        tokens_of_sample = np.asarray(result.tokens).T.tolist()  # [R][K] Python ints, at once
         for j, (seq, row) in enumerate(plan.samples):
-            n = int(steps[row])
+            n = steps_of_row[row]
             if n == 0 or seq.request_id in failed or seq.is_finished:
                 continue
-            toks = [int(t) for t in result.tokens[:n, j]]
+            toks = tokens_of_sample[j][:n]
             try:
                 took = self._take_chunk(seq, toks)
             except Exception:  # noqa: BLE001 - this request fails, the others go on
@@ -552,10 +554,13 @@ class Scheduler:
         p = seq.params
         if p.stop or seq.logprobs is not None or seq.matcher is not None:
             return False
-        stop_ids = frozenset(p.stop_token_ids or ())
-        eos = frozenset() if p.ignore_eos else self.eos_token_ids
-        n = len(toks)
-        if any(t in stop_ids or t in eos for t in toks[:-1]):
+        stop_ids = p.stop_token_ids or ()
+        eos = () if p.ignore_eos else self.eos_token_ids
+        n, before = len(toks), toks[:-1]
+        if before and (
+            (eos and not self.eos_token_ids.isdisjoint(before))
+            or (stop_ids and not set(stop_ids).isdisjoint(before))
+        ):
             return False
         if seq.num_generated + n - 1 >= p.max_tokens or len(seq.token_ids) + n - 1 >= (
             self.max_model_len

@@ -635,11 +635,13 @@ class IncrementalDecoder:
         if not ids or self._read != len(self.ids) or len(ids) > MAX_HELD_TOKENS:
             return None
         window = self.ids[self._prefix :]
-        seen = self._decode(window)
         text = self._decode(window + ids)
-        if "\ufffd" in text or len(text) <= len(self._decode(window + ids[:-1])):
+        if "\ufffd" in text:  # the common refusal first: one decode spent
             return None
+        seen = self._decode(window)
         if not text.startswith(seen):  # a decoder that rewrites earlier text: id by id
+            return None
+        if len(text) <= len(self._decode(window + ids[:-1])):
             return None
         self.ids.extend(ids)
         self._prefix, self._read = self._read, len(self.ids)
