@@ -18,6 +18,7 @@ the step compiles once per bucket; :meth:`Engine.warmup` compiles them all up fr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -80,12 +81,12 @@ class Engine:
         ``preemption_mode``, ``policy``, ``tp``, ``ep``, ``max_model_len``,
         ``kv_memory_bytes``, ``watermark``, ``impl``, ``interpret``, ``seed``,
         ``compile_cache``, ``warmup``, ``decode_steps``, ``async_scheduling``, ``model_name``).
-
       placement: where the weights, block state and KV cache live and whose defaults the
         engine takes (:class:`~paxcache.placement.Placement`, the live devices, by default;
         :mod:`paxcache.compile_check` passes abstract ones).
 
-    ``engine.config`` is the config with the by-backend defaults resolved; the attributes
+    ``engine.config`` is the config with the by-backend defaults resolved and ``num_blocks``
+    as sized; the attributes
     ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``decode_steps``,
     ``impl``, ``tp``, ``ep`` are its values.
     """
@@ -185,6 +186,8 @@ class Engine:
         if num_blocks < 1:  # an explicit value is checked by KVCacheConfig
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         build(int(num_blocks))
+        cache_opts = dataclasses.replace(kv_opts, num_blocks=int(num_blocks))  # as sized
+        self.config = dataclasses.replace(config, cache=cache_opts)
         if num_blocks * block_size < self.max_model_len:
             logger.warning(
                 "the KV cache holds %d tokens, less than max_model_len %d: longer requests "

@@ -55,6 +55,8 @@ def test_keywords_and_config_build_the_same_engine_with_the_same_outputs(model):
     by_config = Engine(model, ByteTokenizer(), config)
     assert by_kwargs.config == by_config.config
     assert by_config.config.scheduler.max_model_len == model.config.max_position_embeddings
+    sized = Engine(model, ByteTokenizer(), **{**OPTIONS, "num_blocks": None})
+    assert sized.config.cache.num_blocks == sized.cache_config.num_blocks  # as sized
     assert (by_config.max_num_seqs, by_config.decode_steps) == (3, 2)
     params = SamplingParams(max_tokens=5, temperature=0.8, ignore_eos=True)  # seeded by the engine
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5]]
