@@ -571,12 +571,7 @@ class Scheduler:
         piece = seq.decoder.push_chunk(body) if body else ""
         if piece is None:
             return False
-        prompt_left = max(0, seq.num_prompt - seq.num_computed)
-        self.num_prefill_tokens_computed += min(prompt_left, n)
-        seq.num_computed += n
-        if seq.num_computed > seq.num_allocated:
-            seq.num_allocated = seq.num_computed
-            seq.shared_last = False
+        self._feed(seq, n)
         seq.token_ids.extend(toks)
         seq.new_ids.extend(toks)
         self.num_generated_tokens += n
@@ -587,6 +582,15 @@ class Scheduler:
             seq.finish("length")
             seq.text += seq.decoder.flush()
         return True
+
+    def _feed(self, seq: Sequence, q: int) -> None:
+        """``q`` more of ``seq``'s tokens went through the model (their K/V are written)."""
+        prompt_left = max(0, seq.num_prompt - seq.num_computed)
+        self.num_prefill_tokens_computed += min(prompt_left, q)
+        seq.num_computed += q
+        if seq.num_computed > seq.num_allocated:
+            seq.num_allocated = seq.num_computed
+            seq.shared_last = False
 
     def _advance(
         self,
@@ -604,12 +608,7 @@ class Scheduler:
         for i, (seq, q) in enumerate(plan.rows):
             if not ran[i] or seq.request_id in failed or seq.is_finished:
                 continue
-            prompt_left = max(0, seq.num_prompt - seq.num_computed)
-            self.num_prefill_tokens_computed += min(prompt_left, q)
-            seq.num_computed += q
-            if seq.num_computed > seq.num_allocated:
-                seq.num_allocated = seq.num_computed
-                seq.shared_last = False
+            self._feed(seq, q)
         for j, (seq, row) in enumerate(plan.samples):
             if not ran[row] or seq.request_id in failed or seq.is_finished:
                 continue

@@ -258,20 +258,19 @@ class _FakeAccelerator(Placement):
         return dict(self.STATS)
 
 
+def _sized_on(model, placement):
+    """An engine whose KV cache is sized by ``placement`` (no ``num_blocks``)."""
+    limits = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16)
+    return Engine(model, ByteTokenizer(), placement=placement, **limits)
+
+
 def test_accelerator_sizing_reserves_the_largest_steps_buffers(model, dense_ref):
     """On an accelerator the cache gets 0.9 of the free memory less what the largest step
     needs besides its arguments (measured by compiling it over a small cache), so the step
     and the cache fit together; the engine then serves normally."""
     from paxcache import kv_cache
 
-    eng = Engine(
-        model,
-        ByteTokenizer(),
-        placement=_FakeAccelerator(),
-        block_size=BS,
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
-    )
+    eng = _sized_on(model, _FakeAccelerator())
     reserve = eng.step_reserve_bytes
     assert reserve > 0
     free = _FakeAccelerator.STATS["bytes_limit"] - _FakeAccelerator.STATS["bytes_in_use"]
@@ -292,11 +291,4 @@ def test_accelerator_sizing_names_the_reserve_when_nothing_fits(model):
         STATS = {"bytes_limit": 16 << 20, "bytes_in_use": (16 << 20) - 4096}
 
     with pytest.raises(ValueError, match="for the model step"):
-        Engine(
-            model,
-            ByteTokenizer(),
-            placement=Tight(),
-            block_size=BS,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-        )
+        _sized_on(model, Tight())
