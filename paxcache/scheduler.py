@@ -84,7 +84,7 @@ from paxcache.errors import OutOfBlocksError
 from paxcache.manager import BlockManager
 from paxcache.outputs import INTERNAL_ERROR
 from paxcache.plan import StepPlan, StepResult
-from paxcache.sequence import SeqState, Sequence, check_stop
+from paxcache.sequence import SeqState, Sequence, check_stop, is_stop_token, reached_length
 
 __all__ = ["Scheduler", "SeqState", "Sequence", "StepPlan", "StepResult"]
 
@@ -554,19 +554,12 @@ class Scheduler:
         p = seq.params
         if p.stop or seq.logprobs is not None or seq.matcher is not None:
             return False
-        stop_ids = p.stop_token_ids or ()
-        eos = () if p.ignore_eos else self.eos_token_ids
-        n, before = len(toks), toks[:-1]
-        if before and (
-            (eos and not self.eos_token_ids.isdisjoint(before))
-            or (stop_ids and not set(stop_ids).isdisjoint(before))
-        ):
+        eos, n = self.eos_token_ids, len(toks)
+        if any(is_stop_token(p, t, eos) for t in toks[:-1]):
             return False
-        if seq.num_generated + n - 1 >= p.max_tokens or len(seq.token_ids) + n - 1 >= (
-            self.max_model_len
-        ):
+        if reached_length(seq, self.max_model_len, more=n - 1):
             return False  # a length stop before the last token
-        stop_last = toks[-1] in stop_ids or toks[-1] in eos  # not detokenized
+        stop_last = is_stop_token(p, toks[-1], eos)  # not detokenized
         body = toks[:-1] if stop_last else toks
         piece = seq.decoder.push_chunk(body) if body else ""
         if piece is None:
@@ -578,7 +571,7 @@ class Scheduler:
         seq.text += piece
         if stop_last:
             seq.finish("stop")
-        elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif reached_length(seq, self.max_model_len):
             seq.finish("length")
             seq.text += seq.decoder.flush()
         return True

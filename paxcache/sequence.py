@@ -23,7 +23,15 @@ from paxcache.config import CacheConfig
 from paxcache.errors import SequenceTooLongError
 from paxcache.sampling import SamplingParams
 
-__all__ = ["SeqState", "Sequence", "check_prompt", "check_stop", "new_request"]
+__all__ = [
+    "SeqState",
+    "Sequence",
+    "check_prompt",
+    "check_stop",
+    "is_stop_token",
+    "new_request",
+    "reached_length",
+]
 
 
 class SeqState:
@@ -200,6 +208,19 @@ def new_request(
     return seqs
 
 
+def is_stop_token(params: SamplingParams, tok: int, eos_ids: Collection[int]) -> bool:
+    """Whether ``tok`` ends a sequence of ``params`` by itself: EOS (unless ``ignore_eos``) or
+    one of its stop token ids (neither is detokenized)."""
+    return (tok in eos_ids and not params.ignore_eos) or tok in (params.stop_token_ids or ())
+
+
+def reached_length(seq: Sequence, max_model_len: int, more: int = 0) -> bool:
+    """Whether ``seq``, with ``more`` tokens yet to append, has ``max_tokens`` generated or
+    ``max_model_len`` tokens (a ``"length"`` finish)."""
+    generated, total = seq.num_generated + more, len(seq.token_ids) + more
+    return generated >= seq.params.max_tokens or total >= max_model_len
+
+
 def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len: int) -> None:
     """Detokenizes ``tok`` (just appended to ``seq``) and finishes ``seq`` if it should stop.
 
@@ -213,9 +234,8 @@ def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len:
     p = seq.params
     if seq.matcher is not None and not seq.matcher.consume(tok):
         raise ValueError(f"token {tok} is not allowed by the grammar: {seq.matcher.error}")
-    is_eos = tok in eos_ids and not p.ignore_eos
-    is_stop_tok = tok in (p.stop_token_ids or ())
-    if not (is_eos or is_stop_tok):
+    stop_tok = is_stop_token(p, tok, eos_ids)
+    if not stop_tok:
         seq.text += seq.decoder.push(tok)
     reason = None
     stops = p.stop or ()
@@ -228,9 +248,9 @@ def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len:
             seq.text = seq.text[:i]
             reason = "stop"
     if reason is None:
-        if is_eos or is_stop_tok or (seq.matcher is not None and seq.matcher.is_stopped()):
+        if stop_tok or (seq.matcher is not None and seq.matcher.is_stopped()):
             reason = "stop"
-        elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= max_model_len:
+        elif reached_length(seq, max_model_len):
             reason = "length"
     if reason is not None:
         seq.finish(reason)
