@@ -2,7 +2,7 @@
 
 It maps user sequence ids (any hashable) to slots, calls the jitted pure functions and turns
 their ``ok`` flags into typed :mod:`paxcache.errors`. On any error the manager's state (block
-state, id map, slot pool) is exactly what it was before the call: the pure functions leave a
+state and id map) is exactly what it was before the call: the pure functions leave a
 refused slot unchanged and the manager only commits a new state on success.
 
 Compilation: the jitted callables are module-level, so they are shared by every manager and
@@ -32,7 +32,6 @@ compilation): it never moves the state between devices.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable, Mapping, Sequence
 
 import jax
@@ -112,9 +111,10 @@ class BlockManager:
         if state is not None and state.cfg != cfg:
             raise PaxcacheError("BlockManager: the given state was made for another CacheConfig")
         self._cfg = cfg
+        # The one host record: which sequence id holds which slot (the device state knows
+        # slots, not ids). Free slots and swap flags are the state's (``active``,
+        # ``swapped``); nothing on the host mirrors them.
         self._slots: dict[Hashable, int] = {}
-        self._free_slots: list[int] = list(range(cfg.max_seqs))  # a heap: lowest slot first
-        self._swapped: set[int] = set()  # slots whose blocks are on the host (mirrors the state)
         self._salts: dict[Hashable, int] = {}  # cache_salt -> tenant id (None is 0, not stored)
         self._next_salt = 1
         self._salt_gc_at = _SALT_GC_THRESHOLD
@@ -154,12 +154,13 @@ class BlockManager:
     @property
     def num_free_slots(self) -> int:
         """Slots no sequence holds."""
-        return len(self._free_slots)
+        return self._cfg.max_seqs - len(self._slots)
 
     @property
     def free_slots(self) -> list[int]:
-        """The slots no sequence holds, ascending (a copy)."""
-        return sorted(self._free_slots)
+        """The slots no sequence holds, ascending."""
+        held = set(self._slots.values())
+        return [i for i in range(self._cfg.max_seqs) if i not in held]
 
     @property
     def prefix_cache_counts(self) -> tuple[int, int]:
@@ -191,8 +192,11 @@ class BlockManager:
         return int(np.asarray(self._state.seq_lens)[self.slot(seq_id)])
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        """Whether ``seq_id``'s blocks are on the host tier."""
-        return self.slot(seq_id) in self._swapped
+        """Whether ``seq_id``'s blocks are on the host tier (reads the block state)."""
+        return self._slot_swapped(self.slot(seq_id))
+
+    def _slot_swapped(self, slot: int) -> bool:
+        return bool(np.asarray(self._state.swapped)[slot])
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Block ids of ``seq_id``, one per ``block_size`` tokens (host ids while swapped).
@@ -205,20 +209,19 @@ class BlockManager:
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` tokens would be admitted now, ignoring hits."""
-        if not self._free_slots or not 1 <= num_tokens <= self._cfg.max_model_len:
+        if not self.num_free_slots or not 1 <= num_tokens <= self._cfg.max_model_len:
             return False
         free = self.num_free_blocks - self._cfg.blocks_for(num_tokens)
         return free >= self._cfg.watermark_blocks and free >= 0
 
     def check_invariants(self) -> dict[str, bool]:
         """:func:`allocator.check_invariants` plus the manager's own bookkeeping checks
-        (named ``manager_*``): slots and swapped flags match the state, cached counts are
-        current."""
+        (named ``manager_*``): the id map holds exactly the state's active slots, cached counts
+        are current."""
         checks = {k: bool(v) for k, v in _check(self._state).items()}
         info = jax.device_get(
             {
                 "active": self._state.active,
-                "swapped": self._state.swapped,
                 "free": _num_free(self._state),
                 "host_free": _num_free_host(self._state),
             }
@@ -226,10 +229,7 @@ class BlockManager:
         held = sorted(self._slots.values())
         checks["manager_slots_match_state"] = held == [
             int(i) for i in np.flatnonzero(info["active"])
-        ] and sorted(held + self._free_slots) == list(range(self._cfg.max_seqs))
-        checks["manager_swapped_match_state"] = self._swapped == {
-            int(i) for i in np.flatnonzero(info["swapped"])
-        }
+        ]
         checks["manager_free_counts_current"] = self._num_free_cache in (
             None,
             int(info["free"]),
@@ -255,8 +255,6 @@ class BlockManager:
         ``allocator.init``), e.g. after a failed device step consumed the donated one. Salt
         ids stay reserved (never reused)."""
         self._slots.clear()
-        self._free_slots = list(range(self._cfg.max_seqs))
-        self._swapped.clear()
         self._set_state(allocator.init(self._cfg) if state is None else state)
 
     def warmup(self) -> None:
@@ -318,12 +316,12 @@ class BlockManager:
             raise PaxcacheError(f"sequence id must be hashable, got {seq_id!r}") from None
         if seq_id in self._slots:
             raise DuplicateSequenceError(f"sequence id {seq_id!r} is already allocated")
-        if not self._free_slots:
+        if len(self._slots) >= self._cfg.max_seqs:
             raise NoFreeSlotError(f"all {self._cfg.max_seqs} sequence slots are in use")
-        return self._free_slots[0]
+        held = set(self._slots.values())
+        return next(i for i in range(self._cfg.max_seqs) if i not in held)  # lowest free
 
     def _take_slot(self, seq_id: Hashable, slot: int) -> None:
-        assert heapq.heappop(self._free_slots) == slot
         self._slots[seq_id] = slot
 
     def allocate(
@@ -427,7 +425,7 @@ class BlockManager:
         rows: dict[int, np.ndarray] = {}
         failed: dict[Hashable, PaxcacheError] = {}
         slots: dict[Hashable, int] = {}
-        lens = np.asarray(self._state.seq_lens)
+        lens, swapped = jax.device_get((self._state.seq_lens, self._state.swapped))
         for seq_id, toks in requests.items():
             slot = self.slot(seq_id)
             if isinstance(toks, (int, np.integer)) and not isinstance(toks, bool):
@@ -437,7 +435,7 @@ class BlockManager:
             else:
                 ids = _as_ids(toks)
                 n = int(ids.size)
-            if slot in self._swapped:
+            if swapped[slot]:
                 failed[seq_id] = SequenceSwappedError(f"sequence {seq_id!r} is swapped out")
                 continue
             if lens[slot] + n > cfg.max_model_len:
@@ -494,11 +492,11 @@ class BlockManager:
             SequenceSwappedError.
         """
         parent = self.slot(parent_id)
-        if parent in self._swapped:
-            raise SequenceSwappedError(f"cannot fork swapped-out sequence {parent_id!r}")
         child = self._new_slot(child_id)
         state, res = _fork(self._state, np.int32(parent), np.int32(child))
-        if not bool(np.asarray(res.ok)):  # pragma: no cover - guarded above
+        if not bool(np.asarray(res.ok)):  # the allocator refuses a swapped-out parent
+            if self._slot_swapped(parent):
+                raise SequenceSwappedError(f"cannot fork swapped-out sequence {parent_id!r}")
             raise PaxcacheError(f"fork of {parent_id!r} into {child_id!r} refused")
         self._set_state(state, self._num_free_cache)  # a fork takes no block
         self._take_slot(child_id, child)
@@ -510,21 +508,20 @@ class BlockManager:
         mask[slot] = True
         self._set_state(_free(self._state, mask))
         del self._slots[seq_id]
-        self._swapped.discard(slot)
-        heapq.heappush(self._free_slots, slot)
 
     def _swap(self, seq_id: Hashable, out: bool, reserve: int = 0) -> list[tuple[int, int]]:
         slot = self.slot(seq_id)
-        swapped = slot in self._swapped
-        if out and swapped:
-            raise SequenceSwappedError(f"sequence {seq_id!r} is already swapped out")
-        if not out and not swapped:
-            raise SequenceSwappedError(f"sequence {seq_id!r} is not swapped out")
         mask = np.zeros(self._cfg.max_seqs, bool)
         mask[slot] = True
         state, plan = (_swap_out if out else _swap_in)(self._state, mask)
-        ok, num, src, dst = jax.device_get((plan.ok, plan.num, plan.src, plan.dst))
-        if not ok[slot]:
+        ok, num, src, dst, was_swapped = jax.device_get(
+            (plan.ok, plan.num, plan.src, plan.dst, self._state.swapped[slot])
+        )
+        if not ok[slot]:  # the allocator refuses a slot on the wrong tier, or too few blocks
+            if out and was_swapped:
+                raise SequenceSwappedError(f"sequence {seq_id!r} is already swapped out")
+            if not out and not was_swapped:
+                raise SequenceSwappedError(f"sequence {seq_id!r} is not swapped out")
             where = "host" if out else "device"
             free = self.num_free_host_blocks if out else self.num_free_blocks
             raise OutOfBlocksError(
@@ -542,10 +539,6 @@ class BlockManager:
                     f"the {reserve} reserved plus the watermark {self._cfg.watermark_blocks}"
                 )
         self._set_state(state, num_free)
-        if out:
-            self._swapped.add(slot)
-        else:
-            self._swapped.discard(slot)
         return [(int(a), int(b)) for a, b in zip(src[:num], dst[:num], strict=True)]
 
     def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:

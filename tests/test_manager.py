@@ -22,13 +22,13 @@ def assert_ok(bm: BlockManager) -> None:
 
 
 def snapshot(bm: BlockManager):
-    return bm.state, dict(bm._slots), list(bm._free_slots)
+    return bm.state, dict(bm._slots), bm.free_slots
 
 
 def assert_unchanged(bm: BlockManager, snap) -> None:
     state, slots, free_slots = snap
     chex.assert_trees_all_equal(bm.state, state)
-    assert bm._slots == slots and bm._free_slots == free_slots
+    assert bm._slots == slots and bm.free_slots == free_slots
 
 
 @pytest.fixture
