@@ -699,7 +699,7 @@ class Engine:
         ahead = {id(s) for s, _ in flight.plan.rows} if flight else set()
         checks.update(self.scheduler.check_invariants(ahead))
         sched = self.scheduler
-        live = sched.running + sched.swapped + [s for unit in sched.waiting for s in unit]
+        live = sched.running + [s for unit in sched.queued for s in unit]
         unfinished = [s for r in self.outputs.requests() for s in r.seqs if not s.is_finished]
         checks["requests_accounted"] = sorted(map(id, unfinished)) == sorted(map(id, live))
         st = jax.device_get({"active": bm.state.active})

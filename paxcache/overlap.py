@@ -109,7 +109,7 @@ def continuation(
     # are dropped (prev's own finishes are not known yet: their rows here are wasted).
     keep = [j for j, (seq, _) in enumerate(plan.rows) if not seq.is_finished]
     rows = [plan.rows[j] for j in keep]
-    if not rows or scheduler.waiting or scheduler.swapped or len(scheduler.running) != len(rows):
+    if not rows or scheduler.queued or len(scheduler.running) != len(rows):
         return None
     if len(rows) > scheduler.max_num_batched_tokens:
         return None

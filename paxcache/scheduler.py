@@ -141,11 +141,12 @@ class Scheduler:
         self.policy = policy
         self.max_model_len = max_model_len or block_manager.cfg.max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        # Queued units, each in age order (R4 merges the two): ``waiting`` holds units of
-        # sequences admitted together (a leader, then its waiting followers), never admitted or
-        # preempted by recompute; ``swapped`` holds single sequences parked on the host.
-        self.waiting: collections.deque[list[Sequence]] = collections.deque()
-        self.swapped: list[Sequence] = []
+        # The one queue (R4), in age order (``Sequence.age`` is unique, so its head is the
+        # oldest): units of sequences admitted together (a leader, then its waiting followers),
+        # never admitted or preempted by recompute (state WAITING), and single sequences whose
+        # blocks are parked on the host (state SWAPPED). The state says which; ``waiting`` and
+        # ``swapped`` are views.
+        self.queued: collections.deque[list[Sequence]] = collections.deque()
         self.running: list[Sequence] = []
         self.num_swaps = 0
         self.num_preemptions_recompute = 0
@@ -165,7 +166,7 @@ class Scheduler:
         for s in seqs:
             s.group = seqs
         self.num_prompt_tokens += seqs[0].num_prompt
-        self.waiting.append(seqs)  # the newest of all: the end keeps the queue in age order
+        self.queued.append(seqs)  # the newest of all: the end keeps the queue in age order
 
     def remove(self, seqs: list[Sequence]) -> None:
         """Drops sequences from every queue; their blocks stay (see :meth:`finish`)."""
@@ -173,13 +174,12 @@ class Scheduler:
         running = [s for s in self.running if id(s) not in ids]
         self.num_departures += len(self.running) - len(running)
         self.running = running
-        self.swapped = [s for s in self.swapped if id(s) not in ids]
         kept: collections.deque[list[Sequence]] = collections.deque()
-        for unit in self.waiting:
+        for unit in self.queued:
             unit = [s for s in unit if id(s) not in ids]
             if unit:
                 kept.append(unit)
-        self.waiting = kept
+        self.queued = kept
 
     def finish(self, seqs: list[Sequence], reason: str, error: str | None = None) -> None:
         """Ends sequences now (abort, failure): out of every queue, blocks freed, finished
@@ -207,22 +207,36 @@ class Scheduler:
         return self.num_swaps + self.num_preemptions_recompute
 
     @property
+    def waiting(self) -> list[list[Sequence]]:
+        """The queued units not swapped out (never admitted, or preempted by recompute), in
+        age order (a view of :attr:`queued`)."""
+        return [u for u in self.queued if u[0].state != SeqState.SWAPPED]
+
+    @property
+    def swapped(self) -> list[Sequence]:
+        """The queued sequences whose blocks are on the host, in age order (a view of
+        :attr:`queued`)."""
+        return [u[0] for u in self.queued if u[0].state == SeqState.SWAPPED]
+
+    @property
     def num_waiting(self) -> int:
         return sum(len(u) for u in self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.queued or self.running)
 
     def oldest_waiting_arrival(self) -> float | None:
         """``arrival_time`` of the oldest request with a queued sequence, None when none."""
-        queued = [u[0] for u in self.waiting] + self.swapped
-        return min((s.arrival_time for s in queued), default=None)
+        return min((u[0].arrival_time for u in self.queued), default=None)
 
     def _queue_head(self) -> list[Sequence] | None:
         """The oldest queued unit, swapped or waiting (R4)."""
-        if self.swapped and (not self.waiting or self.swapped[0].age < self.waiting[0][0].age):
-            return [self.swapped[0]]
-        return self.waiting[0] if self.waiting else None
+        return self.queued[0] if self.queued else None
+
+    def _enqueue(self, unit: list[Sequence]) -> None:
+        """Puts a preempted unit back in the queue at its age (R4)."""
+        ages = [u[0].age for u in self.queued]
+        self.queued.insert(bisect.bisect(ages, unit[0].age), unit)
 
     def _unit_of(self, seq: Sequence) -> list[Sequence]:
         """``seq``'s unit: its leader (or itself) and the running followers still waiting."""
@@ -293,8 +307,7 @@ class Scheduler:
             self.num_swaps += 1
             lead.state = SeqState.SWAPPED
             lead.shared_last = False  # its table now points at private host copies
-            ages = [s.age for s in self.swapped]
-            self.swapped.insert(bisect.bisect(ages, lead.age), lead)
+            self._enqueue([lead])
             return
         # Recompute: free the blocks, queue again (in age order) with the whole history.
         self.num_preemptions_recompute += 1
@@ -304,8 +317,7 @@ class Scheduler:
             s.num_computed = 0
             s.num_allocated = 0
             s.shared_last = False
-        ages = [u[0].age for u in self.waiting]
-        self.waiting.insert(bisect.bisect(ages, lead.age), unit)
+        self._enqueue(unit)
 
     def _fail(self, seqs: list[Sequence], message: str, plan: StepPlan) -> None:
         """Finishes sequences that can never fit with an error (they report in ``plan``)."""
@@ -424,7 +436,7 @@ class Scheduler:
                     pairs = bm.swap_in(lead, reserve=reserve + own)
                 except OutOfBlocksError:
                     return
-                self.swapped.pop(0)
+                self.queued.popleft()
                 plan.swap_in += pairs
                 plan.swapped_in.append(lead)
                 self.num_swapped_in_seqs += 1
@@ -434,7 +446,7 @@ class Scheduler:
                 # takes no further block.
                 if bm.num_free_slots < len(unit) or not self._admit(unit, reserve):
                     return
-                self.waiting.popleft()
+                self.queued.popleft()
                 plan.admitted += unit
             for s in unit:
                 s.state = SeqState.RUNNING
@@ -692,21 +704,19 @@ class Scheduler:
         )
         seq_lens, active, swapped_flags = st
         waiting = [s for unit in self.waiting for s in unit]
-        queued = waiting + self.swapped
+        swapped = self.swapped
+        queued = [s for unit in self.queued for s in unit]
         live = self.running + queued
         ids = [id(s) for s in live]
         checks: dict[str, bool] = {}
         checks["queues_disjoint"] = len(set(ids)) == len(ids)
         checks["queue_states"] = (
             all(s.state == SeqState.RUNNING for s in self.running)
-            and all(s.state == SeqState.SWAPPED for s in self.swapped)
+            and all(len(u) == 1 for u in self.queued if u[0].state == SeqState.SWAPPED)
             and all(s.state == SeqState.WAITING for s in waiting)
         )
-        ages = [u[0].age for u in self.waiting]
-        swapped_ages = [s.age for s in self.swapped]
-        checks["queues_in_age_order"] = ages == sorted(ages) and swapped_ages == sorted(
-            swapped_ages
-        )
+        ages = [u[0].age for u in self.queued]
+        checks["queues_in_age_order"] = ages == sorted(ages)
         checks["running_older_than_queued"] = not (self.running and queued) or max(
             s.age for s in self.running
         ) < min(s.age for s in queued)
@@ -714,7 +724,7 @@ class Scheduler:
         checks["followers_with_running_leader"] = all(
             s.leader.state == SeqState.RUNNING for s in self.running if s.leader is not None
         )
-        holders = self.running + self.swapped
+        holders = self.running + swapped
         held = all(s in bm for s in holders) and not any(s in bm for s in waiting)
         slots = [bm.slot(s) for s in holders] if held else []
         free_slots = bm.free_slots
@@ -723,7 +733,7 @@ class Scheduler:
             and len(bm) == len(holders)
             and sorted(slots + free_slots) == list(range(cfg.max_seqs))
         )
-        swapped_ids = {id(s) for s in self.swapped}
+        swapped_ids = {id(s) for s in swapped}
         checks["slot_flags_match"] = checks["slots_accounted"] and (
             all(bool(active[bm.slot(s)]) for s in holders)
             and not any(bool(active[x]) for x in free_slots)
