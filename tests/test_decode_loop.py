@@ -28,10 +28,11 @@ def model():
     return byte_llama()
 
 
-def _engine(model, decode_steps, **kw):
+def _engine(model, decode_steps, tokenizer=None, **kw):
     args = dict(num_blocks=24, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32)
     args.update(kw)
-    return Engine(model, ByteTokenizer(), decode_steps=decode_steps, compile_cache=False, **args)
+    tokenizer = tokenizer or ByteTokenizer()
+    return Engine(model, tokenizer, decode_steps=decode_steps, compile_cache=False, **args)
 
 
 def _summary(outs):
@@ -147,7 +148,16 @@ def test_multi_step_decode_streams_up_to_k_tokens_per_step(model):
     assert out.outputs[0].token_ids == single
 
 
-def test_a_plain_rows_tokens_are_detokenized_once_per_step(monkeypatch):
+class _LetterTokenizer(ByteTokenizer):
+    """The byte tokenizer, but every id below 256 decodes to one ASCII letter: a random model
+    then writes valid text (the byte tokenizer's random bytes are mostly invalid UTF-8, which
+    the chunk path refuses)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i) % 26) for i in ids if 0 <= int(i) < 256)
+
+
+def test_a_plain_rows_tokens_are_detokenized_once_per_step(model, monkeypatch):
     """Rows without stop strings, logprobs or a grammar take a loop's tokens at once (one
     ``push_chunk`` per step, no per-token push), with the single-step engine's text; a row
     with a stop string goes token by token in the same steps."""
@@ -163,20 +173,22 @@ def test_a_plain_rows_tokens_are_detokenized_once_per_step(monkeypatch):
 
         monkeypatch.setattr(IncrementalDecoder, name, counted)
 
-    def tiny(decode_steps):  # the bundled model writes text (the byte model, invalid UTF-8)
-        limits = dict(max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
-        return Engine.from_pretrained("tiny", decode_steps=decode_steps, **limits)
+    def letters(decode_steps):
+        return _engine(model, decode_steps, tokenizer=_LetterTokenizer())
 
     plain = SamplingParams(max_tokens=12, ignore_eos=True)
-    requests = {"plain": ("Once upon a time", plain)}
-    multi, _ = _run(tiny(4), requests)
+    requests = {"plain": ([5, 6, 7], plain)}
+    multi, _ = _run(letters(4), requests)
     assert calls == {"push": 1, "push_chunk": 3}  # the prefill's token, then 4 + 4 + 3
-    stop = SamplingParams(max_tokens=12, ignore_eos=True, stop=["the"])
-    requests["stops"] = ("The little dog", stop)
-    both, _ = _run(tiny(4), requests)
-    single, _ = _run(tiny(1), requests)
+    assert len(multi["plain"].outputs[0].text) == 12
+    stop_at = multi["plain"].outputs[0].text[7]  # a letter the greedy row writes
+    stop = SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_at])
+    requests["stops"] = ([5, 6, 7], stop)
+    both, _ = _run(letters(4), requests)
+    single, _ = _run(letters(1), requests)
     assert _summary([both[r] for r in requests]) == _summary([single[r] for r in requests])
     assert _summary([multi["plain"]]) == _summary([single["plain"]])
+    assert both["stops"].outputs[0].finish_reason == "stop"
 
 
 def test_multi_step_decode_stops_when_the_next_blocks_are_not_free(model):
