@@ -7,7 +7,8 @@ bandwidth, of MXU throughput) may not fall, and its static cycles per KiB / bund
 flop may not rise, by more than 5% from the figures recorded in
 ``bench/results/kernel_ceilings_ci.json``.
 
-Runs in the TPU gate only (``-m slow``, needs libtpu; ~1 minute). After a deliberate kernel
+Needs libtpu (``-m slow``; ~70 s for the Qwen2 shape, ~140 s for Llama-3-8B's). The TPU gate
+runs the Qwen2 shape only (``-k qwen2_7b``): one shape per kernel. After a deliberate kernel
 change, re-record with ``python scripts/kernel_cycles.py --target v5e,v6e --case
 decode,prefill <the shape's args> --json OUT`` for each shape and copy the rows over.
 """
