@@ -592,6 +592,10 @@ class Engine:
                 with step_lib.tracing_for(self._on_trace):
                     state, kv, out = self._jit_step(state, kv, params, self._place_inputs(inputs))
                 self._kv = self._with_host_pool(kv)
+                if i == 0 and self._pipeline is not None:  # a plain step: i32[R] samples
+                    overlap.warmup_gather(
+                        out.sampled.tokens, self._shapes, self.scheduler.max_num_batched_tokens
+                    )
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
                 self.scheduler.postprocess(

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from paxcache import allocator
+from paxcache.allocator.state import SLOT_INFO
 from paxcache.config import CacheConfig
 from paxcache.errors import (
     DuplicateSequenceError,
@@ -66,6 +67,13 @@ _salts_in_use = jax.jit(lambda st: (st.block_salt, jax.numpy.where(st.active, st
 
 _SALT_GC_THRESHOLD = 4096
 """Salt-map size that triggers dropping the salts no block or held sequence carries."""
+
+
+def _swapped_flags(slot_info: np.ndarray) -> np.ndarray:
+    """bool[B] swap flags from a host copy of ``state.slot_info`` (i32[B, 5]); read on the
+    host, as ``state.swapped`` would run (and first compile) device ops after warm-up."""
+    return slot_info[:, SLOT_INFO.index("swapped")] != 0
+
 
 TokenIds = Sequence[int] | np.ndarray | jax.Array
 
@@ -196,7 +204,7 @@ class BlockManager:
         return self._slot_swapped(self.slot(seq_id))
 
     def _slot_swapped(self, slot: int) -> bool:
-        return bool(np.asarray(self._state.swapped)[slot])
+        return bool(_swapped_flags(np.asarray(self._state.slot_info))[slot])
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Block ids of ``seq_id``, one per ``block_size`` tokens (host ids while swapped).
@@ -425,7 +433,8 @@ class BlockManager:
         rows: dict[int, np.ndarray] = {}
         failed: dict[Hashable, PaxcacheError] = {}
         slots: dict[Hashable, int] = {}
-        lens, swapped = jax.device_get((self._state.seq_lens, self._state.swapped))
+        lens, slot_info = jax.device_get((self._state.seq_lens, self._state.slot_info))
+        swapped = _swapped_flags(slot_info)
         for seq_id, toks in requests.items():
             slot = self.slot(seq_id)
             if isinstance(toks, (int, np.integer)) and not isinstance(toks, bool):
@@ -514,9 +523,10 @@ class BlockManager:
         mask = np.zeros(self._cfg.max_seqs, bool)
         mask[slot] = True
         state, plan = (_swap_out if out else _swap_in)(self._state, mask)
-        ok, num, src, dst, was_swapped = jax.device_get(
-            (plan.ok, plan.num, plan.src, plan.dst, self._state.swapped[slot])
+        ok, num, src, dst, slot_info = jax.device_get(
+            (plan.ok, plan.num, plan.src, plan.dst, self._state.slot_info)
         )
+        was_swapped = bool(_swapped_flags(slot_info)[slot])
         if not ok[slot]:  # the allocator refuses a slot on the wrong tier, or too few blocks
             if out and was_swapped:
                 raise SequenceSwappedError(f"sequence {seq_id!r} is already swapped out")

@@ -92,6 +92,21 @@ def gather_tokens(sampled_tokens: jax.Array, sources: jax.Array) -> jax.Array:
     return jnp.take(sampled_tokens, sources, mode="clip")
 
 
+def warmup_gather(sampled_tokens: jax.Array, shapes: StepShapes, max_batched_tokens: int) -> int:
+    """Compiles :func:`gather_tokens` for every token bucket a continuation can take (one
+    decode row each, 1 to ``R`` rows, at most ``max_batched_tokens``), so that the first
+    continuation compiles nothing. ``sampled_tokens``: ``i32[R]``, a warm-up step's own
+    sampled tokens (their placement is what serving passes). Returns the buckets warmed."""
+    if shapes.decode_steps > 1:  # decode-only steps run as multi-step decodes: no continuation
+        return 0
+    buckets = sorted(
+        {shapes.bucket(n) for n in range(1, min(shapes.max_rows, max_batched_tokens) + 1)}
+    )
+    for t in buckets:
+        gather_tokens(sampled_tokens, np.zeros(t, np.int32)).block_until_ready()
+    return len(buckets)
+
+
 def continuation(
     prev: InFlight, scheduler: Scheduler, shapes: StepShapes, max_model_len: int
 ) -> tuple[StepPlan, StepInputs, int] | None:
