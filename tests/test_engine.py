@@ -21,7 +21,11 @@ def model():
 
 
 def _engine(model, **kw):
-    args = dict(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32)
+    # No implicit warm-up: a test compiles only the programs it runs (warm-up's own contract
+    # is the ``engine`` fixture's, which warms up, and test_dispatch's).
+    args = dict(
+        num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32, warmup=False
+    )
     args.update(kw)
     return Engine(model, ByteTokenizer(), **args)
 
@@ -260,7 +264,7 @@ class _FakeAccelerator(Placement):
 
 def _sized_on(model, placement):
     """An engine whose KV cache is sized by ``placement`` (no ``num_blocks``)."""
-    limits = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16)
+    limits = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
     return Engine(model, ByteTokenizer(), placement=placement, **limits)
 
 
