@@ -29,7 +29,9 @@ def model():
 
 
 def _engine(model, decode_steps, tokenizer=None, **kw):
-    args = dict(num_blocks=24, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32)
+    args = dict(
+        num_blocks=24, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32, warmup=False
+    )
     args.update(kw)
     tokenizer = tokenizer or ByteTokenizer()
     return Engine(model, tokenizer, decode_steps=decode_steps, compile_cache=False, **args)
