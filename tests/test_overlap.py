@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_decode_loop import REQUEST, _requests, _run, _summary
 from tiny_models import byte_llama
 
-from paxcache import Engine, SamplingParams
+from paxcache import Engine, SamplingParams, overlap
 from paxcache.models import ByteTokenizer
 
 
@@ -58,6 +58,7 @@ def test_decode_steps_overlap_and_compile_nothing_after_warmup(model):
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
     sync = _engine(model, False).generate(prompts, sp)
+    overlap.gather_tokens.clear_cache()  # what an earlier engine compiled must not hide a gap
     eng = _engine(model, True)
     eng.warmup()
     compiled = eng.stats()["num_compilations"]
@@ -68,8 +69,8 @@ def test_decode_steps_overlap_and_compile_nothing_after_warmup(model):
     # before was in flight; the last one's rows were wasted (every request had finished).
     assert st_["num_overlapped_steps"] >= 18, st_["num_overlapped_steps"]
     assert st_["num_wasted_rows"] <= len(prompts)
-    # One tiny program (the token gather) is all the overlap adds; no step recompiles.
-    assert st_["num_compilations"] - compiled <= 1
+    # Warm-up compiled the token gather of every continuation bucket: nothing compiles now.
+    assert st_["num_compilations"] == compiled
     assert all(eng.check_invariants().values())
 
 
