@@ -152,7 +152,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = make_model()
     report: dict = {"num_devices": len(jax.devices()), "ref": run(model, 1, 1)}
-    dense_ref = np.asarray(model(jnp.asarray([prompts()[1]])))[0]
+    dense_ref = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray([prompts()[1]])))[0]
     suite = sys.argv[2] if len(sys.argv) > 2 else "fast"
     for tp, ep in LAYOUTS[suite]:
         report[f"tp{tp}_ep{ep}"] = run(model, tp, ep)

@@ -228,8 +228,11 @@ def test_four_kv_heads_tp_1_2_4_same_tokens_and_split_heads(tmp_path_factory):
     assert rep["attn_tp4_k4"]["out_err"] < 1e-5
 
 
+@pytest.mark.slow
 def test_two_processes_form_one_tp4_mesh_with_jax_distributed(tp_report, tmp_path):
-    """Multi-host as on a TPU pod slice: 2 processes x 2 CPU devices, jax.distributed."""
+    """Multi-host as on a TPU pod slice: 2 processes x 2 CPU devices, jax.distributed.
+    (Slow: CI's multi-process check is tests/test_multihost_serve.py, two processes joined by
+    jax.distributed serving one tp=2 mesh over HTTP.)"""
     ref = tp_report["k2_tp1"]["tokens"]
     for rep in run_processes(WORKER, tmp_path, "multihost"):
         assert rep["num_devices"] == 4 and rep["num_local_devices"] == 2
