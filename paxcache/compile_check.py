@@ -459,9 +459,12 @@ def check_engine(
             "kv_cache_bytes_per_chip": kv_per_device,
             "block_state_bytes_per_chip": _bytes_per_device(engine.block_manager.state),
             "step_reserve_bytes_per_chip": getattr(engine, "step_reserve_bytes", None),
+            "step_reserve_bytes_per_block_per_chip": getattr(
+                engine, "step_reserve_bytes_per_block", None
+            ),
             "sizing": (
-                "num_blocks = (0.9 * (HBM - weights per chip) - step reserve) // bytes per "
-                "block per chip (paxcache.sizing)"
+                "num_blocks = (0.9 * (HBM - weights per chip) - step reserve) // (bytes per "
+                "block per chip + step reserve per block) (paxcache.sizing)"
             ),
         }
         weights_total = sum(

@@ -61,6 +61,10 @@ __all__ = ["CompletionOutput", "Engine", "RequestOutput", "default_batch_limits"
 
 logger = logging.getLogger(__name__)
 
+PROBE_BLOCKS = 64
+"""KV blocks of the small cache the sizing probe compiles the largest step over
+(:meth:`Engine._size_for_device`)."""
+
 
 class Engine:
     """A paged-KV LLM engine with continuous batching (vLLM-style API).
@@ -178,7 +182,7 @@ class Engine:
         )
         num_blocks = kv_opts.num_blocks
         if num_blocks is None and kv_opts.kv_memory_bytes is None and where.on_accelerator():
-            num_blocks = self._size_for_device(build, kv_heads, max_blocks_per_seq)
+            num_blocks = self._size_for_device(build, kv_heads)
         elif num_blocks is None:
             num_blocks = sizing.host_num_blocks(
                 kv_opts.kv_memory_bytes, max_num_seqs, max_blocks_per_seq, self.bytes_per_block
@@ -293,26 +297,58 @@ class Engine:
         state, self._kv = self._new_device_state()
         self.scheduler = Scheduler(BlockManager(self.cache_config, state=state), **scheduler_args)
 
-    def _size_for_device(self, build: Any, kv_heads: int, max_blocks_per_seq: int) -> int:
-        """Device KV blocks on an accelerator (see :mod:`paxcache.sizing`): the largest step
-        is compiled over a small cache to measure what it needs besides its arguments."""
+    def _size_for_device(self, build: Any, kv_heads: int) -> int:
+        """Device KV blocks on an accelerator (see :mod:`paxcache.sizing`).
+
+        The largest step is compiled over a small cache (:data:`PROBE_BLOCKS` blocks) to
+        measure what it needs besides its arguments, which sizes the cache; then once more
+        over that size, to measure how much of the reserve grows with the cache. It can: on
+        TPU, XLA keeps a cache whose ``head_dim`` is not a multiple of 128 in a layout the
+        kernels cannot take and copies it into theirs (lanes padded to 128) around them,
+        a temporary twice the cache's size at head_dim 64 that a small probe does not show.
+        That growth, per block, is then counted with each block's own bytes.
+        """
         device = jax.devices()[0]
         stats = self.placement.memory_stats() or sizing.device_memory_stats(device)  # pre-probe
-        build(max(1, min(64, max_blocks_per_seq)))
-        with step_lib.tracing_for(self._on_trace):
-            probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()
-        self.step_reserve_bytes = sizing.step_reserve_bytes(probe)
-        num_blocks = sizing.device_num_blocks(
-            stats,
-            self.step_reserve_bytes,
-            num_layers=self.model.config.num_hidden_layers,
+        cfg = self.model.config
+
+        def reserve_over(num_blocks: int) -> int:
+            build(num_blocks)
+            with step_lib.tracing_for(self._on_trace):
+                probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()
+            return sizing.step_reserve_bytes(probe)
+
+        reserve = reserve_over(PROBE_BLOCKS)
+        dims = dict(
+            num_layers=cfg.num_hidden_layers,
             num_kv_heads_per_device=kv_heads // self.tp,
-            head_dim=self.model.config.head_dim,
+            head_dim=cfg.head_dim,
             block_size=self.cache_config.block_size,
             dtype=self.kv_dtype,
         )
-        reserve_gib, t = self.step_reserve_bytes / 2**30, self.buckets[-1]
-        logger.info("KV sizing: %d blocks (T=%d step needs %.2f GiB)", num_blocks, t, reserve_gib)
+        num_blocks = sizing.device_num_blocks(stats, reserve, **dims)
+        growth = 0
+        if num_blocks > PROBE_BLOCKS:
+            growth = max(0, reserve_over(num_blocks) - reserve) // (num_blocks - PROBE_BLOCKS)
+        per_block = self.bytes_per_block // self.tp
+        if growth > per_block // 10:  # more than rounding: a copy of the cache
+            logger.warning(
+                "KV sizing: the step's temporaries grow by %d bytes per KV block (%.1fx the "
+                "block's own %d bytes): the compiler copies the cache around the kernels, so "
+                "fewer blocks fit and every step moves the whole cache twice (on TPU: "
+                "head_dim=%d is not a multiple of 128)",
+                growth, growth / max(per_block, 1), per_block, cfg.head_dim,
+            )  # fmt: skip
+        if growth:
+            num_blocks = sizing.device_num_blocks(
+                stats, reserve, reserve_bytes_per_block=growth, **dims
+            )
+        self.step_reserve_bytes = reserve
+        self.step_reserve_bytes_per_block = growth
+        logger.info(
+            "KV sizing: %d blocks (T=%d step needs %.2f GiB + %d bytes per block)",
+            num_blocks, self.buckets[-1], reserve / 2**30, growth,
+        )  # fmt: skip
         return num_blocks
 
     # ------------------------------------------------------------------ views

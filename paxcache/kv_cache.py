@@ -382,6 +382,7 @@ def num_blocks_for_budget(
     *,
     memory_stats: Mapping[str, int] | None = None,
     reserve_bytes: int = 0,
+    reserve_bytes_per_block: int = 0,
 ) -> tuple[int, int]:
     """How many blocks fit in a memory budget.
 
@@ -399,6 +400,8 @@ def num_blocks_for_budget(
       reserve_bytes: with a fraction, bytes taken off the budget for what the model step needs
         besides its arguments (activations, logits, sampling buffers: its temporaries), so the
         cache and the step fit together (the engine measures it by compiling its largest step).
+      reserve_bytes_per_block: step temporaries that grow with the cache, per block (a
+        compiler copy of the cache), counted with each block's own bytes.
 
     Returns:
       ``(num_blocks, bytes_per_block)``.
@@ -433,7 +436,7 @@ def num_blocks_for_budget(
         raise ValueError(
             f"budget must be bytes (int) or a fraction (float), got {bytes_or_fraction!r}"
         )
-    n = budget // per_block
+    n = budget // (per_block + int(reserve_bytes_per_block))
     if n < 1:
         after = f" (after {int(reserve_bytes)} bytes for the model step)" if reserve_bytes else ""
         dims = f"L={num_layers}, K={num_kv_heads}, D={head_dim}, S={block_size}, {jnp.dtype(dtype)}"

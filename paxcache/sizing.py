@@ -157,6 +157,7 @@ def device_num_blocks(
     block_size: int,
     dtype: Any,
     device: Any = None,
+    reserve_bytes_per_block: int = 0,
 ) -> int:
     """Blocks for :data:`DEVICE_MEMORY_FRACTION` of the free memory less ``reserve_bytes``
     (on a GPU, of the device's memory: see the module doc).
@@ -168,6 +169,8 @@ def device_num_blocks(
       reserve_bytes: what the largest step needs besides its arguments (:func:`step_reserve_bytes`).
       num_layers, num_kv_heads_per_device, head_dim, block_size, dtype: the cache's dimensions.
       device: the device whose stats to read when ``memory_stats`` is None.
+      reserve_bytes_per_block: what the step's temporaries grow by per KV block (a compiler
+        copy of the cache), counted with each block's own bytes.
 
     Raises:
       ValueError: no block fits (the message gives the budget and the reserve).
@@ -176,7 +179,7 @@ def device_num_blocks(
         budget = _gpu_budget(memory_stats, reserve_bytes)
         per_block = kv_cache.bytes_per_block(
             num_layers, num_kv_heads_per_device, head_dim, block_size, dtype
-        )
+        ) + int(reserve_bytes_per_block)
         if budget < per_block:
             raise ValueError(
                 f"no KV block fits on the GPU: {max(budget, 0)} bytes left after the weights "
@@ -193,5 +196,6 @@ def device_num_blocks(
         device,
         memory_stats=memory_stats,
         reserve_bytes=reserve_bytes,
+        reserve_bytes_per_block=reserve_bytes_per_block,
     )
     return num_blocks

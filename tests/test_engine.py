@@ -290,6 +290,36 @@ def test_accelerator_sizing_reserves_the_largest_steps_buffers(model, dense_ref)
     assert _tokens(outs) == dense_ref[:2]
 
 
+def test_accelerator_sizing_counts_step_temporaries_that_grow_with_the_cache(model, monkeypatch):
+    """A step whose temporaries grow with the cache (XLA:TPU copies a head_dim-64 cache into
+    the kernels' layout, 2x its size, a copy a small probe hardly shows) is probed again over
+    the cache the first probe sized: the growth per block is counted with each block, so the
+    cache and the step fit together."""
+    import re
+
+    from paxcache import sizing
+    from paxcache.engine import PROBE_BLOCKS
+
+    fixed, growth = 1 << 20, 3000
+    probed = []
+
+    def reserve_of(compiled):  # fixed + growth per block of the compiled program's cache
+        blocks = int(re.search(r"ref_counts[^:]*: s32\[(\d+)\]", compiled.as_text()).group(1))
+        probed.append(blocks)
+        return fixed + growth * blocks
+
+    monkeypatch.setattr(sizing, "step_reserve_bytes", reserve_of)
+    eng = _sized_on(model, _FakeAccelerator())
+    free = _FakeAccelerator.STATS["bytes_limit"] - _FakeAccelerator.STATS["bytes_in_use"]
+    reserve = fixed + growth * PROBE_BLOCKS
+    first = (int(0.9 * free) - reserve) // eng.bytes_per_block
+    assert probed == [PROBE_BLOCKS, first]
+    assert (eng.step_reserve_bytes, eng.step_reserve_bytes_per_block) == (reserve, growth)
+    n = eng.cache_config.num_blocks
+    assert n == (int(0.9 * free) - reserve) // (eng.bytes_per_block + growth) < first
+    assert n * eng.bytes_per_block + fixed + growth * n <= int(0.9 * free)  # both fit
+
+
 def test_accelerator_sizing_names_the_reserve_when_nothing_fits(model):
     class Tight(_FakeAccelerator):
         STATS = {"bytes_limit": 16 << 20, "bytes_in_use": (16 << 20) - 4096}
