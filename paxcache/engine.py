@@ -335,8 +335,8 @@ class Engine:
             logger.warning(
                 "KV sizing: the step's temporaries grow by %d bytes per KV block (%.1fx the "
                 "block's own %d bytes): the compiler copies the cache around the kernels, so "
-                "fewer blocks fit and every step moves the whole cache twice (on TPU: "
-                "head_dim=%d is not a multiple of 128)",
+                "fewer blocks fit and every step moves the whole cache twice (XLA:TPU does "
+                "this when head_dim is not a multiple of 128; here head_dim=%d)",
                 growth, growth / max(per_block, 1), per_block, cfg.head_dim,
             )  # fmt: skip
         if growth:
