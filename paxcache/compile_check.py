@@ -328,6 +328,8 @@ def _compile_program(name: str, kind: str, jitted: Any, args: tuple, hbm: int) -
     t0 = time.perf_counter()
     kernels: dict[str, str] = {}
     try:
+        if kind == "step":  # its kernels are recorded as it traces: a trace the sizing
+            jitted.clear_cache()  # probe made over this very cache would record nothing
         with kernels_pallas.compile_probes(), kernels_pallas.recording() as seen:
             traced = jitted.trace(*args)
         kernels = seen.get("tpu", {})
