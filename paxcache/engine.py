@@ -306,17 +306,29 @@ class Engine:
         TPU, XLA keeps a cache whose ``head_dim`` is not a multiple of 128 in a layout the
         kernels cannot take and copies it into theirs (lanes padded to 128) around them,
         a temporary twice the cache's size at head_dim 64 that a small probe does not show.
-        That growth, per block, is then counted with each block's own bytes.
+        That growth, per block, is then counted with each block's own bytes. When the step
+        over the first size does not fit (the compiler refuses it: the copy makes it about
+        three caches), the second probe halves its cache until one compiles; the growth is
+        linear in the cache there (gpt-oss-20b on v6e:2x2: 51.84G of temporaries over the
+        first size, which is why a probe must not need to fit).
         """
         device = jax.devices()[0]
         stats = self.placement.memory_stats() or sizing.device_memory_stats(device)  # pre-probe
         cfg = self.model.config
 
-        def reserve_over(num_blocks: int) -> int:
+        def reserve_over(num_blocks: int, *, may_not_fit: bool = False) -> int | None:
+            """The largest step's reserve over ``num_blocks`` blocks; None when the compiler
+            refuses it for memory and ``may_not_fit``."""
             build(num_blocks)
-            with step_lib.tracing_for(self._on_trace):
-                probe = self._jit_step.lower(*self._empty_step_args(self.buckets[-1])).compile()
-            return sizing.step_reserve_bytes(probe)
+            try:
+                with step_lib.tracing_for(self._on_trace):
+                    args = self._empty_step_args(self.buckets[-1])
+                    probe = self._jit_step.lower(*args).compile()
+                return sizing.step_reserve_bytes(probe)
+            except Exception as e:  # noqa: BLE001 - only an out-of-memory refusal is expected
+                if may_not_fit and "RESOURCE_EXHAUSTED" in str(e):
+                    return None
+                raise
 
         reserve = reserve_over(PROBE_BLOCKS)
         dims = dict(
@@ -327,9 +339,21 @@ class Engine:
             dtype=self.kv_dtype,
         )
         num_blocks = sizing.device_num_blocks(stats, reserve, **dims)
-        growth = 0
-        if num_blocks > PROBE_BLOCKS:
-            growth = max(0, reserve_over(num_blocks) - reserve) // (num_blocks - PROBE_BLOCKS)
+        growth, probe_blocks = 0, num_blocks
+        while probe_blocks > PROBE_BLOCKS:
+            grown = reserve_over(probe_blocks, may_not_fit=True)
+            if grown is not None:
+                growth = max(0, grown - reserve) // (probe_blocks - PROBE_BLOCKS)
+                break
+            logger.info("KV sizing: the step over %d blocks does not fit; half", probe_blocks)
+            probe_blocks //= 2
+        else:
+            if num_blocks > PROBE_BLOCKS:
+                logger.warning(
+                    "KV sizing: the step fits over no cache larger than %d blocks; its growth "
+                    "with the cache is not measured (the engine's own build may not fit)",
+                    PROBE_BLOCKS,
+                )
         per_block = self.bytes_per_block // self.tp
         if growth > per_block // 10:  # more than rounding: a copy of the cache
             logger.warning(

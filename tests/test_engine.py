@@ -320,6 +320,44 @@ def test_accelerator_sizing_counts_step_temporaries_that_grow_with_the_cache(mod
     assert n * eng.bytes_per_block + fixed + growth * n <= int(0.9 * free)  # both fit
 
 
+def test_accelerator_sizing_probes_a_smaller_cache_when_the_grown_step_does_not_fit(
+    model, monkeypatch
+):
+    """When the step over the first size is refused for memory (its temporaries, 2x the
+    cache, do not fit beside the cache: gpt-oss-20b on v6e:2x2), the second probe halves its
+    cache until the step compiles, measures the growth there, and the engine sizes with it:
+    start-up does not fail, and the cache and the step fit together."""
+    import re
+
+    import jax
+
+    from paxcache import kv_cache, sizing
+    from paxcache.engine import PROBE_BLOCKS
+
+    per_block = kv_cache.bytes_per_block(2, 2, 16, BS, model.dtype)
+    fixed, growth = 1 << 20, 2 * per_block
+    stats = _FakeAccelerator.STATS
+    limit = int(0.9 * (stats["bytes_limit"] - stats["bytes_in_use"]))
+    probed = []
+
+    def reserve_of(compiled):  # the compiler refuses a program that does not fit
+        blocks = int(re.search(r"ref_counts[^:]*: s32\[(\d+)\]", compiled.as_text()).group(1))
+        probed.append(blocks)
+        if blocks * per_block + fixed + growth * blocks > limit:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+        return fixed + growth * blocks
+
+    monkeypatch.setattr(sizing, "step_reserve_bytes", reserve_of)
+    eng = _sized_on(model, _FakeAccelerator())
+    reserve = fixed + growth * PROBE_BLOCKS
+    first = (limit - reserve) // per_block
+    assert probed == [PROBE_BLOCKS, first, first // 2, first // 4]
+    assert eng.step_reserve_bytes_per_block == growth
+    n = eng.cache_config.num_blocks
+    assert n == (limit - reserve) // (per_block + growth)
+    assert n * per_block + fixed + growth * n <= limit  # the engine's own step fits
+
+
 def test_accelerator_sizing_names_the_reserve_when_nothing_fits(model):
     class Tight(_FakeAccelerator):
         STATS = {"bytes_limit": 16 << 20, "bytes_in_use": (16 << 20) - 4096}
