@@ -464,6 +464,7 @@ def check_engine(
             "step_reserve_bytes_per_block_per_chip": getattr(
                 engine, "step_reserve_bytes_per_block", None
             ),
+            "step_reserve_program": getattr(engine, "step_reserve_program", None),
             "sizing": (
                 "num_blocks = (0.9 * (HBM - weights per chip) - step reserve) // (bytes per "
                 "block per chip + step reserve per block) (paxcache.sizing)"

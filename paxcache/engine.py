@@ -300,37 +300,49 @@ class Engine:
     def _size_for_device(self, build: Any, kv_heads: int) -> int:
         """Device KV blocks on an accelerator (see :mod:`paxcache.sizing`).
 
-        The largest step is compiled over a small cache (:data:`PROBE_BLOCKS` blocks) to
-        measure what it needs besides its arguments, which sizes the cache; then once more
-        over that size, to measure how much of the reserve grows with the cache. It can: on
-        TPU, XLA keeps a cache whose ``head_dim`` is not a multiple of 128 in a layout the
-        kernels cannot take and copies it into theirs (lanes padded to 128) around them,
-        a temporary twice the cache's size at head_dim 64 that a small probe does not show.
-        That growth, per block, is then counted with each block's own bytes. When the step
-        over the first size does not fit (the compiler refuses it: the copy makes it about
-        three caches), the second probe halves its cache until one compiles; the growth is
-        linear in the cache there (gpt-oss-20b on v6e:2x2: 51.84G of temporaries over the
-        first size, which is why a probe must not need to fit).
+        The programs whose temporaries are the largest (the largest token bucket's step and,
+        with ``decode_steps > 1``, the largest multi-step decode loop) are compiled over a
+        small cache (:data:`PROBE_BLOCKS` blocks) to measure what each needs besides its
+        arguments, which sizes the cache; then once more over that size, to measure how much
+        of each reserve grows with the cache. It can: on TPU, XLA keeps a cache whose
+        ``head_dim`` is not a multiple of 128 in a layout the kernels cannot take and copies
+        it into theirs (lanes padded to 128) around them, a temporary twice the cache's size
+        at head_dim 64 that a small probe does not show. That growth, per block, is then
+        counted with each block's own bytes. When the programs over the first size do not
+        fit (the compiler refuses one: the copy makes a step about three caches), the second
+        probe halves its cache until they compile; the growth is linear in the cache there
+        (gpt-oss-20b on v6e:2x2: 51.84G of temporaries over the first size, which is why a
+        probe must not need to fit). The cache gets the fewest blocks any program allows.
         """
         device = jax.devices()[0]
         stats = self.placement.memory_stats() or sizing.device_memory_stats(device)  # pre-probe
         cfg = self.model.config
+        largest = self.buckets[-1]
+        programs: dict[str, tuple[int, dict[str, bool]]] = {f"step[T={largest}]": (largest, {})}
+        loops = step_lib.loop_buckets(self._shapes)
+        if loops:  # the loop carries the weights and the cache: its temporaries differ
+            decode = bool(step_lib.decode_buckets(self._shapes))
+            name = f"step+loop{self.decode_steps}[T={loops[-1]}]"
+            programs[name] = (loops[-1], dict(decode=decode, loop=True))
 
-        def reserve_over(num_blocks: int, *, may_not_fit: bool = False) -> int | None:
-            """The largest step's reserve over ``num_blocks`` blocks; None when the compiler
-            refuses it for memory and ``may_not_fit``."""
+        def reserves_over(num_blocks: int, *, may_not_fit: bool = False) -> dict | None:
+            """Each program's reserve over ``num_blocks`` blocks; None when the compiler
+            refuses one for memory and ``may_not_fit``."""
             build(num_blocks)
-            try:
-                with step_lib.tracing_for(self._on_trace):
-                    args = self._empty_step_args(self.buckets[-1])
-                    probe = self._jit_step.lower(*args).compile()
-                return sizing.step_reserve_bytes(probe)
-            except Exception as e:  # noqa: BLE001 - only an out-of-memory refusal is expected
-                if may_not_fit and "RESOURCE_EXHAUSTED" in str(e):
-                    return None
-                raise
+            out = {}
+            for name, (t, flags) in programs.items():
+                try:
+                    with step_lib.tracing_for(self._on_trace):
+                        args = self._empty_step_args(t, **flags)
+                        probe = self._jit_step.lower(*args).compile()
+                    out[name] = sizing.step_reserve_bytes(probe)
+                except Exception as e:  # noqa: BLE001 - only an out-of-memory refusal is expected
+                    if may_not_fit and "RESOURCE_EXHAUSTED" in str(e):
+                        return None
+                    raise
+            return out
 
-        reserve = reserve_over(PROBE_BLOCKS)
+        reserve = reserves_over(PROBE_BLOCKS)  # builds the cache config too
         dims = dict(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads_per_device=kv_heads // self.tp,
@@ -338,40 +350,48 @@ class Engine:
             block_size=self.cache_config.block_size,
             dtype=self.kv_dtype,
         )
-        num_blocks = sizing.device_num_blocks(stats, reserve, **dims)
-        growth, probe_blocks = 0, num_blocks
+        num_blocks = min(sizing.device_num_blocks(stats, r, **dims) for r in reserve.values())
+        growth, probe_blocks = dict.fromkeys(programs, 0), num_blocks
         while probe_blocks > PROBE_BLOCKS:
-            grown = reserve_over(probe_blocks, may_not_fit=True)
+            grown = reserves_over(probe_blocks, may_not_fit=True)
             if grown is not None:
-                growth = max(0, grown - reserve) // (probe_blocks - PROBE_BLOCKS)
+                span = probe_blocks - PROBE_BLOCKS
+                growth = {k: max(0, grown[k] - reserve[k]) // span for k in programs}
                 break
-            logger.info("KV sizing: the step over %d blocks does not fit; half", probe_blocks)
+            logger.info("KV sizing: the programs over %d blocks do not fit; half", probe_blocks)
             probe_blocks //= 2
         else:
             if num_blocks > PROBE_BLOCKS:
                 logger.warning(
-                    "KV sizing: the step fits over no cache larger than %d blocks; its growth "
-                    "with the cache is not measured (the engine's own build may not fit)",
+                    "KV sizing: the programs fit over no cache larger than %d blocks; their "
+                    "growth with the cache is not measured (the engine's own build may not "
+                    "fit)",
                     PROBE_BLOCKS,
                 )
         per_block = self.bytes_per_block // self.tp
-        if growth > per_block // 10:  # more than rounding: a copy of the cache
+        grows = max(programs, key=growth.get)
+        if growth[grows] > per_block // 10:  # more than rounding: a copy of the cache
             logger.warning(
-                "KV sizing: the step's temporaries grow by %d bytes per KV block (%.1fx the "
+                "KV sizing: %s's temporaries grow by %d bytes per KV block (%.1fx the "
                 "block's own %d bytes): the compiler copies the cache around the kernels, so "
                 "fewer blocks fit and every step moves the whole cache twice (XLA:TPU does "
                 "this when head_dim is not a multiple of 128; here head_dim=%d)",
-                growth, growth / max(per_block, 1), per_block, cfg.head_dim,
+                grows, growth[grows], growth[grows] / max(per_block, 1), per_block,
+                cfg.head_dim,
             )  # fmt: skip
-        if growth:
-            num_blocks = sizing.device_num_blocks(
-                stats, reserve, reserve_bytes_per_block=growth, **dims
-            )
-        self.step_reserve_bytes = reserve
-        self.step_reserve_bytes_per_block = growth
+        per_program = sizing.device_num_blocks
+        sized = {
+            k: per_program(stats, reserve[k], reserve_bytes_per_block=growth[k], **dims)
+            for k in programs
+        }
+        limiting = min(programs, key=sized.get)  # the first (the step) on a tie
+        num_blocks = sized[limiting]
+        self.step_reserve_bytes = reserve[limiting]
+        self.step_reserve_bytes_per_block = growth[limiting]
+        self.step_reserve_program = limiting
         logger.info(
-            "KV sizing: %d blocks (T=%d step needs %.2f GiB + %d bytes per block)",
-            num_blocks, self.buckets[-1], reserve / 2**30, growth,
+            "KV sizing: %d blocks (%s needs %.2f GiB + %d bytes per block)",
+            num_blocks, limiting, reserve[limiting] / 2**30, growth[limiting],
         )  # fmt: skip
         return num_blocks
 

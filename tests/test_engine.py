@@ -358,6 +358,32 @@ def test_accelerator_sizing_probes_a_smaller_cache_when_the_grown_step_does_not_
     assert n * per_block + fixed + growth * n <= limit  # the engine's own step fits
 
 
+def test_accelerator_sizing_reserves_for_the_multi_step_loop_when_it_needs_more(model, monkeypatch):
+    """With ``decode_steps > 1`` the multi-step decode loop is probed beside the largest step
+    (on TPU its temporaries can be far larger: XLA:TPU copies Qwen3-30B-A3B's expert weights
+    into the loop, 23.18G on v5e:2x4): the cache is sized for whichever program needs more."""
+    from paxcache import kv_cache, sizing
+    from paxcache.engine import PROBE_BLOCKS
+
+    per_block = kv_cache.bytes_per_block(2, 2, 16, BS, model.dtype)
+    reserves = [1 << 20, 4 << 20]  # the step's, then the loop's (probed in that order)
+    probed = []
+
+    def reserve_of(compiled):
+        probed.append(len(probed) % 2)
+        return reserves[probed[-1]]
+
+    monkeypatch.setattr(sizing, "step_reserve_bytes", reserve_of)
+    limits = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    eng = Engine(model, ByteTokenizer(), placement=_FakeAccelerator(), decode_steps=4, **limits)
+    stats = _FakeAccelerator.STATS
+    limit = int(0.9 * (stats["bytes_limit"] - stats["bytes_in_use"]))
+    assert probed == [0, 1, 0, 1]  # both over PROBE_BLOCKS, then both over the first size
+    assert eng.step_reserve_program == "step+loop4[T=16]" and PROBE_BLOCKS == 64
+    assert eng.step_reserve_bytes == reserves[1] and eng.step_reserve_bytes_per_block == 0
+    assert eng.cache_config.num_blocks == (limit - reserves[1]) // per_block
+
+
 def test_accelerator_sizing_names_the_reserve_when_nothing_fits(model):
     class Tight(_FakeAccelerator):
         STATS = {"bytes_limit": 16 << 20, "bytes_in_use": (16 << 20) - 4096}
