@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 PROBE_BLOCKS = 64
 """KV blocks of the small cache the sizing probe compiles the largest step over
 (:meth:`Engine._size_for_device`)."""
+SIZING_CHECKS = 3
+"""Compiles over the sized cache (then bisected sizes), at most, before the sizing falls back
+to the largest cache the programs compiled over (:meth:`Engine._size_for_device`)."""
 
 
 class Engine:
@@ -334,8 +337,7 @@ class Engine:
                 try:
                     with step_lib.tracing_for(self._on_trace):
                         args = self._empty_step_args(t, **flags)
-                        probe = self._jit_step.lower(*args).compile()
-                    out[name] = sizing.step_reserve_bytes(probe)
+                        out[name] = sizing.probe_reserve(self._jit_step, args)
                 except Exception as e:  # noqa: BLE001 - only an out-of-memory refusal is expected
                     if may_not_fit and "RESOURCE_EXHAUSTED" in str(e):
                         return None
@@ -352,11 +354,13 @@ class Engine:
         )
         num_blocks = min(sizing.device_num_blocks(stats, r, **dims) for r in reserve.values())
         growth, probe_blocks = dict.fromkeys(programs, 0), num_blocks
+        fits_at = PROBE_BLOCKS  # the largest cache the programs are known to compile over
         while probe_blocks > PROBE_BLOCKS:
             grown = reserves_over(probe_blocks, may_not_fit=True)
             if grown is not None:
                 span = probe_blocks - PROBE_BLOCKS
                 growth = {k: max(0, grown[k] - reserve[k]) // span for k in programs}
+                fits_at = probe_blocks
                 break
             logger.info("KV sizing: the programs over %d blocks do not fit; half", probe_blocks)
             probe_blocks //= 2
@@ -386,6 +390,24 @@ class Engine:
         }
         limiting = min(programs, key=sized.get)  # the first (the step) on a tie
         num_blocks = sized[limiting]
+        # The temporaries need not be linear in the cache: XLA:TPU may lay a larger program
+        # out otherwise (Qwen3-30B-A3B's loop on v5e:2x4: 6.0 GiB over 1391 blocks, 17.19G
+        # over 2769). A size past the largest one that compiled is checked, and bisected
+        # down to one that does (a few rounds; at worst the size that compiled).
+        low, high, checks = fits_at, num_blocks, 0
+        while high > low and checks < SIZING_CHECKS:
+            checks += 1
+            if reserves_over(high, may_not_fit=True) is not None:
+                low = high
+                break
+            high = (low + high) // 2
+        if low < num_blocks:
+            logger.warning(
+                "KV sizing: %d blocks, not the %d the probes' figures give: the programs did "
+                "not compile over those (the compiler's temporaries jump with the cache size)",
+                low, num_blocks,
+            )  # fmt: skip
+            num_blocks = low
         self.step_reserve_bytes = reserve[limiting]
         self.step_reserve_bytes_per_block = growth[limiting]
         self.step_reserve_program = limiting

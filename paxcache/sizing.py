@@ -39,6 +39,7 @@ __all__ = [
     "device_memory_stats",
     "device_num_blocks",
     "host_num_blocks",
+    "probe_reserve",
     "step_reserve_bytes",
 ]
 
@@ -145,6 +146,15 @@ def step_reserve_bytes(compiled: Any) -> int:
         return 0
     unaliased_out = max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
     return int(mem.temp_size_in_bytes) + int(mem.generated_code_size_in_bytes) + unaliased_out
+
+
+def probe_reserve(jitted: Any, args: tuple) -> int:
+    """:func:`step_reserve_bytes` of ``jitted`` compiled for ``args`` (nothing runs).
+
+    Raises what the compiler raises: on TPU a program that does not fit the chip's HBM is
+    refused with ``RESOURCE_EXHAUSTED``.
+    """
+    return step_reserve_bytes(jitted.lower(*args).compile())
 
 
 def device_num_blocks(
