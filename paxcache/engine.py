@@ -304,18 +304,9 @@ class Engine:
         """Device KV blocks on an accelerator (see :mod:`paxcache.sizing`).
 
         The programs whose temporaries are the largest (the largest token bucket's step and,
-        with ``decode_steps > 1``, the largest multi-step decode loop) are compiled over a
-        small cache (:data:`PROBE_BLOCKS` blocks) to measure what each needs besides its
-        arguments, which sizes the cache; then once more over that size, to measure how much
-        of each reserve grows with the cache. It can: on TPU, XLA keeps a cache whose
-        ``head_dim`` is not a multiple of 128 in a layout the kernels cannot take and copies
-        it into theirs (lanes padded to 128) around them, a temporary twice the cache's size
-        at head_dim 64 that a small probe does not show. That growth, per block, is then
-        counted with each block's own bytes. When the programs over the first size do not
-        fit (the compiler refuses one: the copy makes a step about three caches), the second
-        probe halves its cache until they compile; the growth is linear in the cache there
-        (gpt-oss-20b on v6e:2x2: 51.84G of temporaries over the first size, which is why a
-        probe must not need to fit). The cache gets the fewest blocks any program allows.
+        with ``decode_steps > 1``, the largest multi-step decode loop) are compiled over
+        caches of the sizes :func:`sizing.settle_num_blocks` asks for (:data:`PROBE_BLOCKS`
+        blocks first); the cache gets the fewest blocks any of them allows.
         """
         device = jax.devices()[0]
         stats = self.placement.memory_stats() or sizing.device_memory_stats(device)  # pre-probe
@@ -344,77 +335,21 @@ class Engine:
                     raise
             return out
 
-        reserve = reserves_over(PROBE_BLOCKS)  # builds the cache config too
         dims = dict(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads_per_device=kv_heads // self.tp,
             head_dim=cfg.head_dim,
-            block_size=self.cache_config.block_size,
+            block_size=build.keywords["block_size"],
             dtype=self.kv_dtype,
         )
-        num_blocks = min(sizing.device_num_blocks(stats, r, **dims) for r in reserve.values())
-        growth, probe_blocks = dict.fromkeys(programs, 0), num_blocks
-        fits_at = PROBE_BLOCKS  # the largest cache the programs are known to compile over
-        while probe_blocks > PROBE_BLOCKS:
-            grown = reserves_over(probe_blocks, may_not_fit=True)
-            if grown is not None:
-                span = probe_blocks - PROBE_BLOCKS
-                growth = {k: max(0, grown[k] - reserve[k]) // span for k in programs}
-                fits_at = probe_blocks
-                break
-            logger.info("KV sizing: the programs over %d blocks do not fit; half", probe_blocks)
-            probe_blocks //= 2
-        else:
-            if num_blocks > PROBE_BLOCKS:
-                logger.warning(
-                    "KV sizing: the programs fit over no cache larger than %d blocks; their "
-                    "growth with the cache is not measured (the engine's own build may not "
-                    "fit)",
-                    PROBE_BLOCKS,
-                )
-        per_block = self.bytes_per_block // self.tp
-        grows = max(programs, key=growth.get)
-        if growth[grows] > per_block // 10:  # more than rounding: a copy of the cache
-            logger.warning(
-                "KV sizing: %s's temporaries grow by %d bytes per KV block (%.1fx the "
-                "block's own %d bytes): the compiler copies the cache around the kernels, so "
-                "fewer blocks fit and every step moves the whole cache twice (XLA:TPU does "
-                "this when head_dim is not a multiple of 128; here head_dim=%d)",
-                grows, growth[grows], growth[grows] / max(per_block, 1), per_block,
-                cfg.head_dim,
-            )  # fmt: skip
-        per_program = sizing.device_num_blocks
-        sized = {
-            k: per_program(stats, reserve[k], reserve_bytes_per_block=growth[k], **dims)
-            for k in programs
-        }
-        limiting = min(programs, key=sized.get)  # the first (the step) on a tie
-        num_blocks = sized[limiting]
-        # The temporaries need not be linear in the cache: XLA:TPU may lay a larger program
-        # out otherwise (Qwen3-30B-A3B's loop on v5e:2x4: 6.0 GiB over 1391 blocks, 17.19G
-        # over 2769). A size past the largest one that compiled is checked, and bisected
-        # down to one that does (a few rounds; at worst the size that compiled).
-        low, high, checks = fits_at, num_blocks, 0
-        while high > low and checks < SIZING_CHECKS:
-            checks += 1
-            if reserves_over(high, may_not_fit=True) is not None:
-                low = high
-                break
-            high = (low + high) // 2
-        if low < num_blocks:
-            logger.warning(
-                "KV sizing: %d blocks, not the %d the probes' figures give: the programs did "
-                "not compile over those (the compiler's temporaries jump with the cache size)",
-                low, num_blocks,
-            )  # fmt: skip
-            num_blocks = low
-        self.step_reserve_bytes = reserve[limiting]
-        self.step_reserve_bytes_per_block = growth[limiting]
-        self.step_reserve_program = limiting
-        logger.info(
-            "KV sizing: %d blocks (%s needs %.2f GiB + %d bytes per block)",
-            num_blocks, limiting, reserve[limiting] / 2**30, growth[limiting],
+        sized = sizing.settle_num_blocks(
+            reserves_over, stats, dims, bytes_per_block=self.bytes_per_block // self.tp,
+            probe_blocks=PROBE_BLOCKS, max_checks=SIZING_CHECKS,
         )  # fmt: skip
+        self.step_reserve_bytes = sized.reserve_bytes
+        self.step_reserve_bytes_per_block = sized.reserve_bytes_per_block
+        self.step_reserve_program = sized.program
+        num_blocks = sized.num_blocks
         return num_blocks
 
     # ------------------------------------------------------------------ views

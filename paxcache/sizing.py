@@ -26,7 +26,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from paxcache import kv_cache
@@ -34,12 +35,14 @@ from paxcache import kv_cache
 __all__ = [
     "DEVICE_MEMORY_FRACTION",
     "GPU_POOL_FRACTION",
+    "Sized",
     "configure_gpu_allocator",
     "cuda_total_memory",
     "device_memory_stats",
     "device_num_blocks",
     "host_num_blocks",
     "probe_reserve",
+    "settle_num_blocks",
     "step_reserve_bytes",
 ]
 
@@ -209,3 +212,103 @@ def device_num_blocks(
         reserve_bytes_per_block=reserve_bytes_per_block,
     )
     return num_blocks
+
+
+@dataclass(frozen=True)
+class Sized:
+    """What :func:`settle_num_blocks` settled on."""
+
+    num_blocks: int
+    program: str
+    """The program that limits the cache (the first, the step, on a tie)."""
+    reserve_bytes: int
+    """What that program needs besides its arguments over the small probe cache."""
+    reserve_bytes_per_block: int
+    """How much of that reserve grows with each KV block."""
+
+
+def settle_num_blocks(
+    reserves_over: Callable[..., dict[str, int] | None],
+    stats: Mapping[str, int],
+    dims: Mapping[str, Any],
+    *,
+    bytes_per_block: int,
+    probe_blocks: int,
+    max_checks: int,
+) -> Sized:
+    """The device cache's size, from the compiled programs' reserves.
+
+    ``reserves_over(num_blocks, may_not_fit=False)`` builds a cache of ``num_blocks`` blocks and
+    returns each program's reserve over it (:func:`probe_reserve`), or None when the compiler
+    refuses one for memory and ``may_not_fit``. The programs are compiled over a small cache
+    (``probe_blocks``) to measure what each needs besides its arguments, which sizes the cache
+    (:func:`device_num_blocks` with ``dims``); then once more over that size, to measure how
+    much of each reserve grows with the cache. It can: on TPU, XLA keeps a cache whose
+    ``head_dim`` is not a multiple of 128 in a layout the kernels cannot take and copies it
+    into theirs (lanes padded to 128) around them, a temporary twice the cache's size at
+    head_dim 64 that a small probe does not show. That growth, per block, is then counted with
+    each block's own bytes (``bytes_per_block``, per device). When the programs over the first
+    size do not fit (the compiler refuses one: the copy makes a step about three caches), the
+    second probe halves its cache until they compile (gpt-oss-20b on v6e:2x2: 51.84G of
+    temporaries over the first size, which is why a probe must not need to fit). The
+    temporaries need not be linear in the cache either (Qwen3-30B-A3B's loop on v5e:2x4: 6.0
+    GiB over 1391 blocks, 17.19G over 2769), so a size past the largest one that compiled is
+    checked, and bisected down to one that does (``max_checks`` compiles; at worst the size
+    that compiled). The cache gets the fewest blocks any program allows.
+    """
+    reserve = reserves_over(probe_blocks)
+    assert reserve is not None  # may_not_fit is off: a refusal raises
+    programs = list(reserve)
+    first = min(device_num_blocks(stats, r, **dims) for r in reserve.values())
+    growth, size = dict.fromkeys(programs, 0), first
+    fits_at = probe_blocks  # the largest cache the programs are known to compile over
+    while size > probe_blocks:
+        grown = reserves_over(size, may_not_fit=True)
+        if grown is not None:
+            growth = {k: max(0, grown[k] - reserve[k]) // (size - probe_blocks) for k in programs}
+            fits_at = size
+            break
+        logger.info("KV sizing: the programs over %d blocks do not fit; half", size)
+        size //= 2
+    else:
+        if first > probe_blocks:
+            logger.warning(
+                "KV sizing: the programs fit over no cache larger than %d blocks; their growth "
+                "with the cache is not measured (the engine's own build may not fit)",
+                probe_blocks,
+            )
+    grows = max(programs, key=growth.get)
+    if growth[grows] > bytes_per_block // 10:  # more than rounding: a copy of the cache
+        logger.warning(
+            "KV sizing: %s's temporaries grow by %d bytes per KV block (%.1fx the block's own "
+            "%d bytes): the compiler copies the cache around the kernels, so fewer blocks fit "
+            "and every step moves the whole cache twice (XLA:TPU does this when head_dim is "
+            "not a multiple of 128; here head_dim=%d)",
+            grows, growth[grows], growth[grows] / max(bytes_per_block, 1), bytes_per_block,
+            dims["head_dim"],
+        )  # fmt: skip
+    sized = {
+        k: device_num_blocks(stats, reserve[k], reserve_bytes_per_block=growth[k], **dims)
+        for k in programs
+    }
+    limiting = min(programs, key=sized.get)
+    num_blocks = sized[limiting]
+    low, high, checks = fits_at, num_blocks, 0
+    while high > low and checks < max_checks:
+        checks += 1
+        if reserves_over(high, may_not_fit=True) is not None:
+            low = high
+            break
+        high = (low + high) // 2
+    if low < num_blocks:
+        logger.warning(
+            "KV sizing: %d blocks, not the %d the probes' figures give: the programs did not "
+            "compile over those (the compiler's temporaries jump with the cache size)",
+            low, num_blocks,
+        )  # fmt: skip
+        num_blocks = low
+    logger.info(
+        "KV sizing: %d blocks (%s needs %.2f GiB + %d bytes per block)",
+        num_blocks, limiting, reserve[limiting] / 2**30, growth[limiting],
+    )  # fmt: skip
+    return Sized(num_blocks, limiting, reserve[limiting], growth[limiting])
