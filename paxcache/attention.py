@@ -52,6 +52,9 @@ class AttentionMetadata:
         over heads (see :func:`paged_attention_op`).
       max_q_len: static hint that no sequence feeds more than this many rows this step
         (``1``: a decode-only step, which runs the TPU decode kernel); None: any batch.
+      rope_lens: ``i32[B]`` or None: each sequence's whole known length (a prompt's chunks
+        still to come included; never less than ``kv_lens``), which decides length-dependent
+        RoPE (longrope); None: ``kv_lens``. The attention itself never reads it.
     """
 
     block_tables: jax.Array
@@ -66,6 +69,7 @@ class AttentionMetadata:
     interpret: bool = flax.struct.field(pytree_node=False, default=False)
     mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False, default=None)
     max_q_len: int | None = flax.struct.field(pytree_node=False, default=None)
+    rope_lens: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -118,10 +118,14 @@ def prepare(
     eos_ids: Collection[int],
     max_model_len: int,
     exit_on_finish: bool,
+    rope_switch_len: int | None = None,
 ) -> DecodeLoopInputs:
     """The loop inputs of an :func:`eligible` ``plan`` (host arrays) for ``num_steps`` (K)
     iterations; ``max_rows`` is R. Keys follow :func:`paxcache.step.prepare_sampling`'s
-    rule ``(seed, tokens generated, completion index)``."""
+    rule ``(seed, tokens generated, completion index)``. With ``rope_switch_len``
+    (longrope), a row whose K/V hold the short factors stops iterating once its sequence
+    reaches one token past it: the scheduler recomputes it before its next token
+    (``Scheduler._recompute_outgrown``)."""
     r = max_rows
     stop_ids = np.full((r, MAX_STOP_IDS), -1, np.int32)
     max_new = np.ones(r, np.int32)
@@ -129,6 +133,8 @@ def prepare(
         ids = _stop_ids(seq, eos_ids)
         stop_ids[j, : len(ids)] = ids
         left = min(seq.params.max_tokens - seq.num_generated, max_model_len - len(seq.token_ids))
+        if rope_switch_len is not None and not seq.rope_long:
+            left = min(left, rope_switch_len - len(seq.token_ids) + 1)
         max_new[j] = max(1, left)
     return DecodeLoopInputs(
         keys=sequence_keys([seq for seq, _ in plan.samples], r, range(num_steps)),
@@ -153,6 +159,7 @@ def for_plan(plan: StepPlan, scheduler: Scheduler, shapes: Any) -> DecodeLoopInp
         eos_ids=eos,
         max_model_len=scheduler.max_model_len,
         exit_on_finish=scheduler.num_waiting > 0,
+        rope_switch_len=scheduler.rope_switch_len,
     )
 
 

@@ -145,8 +145,14 @@ class Engine:
         )
         self.buckets = step_lib.token_buckets(self.max_num_batched_tokens)
         decode = step_lib.wants_decode_variant(self.impl, where.backend())
+        rope_switch = getattr(cfg, "rope_switch_len", None)  # longrope: see Scheduler R7
         self._shapes = step_lib.StepShapes(
-            self.buckets, max_num_seqs, cfg.vocab_size, decode, self.decode_steps
+            self.buckets,
+            max_num_seqs,
+            cfg.vocab_size,
+            decode,
+            self.decode_steps,
+            rope_lens=rope_switch is not None,
         )
         self.decode_buckets = step_lib.decode_buckets(self._shapes)  # () off TPU kernels
         graphdef, params = nnx.split(model)
@@ -181,6 +187,7 @@ class Engine:
                 policy=sched.policy,
                 max_model_len=self.max_model_len,
                 eos_token_ids=eos_ids,
+                rope_switch_len=rope_switch,
             ),
         )
         num_blocks = kv_opts.num_blocks
@@ -713,6 +720,7 @@ class Engine:
             "decode_steps": self.decode_steps,
             "num_multi_step_decodes": sched.num_multi_step_decodes,
             "num_multi_step_iterations": sched.num_multi_step_iterations,
+            "num_rope_recomputes": sched.num_rope_recomputes,
             "num_overlapped_steps": self._pipeline.num_continued if self._pipeline else 0,
             "num_wasted_rows": self._pipeline.num_wasted_rows if self._pipeline else 0,
             **quantize.weight_stats(self.model),  # quantization, weight_dtype

@@ -138,6 +138,9 @@ def continuation(
         length = seq.num_computed + q  # after prev
         if length + 1 > max_model_len:
             return None
+        switch = scheduler.rope_switch_len  # longrope: the scheduler recomputes it first
+        if switch is not None and not seq.rope_long and length + 1 > switch:
+            return None
         lengths.append(length)
     block = scheduler.block_size
     need = sum(1 for n in lengths if n % block == 0)  # the new token starts a block
@@ -178,6 +181,7 @@ def continuation(
         slot_ids=slots,
         q_lens=q_lens,
         kv_lens=kv_lens,
+        rope_lens=kv_lens if shapes.rope_lens else None,  # decode rows: no token past them
         num_rows=np.asarray(n, np.int32),
         grows=grows,
         sampling=sampling,

@@ -7,13 +7,16 @@ re-exported by :mod:`paxcache.scheduler`."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Collection
 
 import numpy as np
 
 from paxcache.sequence import Sequence
 
-__all__ = ["StepPlan", "StepResult"]
+__all__ = ["StepPlan", "StepResult", "record_prompt_logprobs"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -118,3 +121,26 @@ class StepResult:
             )
             for k in range(int(steps.max(initial=0)))
         ]
+
+
+def record_prompt_logprobs(plan: StepPlan, result: StepResult, failed: dict) -> None:
+    """Records the prompt log-probabilities a step computed (``plan.prompt_positions``) in
+    each sequence; a recomputed prompt overwrites its entries with the same values. A
+    request whose values cannot be recorded is added to ``failed``; the others go on."""
+    for k, (i, p) in enumerate(plan.prompt_positions):
+        seq = plan.rows[i][0]
+        if not result.row_ok[i] or seq.request_id in failed:
+            continue
+        try:
+            top_ids, top_lps = result.prompt_top_ids[k], result.prompt_top_logprobs[k]
+            seq.prompt_logprobs[p + 1] = {
+                "token_id": seq.token_ids[p + 1],
+                "logprob": float(result.prompt_logprob[k]),
+                "rank": int(result.prompt_rank[k]),
+                "top": [
+                    (int(top_ids[t]), float(top_lps[t])) for t in range(seq.params.prompt_logprobs)
+                ],
+            }
+        except Exception:  # noqa: BLE001 - this request fails, the others go on
+            logger.exception("request %s failed recording prompt logprobs", seq.request_id)
+            failed[seq.request_id] = None

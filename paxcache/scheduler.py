@@ -47,6 +47,11 @@ R5 *A preempted unit waits for a departure.* It is resumed only after a running 
 R6 *Reserve what is planned.* A resumption or admission must leave free the blocks that the
    rows already planned for this step (and its own first row) will take, plus the watermark; a
    resumed or admitted unit runs in the same step.
+R7 *Outgrowing longrope recomputes in place.* With ``rope_switch_len`` (longrope), a running
+   sequence that grows past it on K/V computed with the short factors is freed and allocated
+   again whole before the step plans (it keeps running); room is made as by R2, and if it is
+   the newest it is queued instead (then the queue's head). A step where this preempted is
+   a preempting step for R3.
 
 Guarantees (proved from the rules; ``tests/test_stress.py`` checks them on random workloads):
   * Invariant: every running sequence is older than every queued one. (R2 preempts the newest
@@ -58,9 +63,10 @@ Guarantees (proved from the rules; ``tests/test_stress.py`` checks them on rando
     blocks, and R6 keeps resumptions off those blocks. If it is queued, nothing runs
     (invariant), so it is resumed now or can never fit. Hence the oldest sequence finishes
     within ``P + M`` steps of becoming the oldest (``P`` prompt tokens, ``M = max_tokens``: at
-    most ``P + M - 1`` tokens to feed, no more recompute once it is the oldest), and a request
-    finishes within ``sum(P_s + M_s)`` steps of its arrival, summed over its own sequences and
-    the older sequences alive when it arrived.
+    most ``P + M - 1`` tokens to feed, no more recompute once it is the oldest; twice that
+    with R7's one longrope recompute), and a request finishes within ``sum(P_s + M_s)`` steps
+    (twice that with R7) of its arrival, summed over its own sequences and the older
+    sequences alive when it arrived.
   * No thrashing: a sequence is preempted at most ``1 + D`` times, where ``D`` is the number of
     older sequences that finish, are aborted or fail while it is alive. Between two
     preemptions it must be resumed, which needs a departure after the first (R5); while it is
@@ -83,12 +89,15 @@ import numpy as np
 from paxcache.errors import OutOfBlocksError
 from paxcache.manager import BlockManager
 from paxcache.outputs import INTERNAL_ERROR
-from paxcache.plan import StepPlan, StepResult
+from paxcache.plan import StepPlan, StepResult, record_prompt_logprobs
 from paxcache.sequence import SeqState, Sequence, check_stop, is_stop_token, reached_length
 
 __all__ = ["Scheduler", "SeqState", "Sequence", "StepPlan", "StepResult"]
 
 logger = logging.getLogger(__name__)
+
+_LONG_ROPE_SALT = "paxcache:longrope-long"
+"""Tags the prefix-cache salt of sequences past ``rope_switch_len`` (with their own salt)."""
 
 
 class Scheduler:
@@ -102,6 +111,10 @@ class Scheduler:
       policy: ``"fifo"`` or ``"prefill_first"``.
       max_model_len: longest sequence; one that reaches it finishes with ``"length"``.
       eos_token_ids: tokens that end a sequence (unless its ``ignore_eos``).
+      rope_switch_len: the model's ``LlamaConfig.rope_switch_len`` (longrope's original
+        length), or None: a sequence whose K/V were computed while it was no longer than it
+        and that grows past it is recomputed whole (:meth:`_recompute_outgrown`), and the
+        prefix cache keeps the blocks of sequences on either side of it apart.
 
     Counters (each fact counted once): ``num_swaps`` (units preempted by swapping their lead
     out: one swap-out, one sequence out, per swap preemption) and
@@ -113,7 +126,8 @@ class Scheduler:
     ``num_generated_tokens``; ``num_refused_rows`` (planned rows the allocator refused: 0
     unless the block arithmetic has a bug); ``num_multi_step_decodes`` (steps that ran as a
     multi-step decode, :mod:`paxcache.decode_loop`) and ``num_multi_step_iterations`` (the
-    iterations they ran).
+    iterations they ran); ``num_rope_recomputes`` (sequences recomputed for outgrowing
+    ``rope_switch_len``: not preemptions).
     """
 
     def __init__(
@@ -126,6 +140,7 @@ class Scheduler:
         policy: str = "fifo",
         max_model_len: int | None = None,
         eos_token_ids: Collection[int] = (),
+        rope_switch_len: int | None = None,
     ) -> None:
         if policy not in ("fifo", "prefill_first"):
             raise ValueError(f"policy must be 'fifo' or 'prefill_first', got {policy!r}")
@@ -141,6 +156,7 @@ class Scheduler:
         self.policy = policy
         self.max_model_len = max_model_len or block_manager.cfg.max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.rope_switch_len = rope_switch_len
         # The one queue (R4), in age order (``Sequence.age`` is unique, so its head is the
         # oldest): units of sequences admitted together (a leader, then its waiting followers),
         # never admitted or preempted by recompute (state WAITING), and single sequences whose
@@ -158,6 +174,7 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_refused_rows = 0
         self.num_multi_step_decodes = self.num_multi_step_iterations = 0
+        self.num_rope_recomputes = 0
 
     # -- queues ---------------------------------------------------------------------------
 
@@ -282,7 +299,14 @@ class Scheduler:
             and len(unit) == 1  # no follower waits for its prompt
             and lead.remaining == 1  # decoding (a prompt is cheaper to recompute)
             and self._blocks(lead.num_allocated) <= bm.num_free_host_blocks
+            and not self._outgrown(lead)  # its K/V are stale: R7 recomputes it
         )
+
+    def _outgrown(self, seq: Sequence) -> bool:
+        """R7: ``seq`` is longer than ``rope_switch_len`` on K/V of the short factors."""
+        limit = self.rope_switch_len
+        stale = not seq.rope_long and seq.num_computed > 0
+        return limit is not None and stale and len(seq.token_ids) > limit
 
     def _swap_out(self, seq: Sequence, plan: StepPlan) -> bool:
         """Moves ``seq``'s blocks to the host pool (all or nothing); the copies go in the plan."""
@@ -309,8 +333,12 @@ class Scheduler:
             lead.shared_last = False  # its table now points at private host copies
             self._enqueue([lead])
             return
-        # Recompute: free the blocks, queue again (in age order) with the whole history.
         self.num_preemptions_recompute += 1
+        self._requeue(unit)
+
+    def _requeue(self, unit: list[Sequence]) -> None:
+        """Frees a unit's blocks and queues it again (in age order) with its whole history,
+        to be computed from the start."""
         for s in unit:
             self._release(s)
             s.state = SeqState.WAITING
@@ -318,6 +346,37 @@ class Scheduler:
             s.num_allocated = 0
             s.shared_last = False
         self._enqueue(unit)
+
+    def _recompute_outgrown(self, plan: StepPlan) -> bool:
+        """R7 (longrope, see the module docstring; HF's ``generate`` drops its cache at that
+        step): a running sequence that outgrew ``rope_switch_len`` on short-factor K/V is
+        freed and allocated again whole at once, so it keeps running; returns whether room
+        was made by preempting (R3 then holds)."""
+        preempted = False
+        outgrown = [s for s in self.running if s.leader is None and self._outgrown(s)]
+        for seq in sorted(outgrown, key=lambda s: s.age):
+            if seq not in self.running:  # preempted as a newer unit of an older one's room
+                continue
+            self.num_rope_recomputes += 1
+            self._release(seq)
+            seq.num_computed = seq.num_allocated = 0
+            seq.shared_last = False
+            while not self._admit([seq], reserve=0):
+                newest = max(self.running, key=lambda s: s.age)
+                if newest is not seq:
+                    self._preempt(self._unit_of(newest), plan)
+                elif len(self.running) == 1:
+                    self._fail([seq], self._never_fits([seq], "recomputed"), plan)
+                    break
+                else:
+                    self.running.remove(seq)
+                    seq.state = SeqState.WAITING
+                    self._enqueue([seq])
+                    plan.preempted.append(seq)
+                preempted = True
+                if seq not in self.running:
+                    break
+        return preempted
 
     def _fail(self, seqs: list[Sequence], message: str, plan: StepPlan) -> None:
         """Finishes sequences that can never fit with an error (they report in ``plan``)."""
@@ -337,8 +396,10 @@ class Scheduler:
         """Plans the next step: rows, samples, and the admissions, swaps, preemptions and
         failures that make room for them (in the block manager; no KV moves here)."""
         plan = StepPlan()
+        recomputed = self.rope_switch_len is not None and self._recompute_outgrown(plan)
         rows = self._plan_running()
         rows, preempted = self._fit(rows, plan)
+        preempted = preempted or recomputed
         if not preempted:  # R3
             budget = self.max_num_batched_tokens - sum(q for _, q in rows)
             self._resume(rows, budget, plan)
@@ -461,12 +522,19 @@ class Scheduler:
         watermark stay free."""
         bm = self.block_manager
         lead = unit[0]
+        limit = self.rope_switch_len
+        long = limit is not None and len(lead.token_ids) > limit
+        # Blocks computed with longrope's long factors never serve a short sequence's prefix,
+        # nor the other way round: their keys differ.
+        salt = (_LONG_ROPE_SALT, lead.cache_salt) if long else lead.cache_salt
         try:
             cached = bm.allocate(
-                lead, lead.token_ids, cache_salt=lead.cache_salt, commit=False, reserve=reserve
+                lead, lead.token_ids, cache_salt=salt, commit=False, reserve=reserve
             )
         except OutOfBlocksError:
             return False
+        for s in unit:
+            s.rope_long = long
         if lead.num_cached_tokens is None:
             lead.num_cached_tokens = cached
         n = len(lead.token_ids)
@@ -498,7 +566,7 @@ class Scheduler:
             # arithmetic; those rows simply run again next step (check_invariants reports it).
             self.num_refused_rows += refused
             logger.warning("the allocator refused %d of %d planned rows", refused, len(plan.rows))
-        self._prompt_logprobs(plan, result, failed)
+        record_prompt_logprobs(plan, result, failed)
         if result.steps is not None:
             self.num_multi_step_decodes += 1
             self.num_multi_step_iterations += int(np.max(result.steps, initial=0))
@@ -657,28 +725,6 @@ class Scheduler:
             touched[id(seq)] = seq
             if seq.is_finished:
                 finished.append(seq)
-
-    def _prompt_logprobs(self, plan: StepPlan, result: StepResult, failed: dict) -> None:
-        """Records the prompt log-probabilities the step computed (``plan.prompt_positions``);
-        a recomputed prompt overwrites its entries with the same values."""
-        for k, (i, p) in enumerate(plan.prompt_positions):
-            seq = plan.rows[i][0]
-            if not result.row_ok[i] or seq.request_id in failed:
-                continue
-            try:
-                top_ids, top_lps = result.prompt_top_ids[k], result.prompt_top_logprobs[k]
-                seq.prompt_logprobs[p + 1] = {
-                    "token_id": seq.token_ids[p + 1],
-                    "logprob": float(result.prompt_logprob[k]),
-                    "rank": int(result.prompt_rank[k]),
-                    "top": [
-                        (int(top_ids[t]), float(top_lps[t]))
-                        for t in range(seq.params.prompt_logprobs)
-                    ],
-                }
-            except Exception:  # noqa: BLE001 - this request fails, the others go on
-                logger.exception("request %s failed recording prompt logprobs", seq.request_id)
-                failed[seq.request_id] = None
 
     # -- checks ---------------------------------------------------------------------------
 

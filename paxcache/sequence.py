@@ -74,6 +74,8 @@ class Sequence:
         forked): its next write may copy on write.
       num_preemptions: times this sequence was preempted (swap or recompute).
       preempted_at: the scheduler's departure count when it was last preempted (rule R5).
+      rope_long: its K/V in the cache were computed for a sequence longer than the model's
+        longrope switch length (``Scheduler.rope_switch_len``): with the long factors.
       num_cached_tokens: prompt tokens found in the prefix cache at its first admission
         (None until admitted).
       finish_reason: None while live, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
@@ -109,6 +111,7 @@ class Sequence:
     shared_last: bool = False
     num_preemptions: int = 0
     preempted_at: int = -1
+    rope_long: bool = False
     num_cached_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None

@@ -177,6 +177,8 @@ class StepShapes:
         same for both and one program serves every plan.
       decode_steps: K, the most decode iterations one program runs (:mod:`.decode_loop`);
         1: every step is one iteration.
+      rope_lens: the inputs carry ``StepInputs.rope_lens`` (a model whose RoPE depends on the
+        sequence's length: longrope); otherwise they do not (every leaf costs dispatch time).
     """
 
     buckets: tuple[int, ...]
@@ -184,6 +186,7 @@ class StepShapes:
     vocab_size: int
     decode_variant: bool = False
     decode_steps: int = 1
+    rope_lens: bool = False
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket holding ``num_tokens``."""
@@ -264,6 +267,9 @@ class StepInputs:
         step runs the attention's decode kernel (``max_q_len=1``), a program of its own.
       decode_loop: :class:`paxcache.decode_loop.DecodeLoopInputs` of a multi-step decode
         (up to K iterations in one program), or None (one iteration).
+      rope_lens: ``i32[R]`` each row's sequence length as the host knows it (every token it
+        holds, a prompt's chunks still to come included): what decides length-dependent
+        RoPE (:attr:`paxcache.attention.AttentionMetadata.rope_lens`); None: ``kv_lens``.
     """
 
     token_ids: jax.Array
@@ -277,6 +283,7 @@ class StepInputs:
     allowed: jax.Array | None = None
     decode_only: bool = flax.struct.field(pytree_node=False, default=False)
     decode_loop: decode_loop.DecodeLoopInputs | None = None
+    rope_lens: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -312,7 +319,8 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
     """The token and row arrays of ``plan``.
 
     Returns:
-      ``({token_ids, slot_ids, q_lens, kv_lens, num_rows, grows}, row_ends)``; ``row_ends[i]``
+      ``({token_ids, slot_ids, q_lens, kv_lens, num_rows, grows}, row_ends)`` (and
+      ``rope_lens`` when ``shapes.rope_lens``); ``row_ends[i]``
       is the index in ``token_ids`` of row ``i``'s last token.
     """
     r = shapes.max_rows
@@ -320,6 +328,7 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
     slot_ids = np.zeros(r, np.int32)
     q_lens = np.zeros(r, np.int32)
     kv_lens = np.zeros(r, np.int32)
+    rope_lens = np.zeros(r, np.int32)
     grows = np.zeros(r, bool)
     row_ends = []
     off = 0
@@ -329,6 +338,7 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
         off += q
         row_ends.append(off - 1)
         slot_ids[i], q_lens[i], kv_lens[i] = slot, q, c + q
+        rope_lens[i] = len(seq.token_ids)
         extra = c + q - seq.num_allocated
         if extra > 0:
             assert extra == 1, "at most one new token per step beyond the allocation"
@@ -341,6 +351,8 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
         num_rows=np.int32(len(plan.rows)),
         grows=grows,
     )
+    if shapes.rope_lens:
+        arrays["rope_lens"] = rope_lens
     return arrays, row_ends
 
 
@@ -712,6 +724,8 @@ def _iteration(
     md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
     if inputs.decode_only:  # one token per row: the attention's decode kernel
         md = md.replace(max_q_len=1)
+    if inputs.rope_lens is not None:  # a multi-step loop's later iterations outgrow it
+        md = md.replace(rope_lens=jnp.maximum(inputs.kv_lens, inputs.rope_lens))
     s = inputs.sampling
     pl = inputs.prompt_logprobs
     rows = s.logits_rows if pl is None else jnp.concatenate([s.logits_rows, pl.rows])

@@ -184,6 +184,63 @@ def test_engine_paged_greedy_equals_dense_greedy(tmp_path: Path, model_type: str
     assert len(set(want[0])) > 1  # not a degenerate constant output
 
 
+@pytest.mark.parametrize("mode", ["sync", "overlap_multistep"])
+def test_longrope_sequences_crossing_the_original_length_match_hf_greedy(
+    tmp_path: Path, mode: str
+) -> None:
+    """Phi-3 longrope, original length 12 (HF's rule: a forward over more than 12 tokens uses
+    the long factors for every token; ``generate`` drops its cache and recomputes at the step
+    that crosses). The dense greedy reference recomputes the whole sequence per token, which
+    is HF's ``generate``. The engine, with 8-token prefill chunks: a 9-token prompt crosses
+    while decoding, a 12-token prompt right after its prefill, a 14-token prompt is long in
+    every chunk (its first chunk alone is 8 <= 12). Then the prefix cache: a short prompt
+    sharing two blocks with the long one must not read the long blocks, and the long prompt
+    again must hit its own. Both engine modes (multi-step decode stops a row at the switch;
+    overlap never continues past it) give the same tokens."""
+    from paxcache import Engine, SamplingParams
+
+    cfg = base_config(
+        "phi3",
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=12,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.7],
+            "long_factor": [3.0, 9.0],
+        },
+    )
+    path = write_checkpoint(tmp_path / "phi3", cfg, random_tensors(cfg, seed=8, scale=0.4))
+    ids = [5, 17, 3, 60, 9, 22, 41, 4, 13, 7, 33, 2, 50, 11, 28, 19]
+    prompts = [ids[:9], ids[:12], ids[:14]]
+    n = 7
+    dense = load_model(path)
+    want = [greedy_generate(dense, p, n) for p in prompts]
+    extra = dict(async_scheduling=False) if mode == "sync" else dict(decode_steps=4)
+    engine = Engine.from_pretrained(
+        path,
+        dtype=jnp.float32,
+        max_num_seqs=3,
+        max_num_batched_tokens=8,
+        num_blocks=32,
+        block_size=4,
+        warmup=False,
+        **extra,
+    )
+    assert engine.scheduler.rope_switch_len == 12
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert engine.stats()["num_rope_recomputes"] == 2  # the 9- and 12-token prompts
+    short = ids[:10]  # shares ids[:8] (two blocks) with the long prompt
+    short_out = engine.generate([short], params)[0]
+    assert short_out.num_cached_tokens == 8  # the 9- and 12-token prompts' short blocks
+    assert short_out.outputs[0].token_ids == greedy_generate(dense, short, n)
+    again = engine.generate([prompts[2]], params)[0]
+    assert again.num_cached_tokens == 12  # the long prompt's own long blocks
+    assert again.outputs[0].token_ids == want[2]
+    assert all(len(set(w)) > 1 for w in want)  # not a degenerate constant output
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paxcache import BlockManager, CacheConfig, SamplingParams, allocator
 from paxcache.outputs import INTERNAL_ERROR
@@ -24,7 +26,9 @@ _commit = jax.jit(allocator.commit)
 _num_free = jax.jit(allocator.num_free_blocks)
 
 
-def _scheduler(num_blocks=16, host_blocks=0, budget=32, max_seqs=4, mode="recompute"):
+def _scheduler(
+    num_blocks=16, host_blocks=0, budget=32, max_seqs=4, mode="recompute", rope_switch_len=None
+):
     cfg = CacheConfig(
         num_blocks=num_blocks,
         block_size=S,
@@ -40,6 +44,7 @@ def _scheduler(num_blocks=16, host_blocks=0, budget=32, max_seqs=4, mode="recomp
         preemption_mode=mode,
         max_model_len=cfg.max_model_len,
         eos_token_ids=(0,),
+        rope_switch_len=rope_switch_len,
     )
 
 
@@ -194,3 +199,44 @@ def test_scheduler_refuses_unknown_policies():
         Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8, policy="lifo")
     with pytest.raises(ValueError, match="preemption_mode"):
         Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=8, preemption_mode="drop")
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    lens=st.lists(
+        st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(1, 2)), min_size=1, max_size=6
+    ),
+    switch=st.integers(2, 24),
+    mode=st.sampled_from(["recompute", "swap"]),
+    budget=st.sampled_from([4, 8, 32]),
+)
+def test_random_workloads_recompute_sequences_that_outgrow_the_rope_switch(
+    lens, switch, mode, budget
+):
+    """Longrope's rule under tight memory (10 blocks of 4), with preemption in either mode:
+    no row is ever fed on K/V computed for a sequence no longer than ``rope_switch_len`` once
+    the sequence is longer (it is recomputed first, exactly once per crossing), every request
+    finishes with all its tokens, and the accounting holds after every step."""
+    sched = _scheduler(
+        num_blocks=10, host_blocks=16, budget=budget, mode=mode, rope_switch_len=switch
+    )
+    seqs = []
+    for i, (n_prompt, max_tokens, n) in enumerate(lens):
+        seqs += _add(sched, f"r{i}", n_prompt, max_tokens=max_tokens, n=n, start=1 + 20 * i)
+    crossings = sum(
+        1 for s in seqs if len(s.token_ids) <= switch < len(s.token_ids) - 1 + s.params.max_tokens
+    )
+    for _ in range(400):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        for seq, _ in plan.rows:
+            assert seq.rope_long == (len(seq.token_ids) > switch), "fed on the wrong factors"
+        if plan.rows:
+            sched.postprocess(plan, _fake_step(sched, plan))
+        assert all(sched.check_invariants().values())
+    else:
+        raise AssertionError("work left")
+    fine = [s for s in seqs if s.finish_reason != "error"]
+    assert all(s.num_generated == s.params.max_tokens for s in fine)
+    assert sched.num_rope_recomputes <= crossings

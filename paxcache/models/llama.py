@@ -81,14 +81,12 @@ def rope_cos_sin(
     rule is applied per sequence (HF takes the batch's longest), so batching does not change a
     sequence's result.
 
-    Known gap (paged path): :meth:`LlamaForCausalLM.hidden_states_paged` decides per step
-    from the sequence's length after the step, and K/V already in the cache keep the factors
-    they were written with. HF's ``generate`` instead drops the cache at the step that crosses
-    the original length and recomputes the whole sequence with the long factors
-    (``Phi3ForCausalLM.prepare_inputs_for_generation``). A sequence whose first paged step
-    is already past the original length, or that never reaches it, matches HF exactly; one
-    that crosses it later (a long prompt in several prefill chunks, or decoding past it)
-    differs from that step on, until the engine learns to recompute it.
+    The paged path (:meth:`LlamaForCausalLM.hidden_states_paged`) decides from each
+    sequence's whole known length (``AttentionMetadata.rope_lens``: a prompt's later chunks
+    included), so every chunk of a long prompt takes the long factors as HF's one forward
+    does; a sequence that grows past the original length while decoding is recomputed by the
+    engine's scheduler (``LlamaConfig.rope_switch_len``), as HF's ``generate`` drops its
+    cache there (``Phi3ForCausalLM.prepare_inputs_for_generation``).
 
     Args:
         cfg: the config.
@@ -543,8 +541,9 @@ class LlamaForCausalLM(nnx.Module):
         options, laid out by :func:`paxcache.models.layer_plan.run_layers`.
         """
         positions = metadata.positions
-        # Longrope switches on each sequence's length after this step (HF's rule per step).
-        seq_lens = jnp.take(metadata.kv_lens, metadata.row_seq)
+        # Longrope switches on each sequence's whole known length (HF's rule per forward).
+        lens = metadata.kv_lens if metadata.rope_lens is None else metadata.rope_lens
+        seq_lens = jnp.take(lens, metadata.row_seq)
         ropes = self.rope_tables(positions, seq_lens)
         x = self.embed(token_ids)
         kinds = self.config.layer_attention()

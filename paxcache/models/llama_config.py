@@ -222,6 +222,18 @@ class LlamaConfig:
         return ws.pop()
 
     @property
+    def rope_switch_len(self) -> int | None:
+        """The sequence length past which every position's RoPE changes (longrope:
+        ``original_max_position_embeddings``; a sequence longer than it uses the long factors
+        for all its tokens, HF's rule), or None when RoPE never depends on the length. A
+        sequence that crosses it must have its cached K/V recomputed (the engine's scheduler
+        does, as HF's ``generate`` drops its cache there)."""
+        rs = self.rope_scaling
+        if rs and rs.get("rope_type") == "longrope":
+            return int(rs["original_max_position_embeddings"])
+        return None
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """All end-of-sequence ids as a tuple (possibly empty)."""
         if self.eos_token_id is None:

@@ -475,17 +475,6 @@ def load_model(
             "loading %s (%s, %.0f MiB in %s)", path, cfg.model_type, total / 2**20, np_dtype.name
         )
 
-    rs = cfg.rope_scaling
-    if rs and rs.get("rope_type") == "longrope":
-        logger.warning(
-            "%s: longrope scaling; paged generation of a sequence that crosses "
-            "original_max_position_embeddings=%d after its first step keeps the K/V it cached "
-            "with the short factors (HF recomputes them with the long ones), so its tokens "
-            "from there on can differ from transformers'",
-            path,
-            rs["original_max_position_embeddings"],
-        )
-
     model = nnx.eval_shape(
         lambda: model_class(cfg)(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
     )
