@@ -44,6 +44,7 @@ from kernels_pallas.cache import (
     PagedKVCache,
     check_cache,
     is_quantized_dtype,
+    pad_lanes,
     resolve_layer,
     write_kv,
 )
@@ -641,7 +642,8 @@ def paged_attention(
     name = "paged_attention"
     check_cache(name, cache)
     layer = resolve_layer(name, cache, layer)
-    return paged_attention_pages(
+    q, sm_scale = _lane_padded_query(name, q, cache, sm_scale)
+    out = paged_attention_pages(
         q,
         cache.k,
         cache.v,
@@ -657,6 +659,23 @@ def paged_attention(
         v_scale=cache.v_scale[layer],
         sinks=sinks,
     )
+    return out[..., : cache.head_dim]
+
+
+def _lane_padded_query(
+    name: str, q: Any, cache: PagedKVCache, sm_scale: float | None
+) -> tuple[Any, float | None]:
+    """``q`` padded to the cache's stored lanes (zeros add nothing to a logit) and the logit
+    scale of its own ``D`` (``D ** -0.5`` by default, not ``Dp``'s): what the page-level ops
+    take for a lane-padded cache (:func:`kernels_pallas.cache.stored_head_dim`)."""
+    if cache.lane_padded_from is None:
+        return q, sm_scale
+    d = cache.head_dim
+    if np.ndim(q) != 3 or np.shape(q)[-1] != d:
+        raise ValueError(
+            f"{name}: q must be [tokens, H, D] with the cache's D={d}, got {np.shape(q)}"
+        )
+    return pad_lanes(q, cache.stored_head_dim), (d**-0.5 if sm_scale is None else sm_scale)
 
 
 def ragged_paged_attention(
@@ -704,6 +723,7 @@ def ragged_paged_attention(
     layer = resolve_layer(name, cache, layer)
     sinks = _check_sinks(name, sinks, q.shape[1] if q.ndim == 3 else -1)
     _check_forced_kernel(name, impl, cache.k, sinks)  # before the write: state unchanged
+    q, sm_scale = _lane_padded_query(name, q, cache, sm_scale)
     if new_kv is not None:
         if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 3:
             raise ValueError(f"{name}: new_kv must be a tuple (k, v, slot_mapping)")
@@ -728,4 +748,5 @@ def ragged_paged_attention(
         max_q_len=max_q_len,
         sinks=sinks,
     )
+    out = out[..., : cache.head_dim]
     return out if new_kv is None else (out, cache)

@@ -9,8 +9,17 @@ Sizes derive from here too: :func:`kv_cache_bytes_per_block` (sizing), :func:`kv
 attention kernels' KV buffers take in VMEM).
 
 Layout (private to this package; a slot is ``block * S + offset`` in every layout): K and V
-are each one stacked array ``[L, K, N, S, D]`` (layers, kv heads, blocks, block size, head
-dim) in the cache dtype. Stacking the layers lets a model run them under ``lax.scan`` with the
+are each one stacked array ``[L, K, N, S, Dp]`` (layers, kv heads, blocks, block size, stored
+head dim) in the cache dtype. ``Dp`` is the head dim ``D`` except on TPU, where a ``D`` that is
+not a multiple of 128 is stored padded to one (zero lanes; :func:`stored_head_dim`), as
+tpu-inference's RPA v3 stores it: XLA:TPU gives a ``[..., S, 64]`` array a transposed layout
+(no lane padding) that the Mosaic kernels cannot take, and then copies the whole cache into
+theirs and back around the kernels every step (2x the cache in temporaries, and the whole
+cache moved twice a step; gpt-oss-20b on v6e:2x2). Stored lane-dense, the cache costs what
+that copy's padding would, once, and nothing per step. The ops take and return ``D``: they
+pad queries and new K/V and slice outputs, so callers never see ``Dp``.
+
+Stacking the layers lets a model run them under ``lax.scan`` with the
 cache in the carry (layer ``i`` is written and read in place through ``layer=``), lets the
 engine donate two buffers instead of ``2L``, and moves a block in every layer with one
 gather/scatter or DMA.
@@ -20,7 +29,7 @@ gather/scatter or DMA.
 ``k_scale, v_scale: f32[L]``; reads dequantize to ``x_q * scale`` in float32. For
 ``float32`` / ``bfloat16`` / ``float16`` caches the scales are stored as 1.0 and unused.
 
-Shape letters: L layers, N blocks, S block size, K kv heads, D head dim.
+Shape letters: L layers, N blocks, S block size, K kv heads, D head dim, Dp stored head dim.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ __all__ = [
     "kv_cache_vmem_bytes",
     "quantize",
     "set_kv_scales",
+    "stored_head_dim",
 ]
 
 #: The cache dtypes every op takes.
@@ -73,16 +83,19 @@ class PagedKVCache:
     """Paged K/V of every layer (opaque: use the ops of :mod:`kernels_pallas`).
 
     Attributes:
-      k: ``[L, K, N, S, D]`` key pages, cache dtype.
-      v: ``[L, K, N, S, D]`` value pages, cache dtype.
+      k: ``[L, K, N, S, Dp]`` key pages, cache dtype.
+      v: ``[L, K, N, S, Dp]`` value pages, cache dtype.
       k_scale: ``f32[L]`` per-layer key scale (8-bit dtypes; 1.0 otherwise).
       v_scale: ``f32[L]`` per-layer value scale.
+      lane_padded_from: static; ``D`` when the pages store it padded to ``Dp`` lanes
+        (:func:`stored_head_dim`), None when ``Dp == D``.
     """
 
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array
     v_scale: jax.Array
+    lane_padded_from: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +115,12 @@ class PagedKVCache:
 
     @property
     def head_dim(self) -> int:
+        """D, the head dim the ops take and return."""
+        return self.lane_padded_from or self.k.shape[4]
+
+    @property
+    def stored_head_dim(self) -> int:
+        """Dp, the lanes a page row stores (D, or D padded to a multiple of 128 on TPU)."""
         return self.k.shape[4]
 
     @property
@@ -160,6 +179,24 @@ def _scale_array(name: str, what: str, value: Any, num_layers: int) -> jax.Array
     return jnp.broadcast_to(jnp.asarray(value, jnp.float32), (num_layers,))
 
 
+def stored_head_dim(head_dim: int, platform: str | None = None) -> int:
+    """Dp, the lanes a page row stores for ``head_dim`` on ``platform`` (``"tpu"``,
+    ``"cuda"``, ``"cpu"``, ...; default: the platform programs traced now are meant for):
+    ``head_dim`` rounded up to a multiple of 128 on TPU (see the module docstring), else
+    ``head_dim``."""
+    if platform is None:
+        from kernels_pallas._dispatch import target_platform
+
+        platform = target_platform()
+    if platform == "tpu":
+        return -(-head_dim // 128) * 128
+    return head_dim
+
+
+def _platform_of(sharding: Sharding) -> str:
+    return next(iter(sharding.device_set)).platform
+
+
 def kv_cache_shape(
     num_layers: int,
     num_blocks: int,
@@ -167,10 +204,14 @@ def kv_cache_shape(
     num_kv_heads: int,
     head_dim: int,
     dtype: Any = jnp.bfloat16,
+    *,
+    platform: str | None = None,
 ) -> PagedKVCache:
     """The cache's abstract value: a :class:`PagedKVCache` of ``jax.ShapeDtypeStruct``s.
 
     For ahead-of-time compilation and sizing (``jax.eval_shape`` of :func:`init_kv_cache`).
+    ``platform``: where it will live (:func:`stored_head_dim`; default: the platform
+    programs traced now are meant for, e.g. inside ``aot.tpu_target``).
     """
     name = "kv_cache_shape"
     _check_dims(
@@ -182,26 +223,44 @@ def kv_cache_shape(
         head_dim=head_dim,
     )
     dt = _check_dtype(name, dtype)
-    pages = jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_blocks, block_size, head_dim), dt)
+    dp = stored_head_dim(head_dim, platform)
+    pages = jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_blocks, block_size, dp), dt)
     scale = jax.ShapeDtypeStruct((num_layers,), jnp.float32)
-    return PagedKVCache(k=pages, v=pages, k_scale=scale, v_scale=scale)
+    padded = head_dim if dp != head_dim else None
+    return PagedKVCache(k=pages, v=pages, k_scale=scale, v_scale=scale, lane_padded_from=padded)
 
 
-def kv_cache_specs(head_axis: str | None = None) -> PagedKVCache:
+def kv_cache_specs(
+    head_axis: str | None = None, *, like: PagedKVCache | None = None
+) -> PagedKVCache:
     """Partition specs of a cache split over kv heads on mesh axis ``head_axis``.
 
     A :class:`PagedKVCache` of ``PartitionSpec``s (pages split on their kv-head axis, scales
-    replicated), usable as ``shard_map`` in/out specs or to build ``NamedSharding``s.
+    replicated), usable as ``shard_map`` in/out specs or to build ``NamedSharding``s; pass
+    the cache (or its :func:`kv_cache_shape`) as ``like`` where the specs must have its tree
+    structure (a lane-padded cache's static ``lane_padded_from``).
     """
     pages = PartitionSpec(None, head_axis) if head_axis else PartitionSpec()
-    return PagedKVCache(k=pages, v=pages, k_scale=PartitionSpec(), v_scale=PartitionSpec())
+    padded = None if like is None else like.lane_padded_from
+    return PagedKVCache(
+        k=pages, v=pages, k_scale=PartitionSpec(), v_scale=PartitionSpec(), lane_padded_from=padded
+    )
 
 
 def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: Any
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    *,
+    platform: str | None = None,
 ) -> int:
-    """Bytes of one block, K and V of every layer: ``2 * L * K * S * D * itemsize``."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * jnp.dtype(dtype).itemsize
+    """Bytes of one block, K and V of every layer: ``2 * L * K * S * Dp * itemsize`` (``Dp``:
+    :func:`stored_head_dim` on ``platform``, default the one programs traced now are meant
+    for)."""
+    dp = stored_head_dim(head_dim, platform)
+    return 2 * num_layers * num_kv_heads * block_size * dp * jnp.dtype(dtype).itemsize
 
 
 def kv_cache_vmem_bytes(
@@ -216,6 +275,7 @@ def kv_cache_vmem_bytes(
     from kernels_pallas.tpu._attention_common import default_pages_per_compute_block
 
     itemsize = jnp.dtype(dtype).itemsize
+    head_dim = stored_head_dim(head_dim, "tpu")
     pages = default_pages_per_compute_block(
         block_size,
         max_blocks_per_seq,
@@ -247,6 +307,7 @@ def init_kv_cache(
     v_scale: Any = 1.0,
     fill_value: float = 0.0,
     sharding: Sharding | None = None,
+    platform: str | None = None,
 ) -> PagedKVCache:
     """Allocate a cache of ``num_blocks`` blocks for every layer.
 
@@ -262,6 +323,8 @@ def init_kv_cache(
         :func:`kv_cache_specs` pages spec, possibly with a host memory kind for a swap pool;
         a host pool is built from host memory, never staged through the device). Default: the
         first device.
+      platform: whose page layout to use (:func:`stored_head_dim`); default the sharding's
+        devices' platform (tests pass ``"tpu"`` to run a TPU layout on the CPU).
 
     Returns:
       The cache.
@@ -292,7 +355,8 @@ def init_kv_cache(
         raise ValueError(f"{name}: an int8 cache cannot hold fill_value={fill_value}")
     if sharding is None:
         sharding = SingleDeviceSharding(jax.devices()[0])
-    shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+    dp = stored_head_dim(head_dim, platform or _platform_of(sharding))
+    shape = (num_layers, num_kv_heads, num_blocks, block_size, dp)
     fill = _fill_bits(fill_value, dt, ks, vs)
     if sharding.memory_kind in _HOST_KINDS:
         # Built from numpy on the host: a swap pool never has to fit in device memory.
@@ -307,6 +371,7 @@ def init_kv_cache(
         v=v,
         k_scale=jax.device_put(ks, scale_sharding),
         v_scale=jax.device_put(vs, scale_sharding),
+        lane_padded_from=head_dim if dp != head_dim else None,
     )
 
 
@@ -386,6 +451,15 @@ def dequantize(x: jax.Array, scale: Any, dtype: Any = jnp.float32) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 # The ops on a cache (the array-level implementations: kernels_pallas.kv_ops)
 # --------------------------------------------------------------------------------------------
+
+
+def pad_lanes(x: jax.Array, width: int) -> jax.Array:
+    """``x [..., D]`` with zeros appended on its last axis to ``width`` lanes (as is when
+    ``D == width``): what a lane-padded cache stores, and the queries that attend to it."""
+    extra = width - x.shape[-1]
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def check_cache(name: str, cache: Any) -> PagedKVCache:
@@ -470,8 +544,8 @@ def write_kv(
     check_cache(name, cache)
     layer = resolve_layer(name, cache, layer)
     _check_new_kv(name, cache, k, v)
-    kq = quantize(k, cache.k_scale[layer], cache.dtype)
-    vq = quantize(v, cache.v_scale[layer], cache.dtype)
+    kq = pad_lanes(quantize(k, cache.k_scale[layer], cache.dtype), cache.stored_head_dim)
+    vq = pad_lanes(quantize(v, cache.v_scale[layer], cache.dtype), cache.stored_head_dim)
     new_k, new_v = kv_ops.write_pages(
         cache.k, cache.v, kq, vq, slot_mapping, layer=layer, impl=impl, interpret=interpret
     )
@@ -524,7 +598,7 @@ def read_kv(
     blk, off = safe // cache.block_size, safe % cache.block_size
 
     def one(pages: jax.Array, scale: jax.Array) -> jax.Array:
-        x = pages[layer, :, blk, off]  # [T, K, D]
+        x = pages[layer, :, blk, off][..., : cache.head_dim]  # [T, K, D]
         x = dequantize(x, scale[layer], out_dtype)
         return jnp.where(live[:, None, None], x, jnp.zeros((), out_dtype))
 

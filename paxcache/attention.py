@@ -273,7 +273,7 @@ def _shard_over_heads(local, mesh, q, k, v, kv_cache, metadata, layer_arr, sinks
         k = jnp.repeat(k, kc // kh, axis=-2)
         v = jnp.repeat(v, kc // kh, axis=-2)
     heads = P(None, TP_AXIS, None)
-    cache_specs = kp.kv_cache_specs(TP_AXIS)
+    cache_specs = kp.kv_cache_specs(TP_AXIS, like=kv_cache)
     md_specs = jax.tree.map(lambda _: P(), metadata)
     sink_args, sink_specs = ((), ()) if sinks is None else ((sinks,), (P(TP_AXIS),))
     fn = jax.shard_map(

@@ -177,11 +177,12 @@ class AbstractPlacement(Placement):
                 dims["num_kv_heads"],
                 dims["head_dim"],
                 dims["dtype"],
+                platform=self.devices[0].platform,
             )
             if mesh is None:
                 where = SingleDeviceSharding(self.devices[0], memory_kind=memory_kind)
                 return jax.tree.map(lambda x: _abstract(x, where), shape)
-            specs = kernels_pallas.kv_cache_specs(sharding.TP_AXIS)
+            specs = kernels_pallas.kv_cache_specs(sharding.TP_AXIS, like=shape)
             return jax.tree.map(
                 lambda x, spec: _abstract(x, NamedSharding(mesh, spec, memory_kind=memory_kind)),
                 shape,

@@ -141,7 +141,7 @@ class Engine:
         max_blocks_per_seq = -(-self.max_model_len // block_size)
         kv_heads = max(cfg.num_key_value_heads, self.tp)  # tp > K: replicated (sharding.py)
         self.bytes_per_block = kv_cache.bytes_per_block(
-            cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype
+            cfg.num_hidden_layers, kv_heads, cfg.head_dim, block_size, kv_dtype, where.backend()
         )
         self.buckets = step_lib.token_buckets(self.max_num_batched_tokens)
         decode = step_lib.wants_decode_variant(self.impl, where.backend())

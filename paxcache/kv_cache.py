@@ -106,10 +106,8 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes in K and V over all layers."""
-        return bytes_per_block(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
-        )
+        """Bytes one block takes in K and V over all layers, as stored (lane padding in)."""
+        return self.device.nbytes // self.device.num_blocks
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -127,6 +125,7 @@ class KVCache:
         fill_value: float = 0.0,
         k_scale: Any = 1.0,
         v_scale: Any = 1.0,
+        platform: str | None = None,
     ) -> KVCache:
         """Allocate the cache.
 
@@ -140,6 +139,7 @@ class KVCache:
           fill_value: initial value of every page; tests use ``float("nan")`` to prove nothing
             unwritten is ever read.
           k_scale, v_scale: 8-bit caches' per-layer scales (scalar or ``f32[L]``).
+          platform: whose page layout to use (``kp.init_kv_cache``; default the devices').
 
         Raises:
           ValueError: a non-positive dimension, negative ``num_host_blocks``, a bad dtype or
@@ -156,7 +156,9 @@ class KVCache:
         if sharding is None:
             sharding = SingleDeviceSharding(jax.devices()[0])
         dims = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        kw = dict(dtype=dtype, k_scale=k_scale, v_scale=v_scale, fill_value=fill_value)
+        kw = dict(
+            dtype=dtype, k_scale=k_scale, v_scale=v_scale, fill_value=fill_value, platform=platform
+        )
         try:
             device = kp.init_kv_cache(*dims, sharding=sharding, **kw)
             host = None
@@ -241,7 +243,7 @@ def apply_copies(
 
         from paxcache.sharding import TP_AXIS
 
-        specs = kp.kv_cache_specs(TP_AXIS)
+        specs = kp.kv_cache_specs(TP_AXIS, like=cache.device)
         copy = jax.shard_map(
             copy, mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs, check_vma=False
         )
@@ -365,10 +367,18 @@ def swap_programs(cache: KVCache, max_pairs: int, *, impl: str = "auto") -> list
 
 
 def bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: Any
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: Any,
+    platform: str | None = None,
 ) -> int:
-    """Bytes of one block, K and V of every layer (``kp.kv_cache_bytes_per_block``)."""
-    return kp.kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+    """Bytes of one block, K and V of every layer (``kp.kv_cache_bytes_per_block``; on TPU a
+    head_dim that is not a multiple of 128 is stored lane-padded: ``kp.stored_head_dim``)."""
+    return kp.kv_cache_bytes_per_block(
+        num_layers, block_size, num_kv_heads, head_dim, dtype, platform=platform
+    )
 
 
 def num_blocks_for_budget(

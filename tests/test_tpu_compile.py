@@ -139,6 +139,44 @@ def test_decode_kernel_compiles_for_a_served_decode_step(chip_name):
     assert "paxcache_paged_decode_attention" in text
 
 
+def test_a_head_dim_64_cache_is_not_copied_around_the_kernels():
+    """gpt-oss's head_dim 64 on v6e: a cache in XLA:TPU's own layout for ``[..., 16, 64]``
+    was copied whole into the kernels' layout and back (2x the cache in temporaries, the
+    whole cache moved twice a step). Stored lane-padded (``kp.stored_head_dim``), the fused
+    write + attention over 4 layers holds no cache-sized copy and needs almost no temporaries,
+    like a head_dim-128 cache."""
+    import re
+
+    device = aot.tpu_devices("v6e:2x2")[0]
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    layers, t, b, m = 4, 64, 8, 64
+    with aot.tpu_target([device]):
+        shape = kp.kv_cache_shape(layers, 8192, 16, 2, 64, bf16)
+        assert shape.k.shape[-1] == 128 and shape.head_dim == 64
+        cache = jax.tree.map(lambda x: aot.spec(x.shape, x.dtype, device), shape)
+        q, kv = aot.spec((t, 8, 64), bf16, device), aot.spec((t, 2, 64), bf16, device)
+        rest = (aot.spec((b,), i32, device), aot.spec((b, m), i32, device),
+                aot.spec((b + 1,), i32, device), aot.spec((), i32, device),
+                aot.spec((t,), i32, device))  # fmt: skip
+
+        def fn(q, k, v, cache, lens, tables, cu, n, slots):
+            def body(c, layer):
+                out, c = kp.ragged_paged_attention(
+                    q, c, lens, tables, cu, n, layer=layer, new_kv=(k, v, slots)
+                )
+                return c, out.sum()
+
+            return jax.lax.scan(body, cache, jnp.arange(layers))
+
+        compiled = jax.jit(fn, donate_argnums=(3,)).trace(q, kv, kv, cache, *rest).lower().compile()
+    text = compiled.as_text()
+    copies = re.findall(r"= bf16\[4,2,8192,16,\d+\]\{[^}]*\} copy\(", text)
+    assert not copies, copies
+    cache_bytes = 2 * layers * 2 * 8192 * 16 * 128 * 2
+    assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 64
+    assert text.count("tpu_custom_call") >= 2
+
+
 def test_auto_under_a_tpu_default_device_compiles_the_mosaic_kernels(chip):
     fn, args = _qwen2_7b_ragged(chip)
     with aot.tpu_target([chip]):
