@@ -243,14 +243,15 @@ def settle_num_blocks(
     refuses one for memory and ``may_not_fit``. The programs are compiled over a small cache
     (``probe_blocks``) to measure what each needs besides its arguments, which sizes the cache
     (:func:`device_num_blocks` with ``dims``); then once more over that size, to measure how
-    much of each reserve grows with the cache. It can: on TPU, XLA keeps a cache whose
-    ``head_dim`` is not a multiple of 128 in a layout the kernels cannot take and copies it
-    into theirs (lanes padded to 128) around them, a temporary twice the cache's size at
-    head_dim 64 that a small probe does not show. That growth, per block, is then counted with
-    each block's own bytes (``bytes_per_block``, per device). When the programs over the first
-    size do not fit (the compiler refuses one: the copy makes a step about three caches), the
-    second probe halves its cache until they compile (gpt-oss-20b on v6e:2x2: 51.84G of
-    temporaries over the first size, which is why a probe must not need to fit). The
+    much of each reserve grows with the cache. It can: when the compiler keeps the cache in a
+    layout the kernels cannot take, it copies the whole cache into theirs around them, a
+    temporary a small probe does not show (XLA:TPU did this to a head_dim-64 cache until the
+    kernels stored it lane-padded, ``kp.stored_head_dim``: twice the cache's size). That
+    growth, per block, is then counted with each block's own bytes (``bytes_per_block``, per
+    device). When the programs over the first size do not fit (the compiler refuses one: such
+    a copy makes a step about three caches), the second probe halves its cache until they
+    compile (gpt-oss-20b on v6e:2x2 then: 51.84G of temporaries over the first size, which is
+    why a probe must not need to fit). The
     temporaries need not be linear in the cache either (Qwen3-30B-A3B's loop on v5e:2x4: 6.0
     GiB over 1391 blocks, 17.19G over 2769), so a size past the largest one that compiled is
     checked, and bisected down to one that does (``max_checks`` compiles; at worst the size
@@ -282,8 +283,8 @@ def settle_num_blocks(
         logger.warning(
             "KV sizing: %s's temporaries grow by %d bytes per KV block (%.1fx the block's own "
             "%d bytes): the compiler copies the cache around the kernels, so fewer blocks fit "
-            "and every step moves the whole cache twice (XLA:TPU does this when head_dim is "
-            "not a multiple of 128; here head_dim=%d)",
+            "and every step moves the whole cache twice (head_dim=%d; look for a cache-sized "
+            "copy in the step's HLO)",
             grows, growth[grows], growth[grows] / max(bytes_per_block, 1), bytes_per_block,
             dims["head_dim"],
         )  # fmt: skip
