@@ -370,8 +370,7 @@ class Scheduler:
                     break
                 else:
                     self.running.remove(seq)
-                    seq.state = SeqState.WAITING
-                    self._enqueue([seq])
+                    self._requeue([seq])
                     plan.preempted.append(seq)
                 preempted = True
                 if seq not in self.running:
