@@ -292,6 +292,22 @@ def test_ragged_with_one_token_per_sequence_equals_decode():
         _check(out, _decode_oracle(case), np.float32)
 
 
+@pytest.mark.parametrize("sm_scale", [4.0, 1e-3])
+def test_tpu_kernels_with_the_scale_in_the_exponent_match_oracle(sm_scale):
+    """The TPU kernels fold ``sm_scale`` into the softmax's exponent (``exp2``) and mask
+    unscaled logits: a scale above 1 (the mask value divided by it, no overflow to -inf) and
+    a tiny one, with windows that leave rows seeing nothing and NaN in unwritten slots."""
+    rng = np.random.default_rng(31)
+    opts = dict(sm_scale=sm_scale, sliding_window=3)
+    case = ragged_case(rng, RAGGED_Q, RAGGED_KV, RAGGED_NUM_SEQS, 20, 8, 2, 64, 8, 3, np.float32)
+    out = _run_ragged(case, "pallas_tpu", True, **opts)
+    _check(out, _ragged_oracle(case, **opts), np.float32)
+    dec = decode_case(rng, [1, 8, 19, 0], 8, 2, 64, 8, 3, np.float32)
+    out = _run_decode(dec, "pallas_tpu", True, **opts)
+    _check(out, _decode_oracle(dec, **opts), np.float32)
+    np.testing.assert_array_equal(np.asarray(out[3]), 0.0)
+
+
 def test_tpu_mixed_batch_splits_leading_decodes_exactly():
     """The TPU path hands a batch's leading one-row sequences to the decode kernel and the
     rest to the ragged kernel (``first_seq``): the result is the oracle's, with NaN in every

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2_E = 1.4426950408889634
 
 #: VMEM the KV double buffers may take (K and V, two slots). The kernels raise their scoped
 #: VMEM limit to fit them (:func:`vmem_limit_bytes`).
@@ -183,15 +184,25 @@ def attend_step(
         logits = lax.dot_general(
             q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [R, C]
-        logits = logits * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        if mask is not None:
-            logits = jnp.where(mask, logits, MASK_VALUE)
-        m_prev = m_ref[h]  # [R, 1]
-        m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+        m_prev = m_ref[h]  # [R, 1], scaled units
+        if soft_cap is None and sm_scale > 0:
+            # The scale rides in the exponent: exp(scale * x - m) = 2^(x * scale * log2(e) -
+            # m * log2(e)). The max of unscaled logits is scaled on [R, 1], so no [R, C] pass
+            # multiplies (and stores) scaled logits.
+            if mask is not None:
+                logits = jnp.where(mask, logits, MASK_VALUE / max(1.0, sm_scale))
+            row_max = jnp.max(logits, axis=1, keepdims=True) * sm_scale
+            m_new = jnp.maximum(m_prev, row_max)
+            p = jnp.exp2(logits * (sm_scale * _LOG2_E) - m_new * _LOG2_E)
+        else:
+            logits = logits * sm_scale
+            if soft_cap is not None:
+                logits = soft_cap * jnp.tanh(logits / soft_cap)
+            if mask is not None:
+                logits = jnp.where(mask, logits, MASK_VALUE)
+            m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+            p = jnp.exp(logits - m_new)
         alpha = jnp.exp(m_prev - m_new)
-        p = jnp.exp(logits - m_new)
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
