@@ -64,13 +64,15 @@ class Loop:
 
 @dataclasses.dataclass
 class Region:
-    """Bundles ``[start, end)`` a forward branch skips; ``loops``: loops inside it."""
+    """Bundles ``[start, end)`` a forward branch skips; ``loops``: loops inside it;
+    ``regions``: the regions nested directly inside it (a ``pl.when`` inside a ``pl.when``)."""
 
     start: int
     end: int
     dma_start: bool = False
     dma_wait: bool = False
     loops: list[Loop] = dataclasses.field(default_factory=list)
+    regions: list[Region] = dataclasses.field(default_factory=list)
 
     @property
     def span(self) -> int:
@@ -166,7 +168,8 @@ def parse_dump(text: str, name: str = "") -> Dump:
     for lp in roots:
         mark(lp)
     top: list[Region] = []
-    for rg in regions:
+    # outermost first: a region's enclosing region of the same loop is placed before it
+    for rg in sorted(regions, key=lambda r: (r.start, -r.end)):
         rg.dma_start = any(_DMA_START.search(bundles[j].text) for j in range(rg.start, rg.end))
         rg.dma_wait = any(_DMA_WAIT.search(bundles[j].text) for j in range(rg.start, rg.end))
         owner = _innermost(roots, rg.start, rg.end - 1)
@@ -176,16 +179,12 @@ def parse_dump(text: str, name: str = "") -> Dump:
             if rg.start <= c.start and c.end < rg.end
         ]
         siblings = owner.regions if owner else top
-        # keep outermost regions only (a region inside another region of the same loop is
-        # part of it)
-        if any(o.start <= rg.start and rg.end <= o.end for o in siblings):
-            continue
-        for o in [o for o in siblings if rg.start <= o.start and o.end <= rg.end]:
-            siblings.remove(o)
+        # a region inside another region of the same loop is nested in it
+        outer = next((o for o in siblings if o.start <= rg.start and rg.end <= o.end), None)
+        while outer is not None:
+            siblings = outer.regions
+            outer = next((o for o in siblings if o.start <= rg.start and rg.end <= o.end), None)
         siblings.append(rg)
-    for holder in [*_all_loops(roots)]:
-        holder.regions.sort(key=lambda r: r.start)
-    top.sort(key=lambda r: r.start)
     return Dump(name, bundles, roots, top, delay)
 
 
@@ -217,21 +216,24 @@ def iteration_cycles(
       loop: the loop.
       nested: the cycles a nested loop takes per iteration of ``loop`` (its trips times its
         iteration cost), or None when it runs zero trips.
-      weight: fraction of iterations that execute a region of this loop; a region holding
-        nested loops that all run zero trips is skipped whatever the weight says.
+      weight: fraction of iterations that execute a region of this loop (a region nested in
+        another one included: its fraction is capped by the enclosing region's); a region
+        holding nested loops that all run zero trips is skipped whatever the weight says.
     """
     totals = {id(c): nested(c) for c in loop.children}
     cost = float(loop.span)
     for c in loop.children:
         cost += (totals[id(c)] or 0.0) - c.span
-    for rg in loop.regions:
+
+    def skipped(rg: Region, outer: float) -> float:
+        """Bundles of ``rg`` not issued per iteration, when its enclosing region runs on a
+        fraction ``outer`` of the iterations (a nested region's weight is capped by it)."""
         w = (
             0.0
             if rg.loops and all(totals.get(id(c)) is None for c in rg.loops)
-            else weight(loop, rg)
+            else min(weight(loop, rg), outer)
         )
-        if w == 1.0:
-            continue
         inner = sum((totals.get(id(c)) or 0.0) - c.span for c in rg.loops)
-        cost -= (1.0 - w) * (rg.span + inner)
-    return cost
+        return (outer - w) * (rg.span + inner) + sum(skipped(r, w) for r in rg.regions)
+
+    return cost - sum(skipped(rg, 1.0) for rg in loop.regions)

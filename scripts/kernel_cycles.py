@@ -179,6 +179,8 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     else:
         dec_pages = default_pages_per_compute_block(a.page, m, 128, **sizes)
     meta = dict(page=a.page, kv_heads=a.kv_heads, max_blocks=m, pages_per_step=pages)
+    if hasattr(rag, "masked_step_widths"):  # the widths a masked step is compiled at
+        meta["masked_widths"] = rag.masked_step_widths(pages, a.page)
 
     def cache_args(c: Any) -> tuple:
         return (c,) if opaque else tuple(c)

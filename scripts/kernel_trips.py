@@ -23,10 +23,12 @@ outermost loop of the kernel, so its trips are the grid size):
   bodies (``pl.when(whole)`` / ``pl.when(~whole)``: the first two DMA-free regions, the smaller
   one unmasked) the unmasked one runs when every row of the block is the sequence's and the
   step's last key is at or below the block's first row (``whole``, as the kernel computes
-  it), the masked one otherwise. Kernels with a head loop (the nested loop with MXU ops) run
-  it ``K`` trips; unrolled heads need none. Sequences below ``first_seq`` (a mixed batch's
-  leading decodes, which the decode kernel takes) have no work items; a program with no
-  sequence of its own skips its work loop.
+  it), the masked one otherwise; inside the masked body one nested region per compiled
+  width (``masked_step_widths``, narrowest first) runs: the narrowest holding the step's
+  pages up to the block's last row (``end_page - i * P``; no window). Kernels with a head
+  loop (the nested loop with MXU ops) run it ``K`` trips; unrolled heads need none.
+  Sequences below ``first_seq`` (a mixed batch's leading decodes, which the decode kernel
+  takes) have no work items; a program with no sequence of its own skips its work loop.
 * ``paxcache_paged_decode_attention`` (``kernels_pallas.paged_attention``; also the TPU path of
   a decode-only ``ragged_paged_attention(max_q_len=1)``), grid ``(2, B/2)``, one program per
   sequence: the step loop (the MXU loop inside the grid loop) runs
@@ -101,12 +103,25 @@ def _step_regions(loop: Loop) -> tuple[list, list, list, list]:
     return step, seq, bodies, once
 
 
-def _step_weight(loop: Loop, first: bool, last: bool, whole: bool) -> Callable:
+def _step_weight(
+    loop: Loop, first: bool, last: bool, whole: bool, width: int = 0, widths: Sequence[int] = ()
+) -> Callable:
     step, seq, bodies, once = _step_regions(loop)
+    # the masked body's variants, one nested region per compiled width (narrowest first)
+    variant: dict[int, float] = {}
+    if len(widths) > 1 and bodies:
+        nested = sorted(bodies[1].regions, key=lambda r: r.start)
+        if len(nested) != len(widths):
+            raise RuntimeError(
+                f"masked step: {len(nested)} nested regions for widths {list(widths)}"
+            )
+        variant = {id(r): float(w == width) for r, w in zip(nested, widths, strict=True)}
 
     def weight(lp: Loop, rg: Region) -> float:
         if lp is not loop:
             return 1.0
+        if id(rg) in variant:
+            return variant[id(rg)]
         if rg in step:
             return 0.0 if last else 1.0
         if rg in seq or rg in once:
@@ -127,6 +142,7 @@ def paxcache_ragged_cycles(
     the first ``first_seq`` of them left to the decode kernel (skipped: no work items)."""
     tq, p, s, kh = meta["tq"], meta["pages_per_step"], meta["page"], meta["kv_heads"]
     m = meta["max_blocks"]
+    widths = meta.get("masked_widths", [p])  # a masked step's compiled widths, in pages
     keys = p * s
     cu = [0]
     for q in q_lens:
@@ -153,9 +169,12 @@ def paxcache_ragged_cycles(
             busy = True
             off = ctx - q - cu[sq]
             n = _cdiv(min((hi - 1 + off + s) // s, m), p)
+            end_page = min((hi - 1 + off + s) // s, m)
             for i in range(n):
                 whole = lo == r0 and hi == r1 and i * keys + keys - 1 <= lo + off
-                w = _step_weight(work, i == 0, i == n - 1, whole)
+                need = end_page - i * p  # the masked step runs the narrowest width holding it
+                width = next((w for w in widths if need <= w), p)
+                w = _step_weight(work, i == 0, i == n - 1, whole, width, widths)
                 work_cost += iteration_cycles(work, nested_work, w)
         n_search = _search_trips(cu, len(q_lens), r0, min(first_seq, len(q_lens)))
 

@@ -292,6 +292,28 @@ def test_ragged_with_one_token_per_sequence_equals_decode():
         _check(out, _decode_oracle(case), np.float32)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+def test_tpu_ragged_masked_steps_at_every_width_match_oracle(window):
+    """A masked compute step runs at the narrowest compiled width (a quarter, a half, all of
+    its pages) that holds the pages its rows may see: prefill blocks whose diagonal steps
+    need 1 to 4 of 4 pages, a prefix hit, decodes, a window; NaN in unwritten slots (a
+    width too narrow drops keys, one too wide reads NaN past the length)."""
+    from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
+
+    rng = np.random.default_rng(5)
+    q_lens, kv_lens = [1, 29, 6, 1, 0], [23, 29, 40, 2, 3]
+    case = ragged_case(rng, q_lens, kv_lens, 4, 40, 4, 2, 64, 4, 11, np.float32)
+    opts = dict(sm_scale=0.3, sliding_window=window)
+    want = _ragged_oracle(case, **opts)
+    for tq in (2, 5):
+        out = ragged_paged_attention_tpu(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
+            case.cu_q_lens, case.num_seqs, interpret=True, pages_per_compute_block=4,
+            queries_per_block=tq, **opts,
+        )  # fmt: skip
+        _check(out, want, np.float32)
+
+
 @pytest.mark.parametrize("sm_scale", [4.0, 1e-3])
 def test_tpu_kernels_with_the_scale_in_the_exponent_match_oracle(sm_scale):
     """The TPU kernels fold ``sm_scale`` into the softmax's exponent (``exp2``) and mask

@@ -100,6 +100,45 @@ def test_iteration_cycles_weighs_regions_by_the_fraction_that_runs(dump):
     assert bd.iteration_cycles(loop, lambda _: None, lambda *_: 0.5) == 13
 
 
+NESTED = """     0   :  { %s1_s0 = smov 0 }
+   0x1   :  { %2 = sbr.rel (%p0_p0) target = $region20 }
+   0x2   :  {}
+   0x3   :  {}
+   0x4   :  {}
+   0x5   :  {} /* End region 2 */
+   0x6   :  { %v3_v0 = vadd.f32 %v1_v1, %v1_v1 }
+   0x7   :  { %4 = sbr.rel (%p1_p1) target = $region21 }
+   0x8   :  {}
+   0x9   :  {}
+   0xa   :  {}
+   0xb   :  {} /* End region 3 */
+   0xc   :  { %v5_v2 = vmul.f32 %v3_v0, %v3_v0 }
+   0xd   :  { %v6_v3 = vmul.f32 %v5_v2, %v5_v2 }
+   0xe PF:  {} /* Start region 21 */
+   0xf   :  {}
+  0x10 PF:  { %7 = vst [vmem:[#allocation4] sm:$0xff] %v6_v3 } /* Start region 20 */
+"""
+
+
+def test_a_region_inside_a_region_is_nested_and_weighed_within_it():
+    nested = kc.parse_dump(NESTED, "kernel")
+    (outer,) = nested.regions
+    (inner,) = outer.regions
+    assert (outer.start, outer.end, inner.start, inner.end) == (6, 0x10, 0xC, 0xE)
+    root = kt._unit_loop(nested)
+
+    def cost(w_outer: float, w_inner: float) -> float:
+        return bd.iteration_cycles(
+            root, lambda _: None, lambda _lp, rg: w_outer if rg is outer else w_inner
+        )
+
+    assert cost(1.0, 1.0) == 17
+    assert cost(1.0, 0.0) == 15  # the inner region's 2 bundles skipped
+    assert cost(1.0, 0.25) == 15.5
+    assert cost(0.5, 1.0) == 12  # the inner one runs at most as often as the outer one
+    assert cost(0.0, 1.0) == 7
+
+
 def test_program_cost_is_straight_code_plus_trips_and_skips_a_zero_trip_guard(dump):
     root = kt._unit_loop(dump)
     (loop,) = dump.loops

@@ -154,6 +154,7 @@ def attend_step(
     *,
     sm_scale: float,
     soft_cap: float | None,
+    n_pages: int | None = None,
 ) -> None:
     """One flash-attention step of R query rows against ``C = P * S`` keys, every kv head.
 
@@ -169,16 +170,19 @@ def attend_step(
         logits are replaced by ``where``); None with ``mask=None``.
       sm_scale: logit scale (applied to the float32 logits).
       soft_cap: optional logit soft cap.
+      n_pages: attend to the slot's first ``n_pages`` pages only (static; default all ``P``):
+        ``C = n_pages * S``, and ``mask`` / ``key_ok`` cover those keys.
 
     The heads are unrolled (a Python loop), so one head's P.V can overlap the next head's
     Q.K^T in the schedule.
     """
     m_ref, l_ref, acc_ref = state
-    _, n_pages, kh, s, d = k_buf.shape  # [2, P, K, S, D]
+    _, slot_pages, kh, s, d = k_buf.shape  # [2, P, K, S, D]
+    n_pages = n_pages or slot_pages
     keys = n_pages * s
     for h in range(kh):
-        k = k_buf[slot, :, h].reshape(keys, d)  # [C, D]
-        v = v_buf[slot, :, h].reshape(keys, d)
+        k = k_buf[slot, :n_pages, h].reshape(keys, d)  # [C, D]
+        v = v_buf[slot, :n_pages, h].reshape(keys, d)
         if key_ok is not None:
             v = jnp.where(key_ok, v, jnp.zeros_like(v))
         logits = lax.dot_general(
