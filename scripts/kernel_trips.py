@@ -104,9 +104,21 @@ def _step_regions(loop: Loop) -> tuple[list, list, list, list]:
 
 
 def _step_weight(
-    loop: Loop, first: bool, last: bool, whole: bool, width: int = 0, widths: Sequence[int] = ()
-) -> Callable:
+    loop: Loop, first: bool, last: bool, whole: bool, width: int = 0, widths: Sequence[int] = (),
+    finish: tuple[bool, bool] | None = None,
+) -> Callable:  # fmt: skip
     step, seq, bodies, once = _step_regions(loop)
+    if finish is not None and len(once) == 1 and len(once[0].regions) == 3:
+        # the finish region's stores (the whole block, or the sequence's rows) and the reset
+        # for a next sequence
+        block_is_mine, more = finish
+        store_block, store_rows, reset = sorted(once[0].regions, key=lambda r: r.start)
+        finish_weights = {
+            id(store_block): float(block_is_mine), id(store_rows): float(not block_is_mine),
+            id(reset): float(more),
+        }  # fmt: skip
+    else:
+        finish_weights = {}
     # the masked body's variants, one nested region per compiled width (narrowest first)
     variant: dict[int, float] = {}
     if len(widths) > 1 and bodies:
@@ -122,6 +134,8 @@ def _step_weight(
             return 1.0
         if id(rg) in variant:
             return variant[id(rg)]
+        if id(rg) in finish_weights:
+            return finish_weights[id(rg)]
         if rg in step:
             return 0.0 if last else 1.0
         if rg in seq or rg in once:
@@ -174,7 +188,11 @@ def paxcache_ragged_cycles(
                 whole = lo == r0 and hi == r1 and i * keys + keys - 1 <= lo + off
                 need = end_page - i * p  # the masked step runs the narrowest width holding it
                 width = next((w for w in widths if need <= w), p)
-                w = _step_weight(work, i == 0, i == n - 1, whole, width, widths)
+                more = any(  # a later sequence with rows in this block follows this one
+                    max(cu[x], r0) < min(cu[x + 1], r1) for x in range(sq + 1, len(q_lens))
+                )
+                finish = (lo == r0 and hi == r1, more)
+                w = _step_weight(work, i == 0, i == n - 1, whole, width, widths, finish)
                 work_cost += iteration_cycles(work, nested_work, w)
         n_search = _search_trips(cu, len(q_lens), r0, min(first_seq, len(q_lens)))
 

@@ -327,10 +327,21 @@ def _ragged_kernel(
 
         @pl.when(last)
         def _finish_sequence():
-            mine = (out_row >= (row_lo - r0) * g) & (out_row < (row_hi - r0) * g)  # [R, 1]
             out = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)  # [K, R, D]
-            o_ref[...] = jnp.where(mine[None], out, o_ref[...])
-            reset_state(state, None if sinks_ref is None else sinks_ref[...])
+            block_is_mine = (row_lo == r0) & (row_hi == r1)
+
+            @pl.when(block_is_mine)  # a prefill block: no other sequence's rows to keep
+            def _store_block():
+                o_ref[...] = out
+
+            @pl.when(~block_is_mine)
+            def _store_rows():
+                mine = (out_row >= (row_lo - r0) * g) & (out_row < (row_hi - r0) * g)  # [R, 1]
+                o_ref[...] = jnp.where(mine[None], out, o_ref[...])
+
+            @pl.when(next_seq)  # the state is read again only by a next sequence here
+            def _reset_for_next_sequence():
+                reset_state(state, None if sinks_ref is None else sinks_ref[...])
 
         nnsq = skip_empty(nsq + 1)
 
