@@ -726,6 +726,7 @@ class Engine:
             **quantize.weight_stats(self.model),  # quantization, weight_dtype
             "kv_cache_dtype": jnp.dtype(self._kv.dtype).name,
             "kv_scales": kv_quant.scale_stats(self.kv_scales),  # {"k": [L], "v": [L]} or None
+            "kv_scales_source": kv_quant.scales_source(self),  # checkpoint, calibrated, None
         }
 
     def check_invariants(self) -> dict[str, bool]:

@@ -43,6 +43,7 @@ __all__ = [
     "resolve_kv_dtype",
     "scale_stats",
     "scales_from_absmax",
+    "scales_source",
 ]
 
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
@@ -250,9 +251,12 @@ def calibrate_scales(
 
 
 def calibrate_engine(engine: Any, kv_heads: int, block_size: int) -> dict[str, np.ndarray]:
-    """An engine's 8-bit KV scales: ``{}`` for a float cache.
+    """An engine's 8-bit KV scales: ``{}`` for a float cache; the checkpoint's when its
+    ``kv_cache_scheme`` gives them (``config.kv_cache_absmax``: an fp8 checkpoint's scales
+    are taken as they are by an fp8 cache, and rescaled to the int8 range by an int8 one);
+    else calibrated.
 
-    Runs :func:`calibrate_scales` with the engine's model, placed parameters, tokenizer,
+    Otherwise runs :func:`calibrate_scales` with the engine's model, placed parameters, tokenizer,
     kernels and mesh, into a float cache made by its placement (so it is placed and
     split over kv heads as the engine's cache is). Called during construction, after the
     parameters are placed and before the KV cache is sized or built.
@@ -260,6 +264,12 @@ def calibrate_engine(engine: Any, kv_heads: int, block_size: int) -> dict[str, n
     if not is_eight_bit(engine.kv_dtype):
         return {}
     cfg, conf = engine.model.config, engine._step_config
+    if getattr(cfg, "kv_cache_absmax", None) is not None:  # the checkpoint fixes them
+        k_absmax, v_absmax = cfg.kv_cache_absmax
+        return {
+            "k_scale": scales_from_absmax(k_absmax, engine.kv_dtype, margin=1.0),
+            "v_scale": scales_from_absmax(v_absmax, engine.kv_dtype, margin=1.0),
+        }
 
     def make_cache(num_blocks: int, block_size: int) -> kp.PagedKVCache:
         kv = engine.placement.create_kv(
@@ -284,6 +294,15 @@ def calibrate_engine(engine: Any, kv_heads: int, block_size: int) -> dict[str, n
         interpret=conf.interpret,
         mesh=engine.mesh,
     )
+
+
+def scales_source(engine: Any) -> str | None:
+    """Where an engine's KV scales come from, for ``stats()``: ``"checkpoint"``,
+    ``"calibrated"``, or None for a float cache."""
+    if not is_eight_bit(engine.kv_dtype):
+        return None
+    absmax = getattr(engine.model.config, "kv_cache_absmax", None)
+    return "calibrated" if absmax is None else "checkpoint"
 
 
 def scale_stats(scales: Mapping[str, Any]) -> dict[str, list[float]] | None:

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from tiny_models import forward
 
 from paxcache.engine import Engine
@@ -144,11 +144,14 @@ def _ct_config(weight_type: str, acts: dict | None) -> dict:
     }
 
 
-def _write_compressed_tensors(model, path, weight_type: str, acts: dict | None, x_absmax=None):
+def _write_compressed_tensors(
+    model, path, weight_type: str, acts: dict | None, x_absmax=None, extra=None
+):
     """An HF checkpoint in the compressed-tensors layout: quantized ``weight`` [out, in],
-    f32 ``weight_scale`` [out, 1], ``input_scale`` [1] for static activations."""
+    f32 ``weight_scale`` [out, 1], ``input_scale`` [1] for static activations (and the
+    ``extra`` tensors)."""
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors = dict(extra or {})
     for name, w in model_to_hf_tensors(model).items():
         if not _LINEAR.match(name):
             tensors[name] = w
@@ -236,6 +239,97 @@ def test_int8_tensors_without_quantization_config_are_refused(model, tmp_path):
     del cfg["quantization_config"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="dtype I8"):  # never a silent float load
+        load_pretrained(path)
+
+
+# -- compressed-tensors kv_cache_scheme: the checkpoint's KV cache scales ------------------------
+
+_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+              "symmetric": True}  # fmt: skip
+_K_SCALES, _V_SCALES = [0.011, 0.023], [0.017, 0.005]  # per layer (2 layers)
+
+
+def _write_kv_scheme(model, path, *, with_weights: bool, names: str = "self_attn.{kv}_scale"):
+    """A checkpoint whose ``kv_cache_scheme`` quantizes K and V to fp8 with one scale per
+    layer; its weights stay float, or are fp8 compressed-tensors too (``with_weights``)."""
+    scales = {
+        f"model.layers.{layer}.{names.format(kv=kv)}": np.asarray(scale, np.float32)
+        for layer, (k, v) in enumerate(zip(_K_SCALES, _V_SCALES, strict=True))
+        for kv, scale in (("k", k), ("v", v))
+    }
+    if with_weights:
+        _write_compressed_tensors(model, path, "float", None, extra=scales)
+    else:
+        save_pretrained(model, path)
+        tensors = {**load_file(str(path / "model.safetensors")), **scales}
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg.get("quantization_config") or {
+        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+        "quantization_status": "frozen",
+    }  # fmt: skip
+    qc["kv_cache_scheme"] = dict(_KV_SCHEME)
+    cfg["quantization_config"] = qc
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    "with_weights,names",
+    [(False, "self_attn.{kv}_scale"), (True, "self_attn.{kv}_proj.output_scale")],
+    ids=["kv-only", "fp8-weights-older-names"],
+)
+def test_kv_cache_scheme_scales_become_the_engine_cache_scales(
+    model, tmp_path, with_weights, names
+):
+    path = _write_kv_scheme(model, tmp_path / "kv", with_weights=with_weights, names=names)
+    loaded, _ = load_pretrained(path)
+    k_absmax, v_absmax = loaded.config.kv_cache_absmax
+    np.testing.assert_allclose(k_absmax, np.asarray(_K_SCALES) * 448, rtol=1e-6)
+    np.testing.assert_allclose(v_absmax, np.asarray(_V_SCALES) * 448, rtol=1e-6)
+    assert quant.quantization_of(loaded) == ("fp8" if with_weights else None)
+    args = dict(num_blocks=16, block_size=8, max_num_seqs=1, max_num_batched_tokens=8,
+                warmup=False)  # fmt: skip
+    prompt = [5, 17, 99, 3, 42]
+    for kv_dtype, to_range in (("fp8", 1.0), ("int8", 448 / 127)):
+        engine = Engine.from_pretrained(path, kv_cache_dtype=kv_dtype, **args)
+        stats = engine.stats()
+        assert stats["kv_scales_source"] == "checkpoint"
+        np.testing.assert_allclose(stats["kv_scales"]["k"], np.asarray(_K_SCALES) * to_range,
+                                   rtol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(stats["kv_scales"]["v"], np.asarray(_V_SCALES) * to_range,
+                                   rtol=1e-6)  # fmt: skip
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
+        assert len(out.outputs[0].token_ids) == 4
+    plain = Engine.from_pretrained(path, **args)  # a float cache does not use them
+    assert plain.stats()["kv_scales_source"] is None and plain.stats()["kv_scales"] is None
+
+
+def test_kv_cache_scheme_errors_name_the_field_or_tensor(model, tmp_path):
+    path = _write_kv_scheme(model, tmp_path / "kv", with_weights=False)
+    _edit_config(path, lambda qc: qc["kv_cache_scheme"].update(strategy="channel"))
+    with pytest.raises(CheckpointError, match=r"kv_cache_scheme\.strategy: 'channel'"):
+        load_pretrained(path)
+    _edit_config(path, lambda qc: qc["kv_cache_scheme"].update(strategy="tensor", num_bits=4))
+    with pytest.raises(CheckpointError, match=r"kv_cache_scheme\.num_bits: 4"):
+        load_pretrained(path)
+    _edit_config(path, lambda qc: qc["kv_cache_scheme"].update(num_bits=8, dynamic=True))
+    with pytest.raises(CheckpointError, match=r"kv_cache_scheme\.strategy"):
+        load_pretrained(path)
+    _edit_config(path, lambda qc: qc["kv_cache_scheme"].update(dynamic=False, zero=1))
+    with pytest.raises(CheckpointError, match=r"kv_cache_scheme\.zero: field not understood"):
+        load_pretrained(path)
+    _edit_config(path, lambda qc: qc["kv_cache_scheme"].pop("zero"))
+    tensors = dict(load_file(str(path / "model.safetensors")))
+    tensors["model.layers.1.self_attn.v_scale"] = np.asarray(-0.5, np.float32)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.v_scale.*-0\.5"):
+        load_pretrained(path)
+    del tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.v_scale'"
+    ):
         load_pretrained(path)
 
 

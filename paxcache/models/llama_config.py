@@ -74,6 +74,11 @@ class LlamaConfig:
         partial_rotary_factor: RoPE rotates the first R = int(D * factor) dims of each head.
         model_type: one of ``SUPPORTED_MODEL_TYPES``.
         bos_token_id, eos_token_id, pad_token_id: special ids (eos may be a tuple).
+        kv_cache_absmax: None, or ``(k, v)``: per-layer abs-max bounds of K and V that a
+            pre-quantized checkpoint's ``kv_cache_scheme`` fixes (its ``k_scale`` /
+            ``v_scale`` times its 8-bit type's largest value; set by the loader, not read from
+            config.json). An engine with an 8-bit ``kv_cache_dtype`` takes its cache scales
+            from them instead of calibrating.
     """
 
     vocab_size: int
@@ -98,6 +103,7 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    kv_cache_absmax: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:

@@ -30,8 +30,10 @@ A checkpoint is untrusted input (see SECURITY.md). Loading therefore:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Container, Mapping
@@ -448,6 +450,7 @@ def load_model(
     if mxfp4:  # gpt-oss's MXFP4 experts: dequantized at load, not a quantized model
         config_json = {k: v for k, v in config_json.items() if k != "quantization_config"}
     pre = quantize.checkpoint_quantization(config_json, quantization)
+    kv_type = quantize.checkpoint_kv_cache_type(config_json)
     if (pre is not None or quantization is not None) and isinstance(cfg, MoeConfig):
         raise CheckpointError(
             f"{path}: quantized weights are not supported for mixture-of-experts models "
@@ -469,6 +472,9 @@ def load_model(
     reader.check(packed, {"U8"})  # MXFP4 codes and scales
     if pre is not None:
         reader.check({k: shapes[k] for k in stored}, {_STORED_CODES[pre.weight_dtype]})
+    if kv_type is not None:  # the checkpoint's KV scales, for an engine's 8-bit cache
+        absmax = _checkpoint_kv_absmax(reader, files, cfg.num_hidden_layers, kv_type)
+        cfg = dataclasses.replace(cfg, kv_cache_absmax=absmax)
     t0 = time.monotonic()
     if reader.big:
         logger.info(
@@ -592,6 +598,40 @@ def _place_quantized(
         lambda n, b: reader.stored_block(n, b, code),
         lambda layer, kind: _stored_scale(reader, source.tensor(layer), hf_out, kind),
     )
+
+
+#: Where a checkpoint keeps a layer's KV cache scales: compressed-tensors' names, then the
+#: older output-scale ones of the k/v projections (both as vLLM reads them).
+_KV_SCALE_NAMES = ("self_attn.{kv}_scale", "self_attn.{kv}_proj.output_scale")
+_KV_TYPE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def _checkpoint_kv_absmax(
+    reader: _Reader, files: Mapping[str, Path], num_layers: int, kv_type: str
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-layer K and V abs-max bounds from a ``kv_cache_scheme`` checkpoint's scalar scales
+    (``x ~ q * scale`` with ``q`` of ``kv_type``): ``scale * max(kv_type)``.
+
+    Raises:
+        MissingTensorError: a layer without a ``k_scale`` / ``v_scale`` (the message names the
+            tensor); TensorShapeError: one that is not a scalar; CheckpointError: a scale that
+            is not a finite number > 0.
+    """
+    out = []
+    for kv in ("k", "v"):
+        bounds = []
+        for layer in range(num_layers):
+            names = [f"model.layers.{layer}.{n.format(kv=kv)}" for n in _KV_SCALE_NAMES]
+            name = next((n for n in names if n in files), names[0])
+            shape = reader.check({name: [(), (1,)]})[name]
+            scale = float(reader.block(name, tuple((0, d) for d in shape)).reshape(-1)[0])
+            if not (math.isfinite(scale) and scale > 0):
+                raise CheckpointError(
+                    f"tensor {name!r}: KV cache scale {scale}; expected a finite number > 0"
+                )
+            bounds.append(scale * _KV_TYPE_MAX[kv_type])
+        out.append(tuple(bounds))
+    return out[0], out[1]
 
 
 def _stored_scale(reader: _Reader, weight_name: str, out_dim: int, kind: str) -> np.ndarray:

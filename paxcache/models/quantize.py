@@ -398,6 +398,11 @@ def checkpoint_quantization(
     unknown = sorted(set(qc) - _CT_TOP_FIELDS)
     if unknown:
         raise CheckpointError(f"{where}.{unknown[0]}: field not understood by the loader")
+    if not qc.get("config_groups") and qc.get("kv_cache_scheme"):
+        # only the KV cache is quantized (checkpoint_kv_cache_type reads it); weights as stored
+        if qc.get("format") not in (*_CT_FORMATS, "dense", None):
+            raise CheckpointError(f"{where}.format: {qc.get('format')!r} is not supported")
+        return None
     if qc.get("format") not in _CT_FORMATS:
         raise CheckpointError(
             f"{where}.format: {qc.get('format')!r} is not supported; expected one of "
@@ -407,7 +412,7 @@ def checkpoint_quantization(
         raise CheckpointError(
             f"{where}.quantization_status: {qc['quantization_status']!r}; expected 'compressed'"
         )
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for field in ("sparsity_config", "transform_config"):
         if qc.get(field):
             raise CheckpointError(f"{where}.{field}: {qc[field]!r} is not supported")
     ignore = qc.get("ignore") or []
@@ -462,6 +467,33 @@ def checkpoint_quantization(
             f"({where}); pass quantization=None or {scheme!r}"
         )
     return CheckpointQuantization(scheme, weight_dtype, act_qtype, act_static)
+
+
+def checkpoint_kv_cache_type(config: Mapping[str, Any]) -> str | None:
+    """The 8-bit type a compressed-tensors ``kv_cache_scheme`` quantizes K and V to
+    (``"int8"`` or ``"float8_e4m3fn"``), None when the checkpoint has none.
+
+    The scheme must be static, symmetric, 8-bit, one scale per layer for K and one for V
+    (``strategy: "tensor"``): the checkpoint's ``self_attn.k_scale`` / ``v_scale`` tensors.
+
+    Raises:
+        CheckpointError: a field the loader does not understand or a scheme it cannot use,
+            named (a per-channel or per-head strategy, dynamic scales, zero points, 4 bits).
+    """
+    qc = config.get("quantization_config")
+    if not isinstance(qc, Mapping) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    kv = qc.get("kv_cache_scheme")
+    if not kv:
+        return None
+    where = "config.json: quantization_config.kv_cache_scheme"
+    args = _ct_args(kv, where)
+    if args.get("strategy", "tensor") != "tensor" or args.get("dynamic", False):
+        raise CheckpointError(
+            f"{where}.strategy: {args.get('strategy')!r} (dynamic={args.get('dynamic')}); "
+            "paxcache's 8-bit caches take one static scale per layer for K and V ('tensor')"
+        )
+    return "int8" if args["type"] == "int" else "float8_e4m3fn"
 
 
 def stored_weight(
