@@ -184,8 +184,8 @@ def _layer_array(layer: Any) -> jax.Array:
 
 
 _QUANTIZED_REASON = (
-    "8-bit KV pages: the Pallas attention kernels read float pages only (dequantizing "
-    "kernels are not written yet)"
+    "8-bit KV pages: the Mosaic GPU attention kernels read float pages only (the TPU kernels "
+    "dequantize in VMEM)"
 )
 
 
@@ -196,18 +196,17 @@ _SINKS_REASON = (
 
 
 def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = None) -> None:
-    """A forced Pallas kernel on 8-bit pages, or a forced GPU kernel with sinks, is refused,
-    interpret mode included.
+    """A forced GPU kernel on 8-bit pages or with sinks is refused, interpret mode included.
 
     (The dispatch lets ``interpret=True`` through its geometry reasons, which only concern
-    compiled kernels; the kernels would read the raw 8-bit values without their scales, or
-    the GPU kernels leave the sinks out of the softmax.)
+    compiled kernels; the GPU kernels would read the raw 8-bit values without their scales,
+    or leave the sinks out of the softmax.)
     """
     if impl not in ("pallas", "pallas_tpu", "pallas_gpu"):
         return
     gpu = _dispatch.forced_family(impl, True) == "pallas_gpu"
     for refused, reason in (
-        (is_quantized_dtype(k_pages.dtype), _QUANTIZED_REASON),
+        (is_quantized_dtype(k_pages.dtype) and gpu, _QUANTIZED_REASON),
         (sinks is not None and gpu, _SINKS_REASON),
     ):
         if refused:
@@ -220,7 +219,7 @@ def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = 
 def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str | None, str | None]:
     """Why the TPU / GPU kernels cannot take these operands (None: they can)."""
     if is_quantized_dtype(k_pages.dtype):
-        return _QUANTIZED_REASON, _QUANTIZED_REASON
+        return None, _QUANTIZED_REASON
     if sinks is not None:
         return None, _SINKS_REASON
     kh, _, s, d = k_pages.shape[-4:]
@@ -231,6 +230,13 @@ def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str |
 
 
 _STATIC = ("sm_scale", "soft_cap", "sliding_window")
+
+
+def _tpu_scales(k_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> jax.Array | None:
+    """The TPU kernels' ``kv_scales`` (``f32[2]``): only for 8-bit pages."""
+    if not is_quantized_dtype(k_pages.dtype):
+        return None
+    return jnp.stack([k_scale, v_scale]).astype(jnp.float32)
 
 
 def _scale_kw(k_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> dict:
@@ -381,8 +387,9 @@ def paged_attention_pages(
         from kernels_pallas.tpu.paged_attention import paged_attention_tpu
 
         return paged_attention_tpu(
-            q, k, v, lengths, tables, layer=layer, interpret=interpret, sinks=_one(sink), **kw
-        )
+            q, k, v, lengths, tables, layer=layer, interpret=interpret, sinks=_one(sink),
+            kv_scales=_tpu_scales(k, ks, vs), **kw,
+        )  # fmt: skip
 
     def gpu(q, k, v, lengths, tables, layer, ks, vs):
         return _call_gpu(
@@ -508,7 +515,7 @@ def ragged_paged_attention_pages(
         return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
     def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
-        kw_tpu = dict(kw, sinks=_one(sink))
+        kw_tpu = dict(kw, sinks=_one(sink), kv_scales=_tpu_scales(k, ks, vs))
         if max_q_len == 1:
             return _decode_rows_tpu(q, k, v, kv_lens, tables, n, layer, interpret, kw_tpu)
         return _mixed_rows_tpu(q, k, v, kv_lens, tables, cu, n, layer, interpret, kw_tpu)

@@ -382,7 +382,7 @@ def check_engine(
       num_blocks: device KV blocks (default: the engine's own sizing for the chip's HBM).
       quantization: the layer weights' scheme (``paxcache.models.quantize.QUANTIZATIONS``).
       kv_cache_dtype: ``"auto"`` (``dtype``), ``"int8"`` or ``"fp8"`` (:mod:`paxcache.kv_quant`;
-        the attention of an 8-bit cache runs the XLA path: a note, not a failure).
+        the attention kernels read 8-bit pages, so anything else is a failure as for bf16).
       decode_steps: the multi-step decode's K (default: the engine's TPU default); > 1
         adds that program at its largest bucket.
 
@@ -505,7 +505,6 @@ def check_engine(
         steps = [p for p in report["programs"] if p["kind"] == "step"]
         if any(not p["fits_hbm"] for p in steps):
             _suggest_num_blocks(report, build, engine, hbm)
-    eight_bit = kv_quant.is_eight_bit(engine.kv_dtype)
     for p in report["programs"]:
         if not p["compiled"]:
             report["failures"].append(f"{p['name']}: did not compile: {p['error']}")
@@ -517,11 +516,6 @@ def check_engine(
             )
         for op, impl in p["kernels"].items():
             if p["kind"] == "step" and impl != "pallas_tpu":
-                if eight_bit and op.endswith("paged_attention") and impl.startswith("xla"):
-                    note = f"{op} runs XLA on the 8-bit KV cache (no dequantizing Pallas kernel)"
-                    if note not in report["notes"]:
-                        report["notes"].append(note)
-                    continue
                 report["failures"].append(f"{p['name']}: {op} runs {impl}")
     _sinks_fallback_as_note(report)
     report["ok"] = not report["failures"]

@@ -51,7 +51,6 @@ _EIGHT_BIT = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 DEFAULT_MARGIN = 1.25
 MAX_CALIBRATION_TOKENS = 512
-_FORCED_KERNELS = ("pallas", "pallas_tpu", "pallas_gpu")
 
 # Plain English prose written for calibration (no code, no markup): a few hundred tokens of
 # ordinary text, so the scales reflect what a served prompt's K and V look like.
@@ -99,19 +98,21 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: Any, impl: str = "auto") 
     Args:
       kv_cache_dtype: ``"auto"``, ``"int8"`` or ``"fp8"``.
       model_dtype: the model's compute dtype.
-      impl: the engine's kernel choice; a forced Pallas kernel cannot read 8-bit pages.
+      impl: the engine's kernel choice; the Mosaic GPU kernels cannot read 8-bit pages (the
+        TPU kernels dequantize them in VMEM).
 
     Raises:
-      ValueError: an unknown ``kv_cache_dtype``, or an 8-bit one with a forced Pallas
-        ``impl`` (the Pallas attention kernels read float pages only; ``"auto"`` takes the
-        XLA path for an 8-bit cache).
+      ValueError: an unknown ``kv_cache_dtype``, or an 8-bit one with ``impl`` forcing the
+        GPU kernels (``"pallas_gpu"``, or ``"pallas"`` on a GPU; ``"auto"`` takes the XLA
+        path for an 8-bit cache there).
     """
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         return jnp.dtype(model_dtype)
-    if impl in _FORCED_KERNELS:
+    gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    if impl == "pallas_gpu" or (impl == "pallas" and gpu):
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} with impl={impl!r}: the Pallas attention "
+            f"kv_cache_dtype={kv_cache_dtype!r} with impl={impl!r}: the Mosaic GPU attention "
             "kernels read float pages only; use impl='auto' (XLA attention on 8-bit pages) "
             "or 'reference'"
         )

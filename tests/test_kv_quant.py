@@ -62,9 +62,9 @@ def test_from_pretrained_refuses_a_bad_kv_cache_dtype_before_loading(monkeypatch
         Engine.from_pretrained("tiny", kv_cache_dtype="e5m2")
 
 
-def test_8bit_kv_with_a_forced_pallas_kernel_is_refused(model):
-    with pytest.raises(ValueError, match="Pallas attention kernels read float pages only"):
-        _engine(model, kv_cache_dtype="int8", impl="pallas", interpret=True)
+def test_8bit_kv_with_the_gpu_kernels_forced_is_refused(model):
+    with pytest.raises(ValueError, match="GPU attention kernels read float pages only"):
+        _engine(model, kv_cache_dtype="int8", impl="pallas_gpu", interpret=True)
 
 
 def test_8bit_kv_without_a_tokenizer_is_refused_clearly(model):
@@ -235,3 +235,18 @@ def test_abstract_engine_builds_an_8bit_cache_without_a_calibration_pass(model):
     assert eight.kv_scales == {}
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         compile_check.check_engine("v5e:1x1", cfg, kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kv", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_tpu_kernels_on_an_8bit_cache_give_the_xla_path_tokens(model, kv):
+    """The engine's step through the TPU kernels (interpreted; they dequantize the 8-bit pages
+    in VMEM) samples the same greedy tokens as through the XLA path on the same cache dtype:
+    prefill chunks, decodes, a prompt that is a prefix of another."""
+    prompts = [list(b"the cache holds eight bits"), list(b"the cache holds")]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for impl, interpret in (("reference", False), ("pallas_tpu", True)):
+        eng = _engine(model, kv_cache_dtype=kv, impl=impl, interpret=interpret)
+        assert eng.stats()["kv_cache_dtype"] == ("int8" if kv == "int8" else "float8_e4m3fn")
+        tokens[impl] = [o.outputs[0].token_ids for o in eng.generate(prompts, sp)]
+    assert tokens["pallas_tpu"] == tokens["reference"]

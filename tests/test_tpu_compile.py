@@ -177,6 +177,43 @@ def test_a_head_dim_64_cache_is_not_copied_around_the_kernels():
     assert text.count("tpu_custom_call") >= 2
 
 
+@pytest.mark.parametrize("chip_name,dtype", [("v5e:2x2", jnp.int8), ("v6e:2x2", jnp.float8_e4m3fn)])
+def test_8bit_caches_compile_to_the_dequantizing_mosaic_kernels(chip_name, dtype):
+    """An int8 / fp8 cache (16-token pages, per-layer scales) under ``impl="auto"`` on TPU:
+    a 4-layer scan of the fused write + ragged attention and a decode call compile to the
+    Mosaic kernels (they convert the pages in VMEM), with no cache-sized copy around them."""
+    import re
+
+    device = aot.tpu_devices(chip_name)[0]
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    layers, t, b, m, n = 4, 64, 8, 64, 4096
+    with aot.tpu_target([device]):
+        shape = kp.kv_cache_shape(layers, n, 16, 8, 128, dtype)
+        cache = jax.tree.map(lambda x: aot.spec(x.shape, x.dtype, device), shape)
+        q, kv = aot.spec((t, 32, 128), bf16, device), aot.spec((t, 8, 128), bf16, device)
+        rest = (aot.spec((b,), i32, device), aot.spec((b, m), i32, device),
+                aot.spec((b + 1,), i32, device), aot.spec((), i32, device),
+                aot.spec((t,), i32, device))  # fmt: skip
+
+        def fn(q, k, v, cache, lens, tables, cu, n_seqs, slots):
+            def body(c, layer):
+                out, c = kp.ragged_paged_attention(
+                    q, c, lens, tables, cu, n_seqs, layer=layer, new_kv=(k, v, slots)
+                )
+                dec = kp.paged_attention(q[:b], c, lens, tables, layer=layer)
+                return c, out.sum() + dec.sum()
+
+            return jax.lax.scan(body, cache, jnp.arange(layers))
+
+        compiled = jax.jit(fn, donate_argnums=(3,)).trace(q, kv, kv, cache, *rest).lower().compile()
+    text = compiled.as_text()
+    name = jnp.dtype(dtype).name.replace("float8_e4m3fn", "f8e4m3fn").replace("int8", "s8")
+    copies = re.findall(rf"= {name}\[4,8,{n},16,128\]\{{[^}}]*\}} copy\(", text)
+    assert not copies, copies
+    assert "paxcache_paged_decode_attention" in text and "paxcache_ragged_paged_attention" in text
+    assert compiled.memory_analysis().temp_size_in_bytes < layers * 2 * n * 16 * 8 * 128 // 16
+
+
 def test_auto_under_a_tpu_default_device_compiles_the_mosaic_kernels(chip):
     fn, args = _qwen2_7b_ragged(chip)
     with aot.tpu_target([chip]):

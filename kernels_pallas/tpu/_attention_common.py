@@ -155,6 +155,7 @@ def attend_step(
     sm_scale: float,
     soft_cap: float | None,
     n_pages: int | None = None,
+    k_scale: jax.Array | None = None,
 ) -> None:
     """One flash-attention step of R query rows against ``C = P * S`` keys, every kv head.
 
@@ -172,6 +173,9 @@ def attend_step(
       soft_cap: optional logit soft cap.
       n_pages: attend to the slot's first ``n_pages`` pages only (static; default all ``P``):
         ``C = n_pages * S``, and ``mask`` / ``key_ok`` cover those keys.
+      k_scale: 8-bit pages: the layer's K scale (a traced f32 scalar). Pages of another
+        dtype than the queries' (8-bit ones) are converted to it after their DMA, and the K
+        scale joins ``sm_scale`` (the V scale is applied by :func:`finish`).
 
     The heads are unrolled (a Python loop), so one head's P.V can overlap the next head's
     Q.K^T in the schedule.
@@ -181,25 +185,34 @@ def attend_step(
     n_pages = n_pages or slot_pages
     keys = n_pages * s
     for h in range(kh):
-        k = k_buf[slot, :n_pages, h].reshape(keys, d)  # [C, D]
-        v = v_buf[slot, :n_pages, h].reshape(keys, d)
+        k = k_buf[slot, :n_pages, h]  # [P, S, D]
+        v = v_buf[slot, :n_pages, h]
+        if k.dtype != q_ref.dtype:  # 8-bit pages: to the queries' dtype (scales applied later)
+            k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
+        k, v = k.reshape(keys, d), v.reshape(keys, d)  # [C, D]
         if key_ok is not None:
             v = jnp.where(key_ok, v, jnp.zeros_like(v))
         logits = lax.dot_general(
             q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [R, C]
         m_prev = m_ref[h]  # [R, 1], scaled units
+        scale = sm_scale if k_scale is None else sm_scale * k_scale
         if soft_cap is None and sm_scale > 0:
             # The scale rides in the exponent: exp(scale * x - m) = 2^(x * scale * log2(e) -
             # m * log2(e)). The max of unscaled logits is scaled on [R, 1], so no [R, C] pass
             # multiplies (and stores) scaled logits.
-            if mask is not None:
-                logits = jnp.where(mask, logits, MASK_VALUE / max(1.0, sm_scale))
-            row_max = jnp.max(logits, axis=1, keepdims=True) * sm_scale
+            if mask is not None:  # a fill that stays finite once scaled
+                fill = (
+                    MASK_VALUE / max(1.0, sm_scale)
+                    if k_scale is None
+                    else MASK_VALUE / jnp.maximum(1.0, scale)
+                )
+                logits = jnp.where(mask, logits, fill)
+            row_max = jnp.max(logits, axis=1, keepdims=True) * scale
             m_new = jnp.maximum(m_prev, row_max)
-            p = jnp.exp2(logits * (sm_scale * _LOG2_E) - m_new * _LOG2_E)
+            p = jnp.exp2(logits * (scale * _LOG2_E) - m_new * _LOG2_E)
         else:
-            logits = logits * sm_scale
+            logits = logits * scale
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             if mask is not None:
@@ -234,9 +247,11 @@ def reset_state(state: tuple[Any, Any, Any], sinks: jax.Array | None = None) -> 
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
-def finish(l_i: jax.Array, acc: jax.Array) -> jax.Array:
-    """``acc / l`` with rows that saw no key returning zeros."""
-    return acc / jnp.where(l_i > 0.0, l_i, 1.0)
+def finish(l_i: jax.Array, acc: jax.Array, v_scale: jax.Array | None = None) -> jax.Array:
+    """``acc / l`` (times an 8-bit cache's V scale) with rows that saw no key returning
+    zeros."""
+    out = acc / jnp.where(l_i > 0.0, l_i, 1.0)
+    return out if v_scale is None else out * v_scale
 
 
 def state_scratch(kv_heads: int, rows: int, head_dim: int) -> list:

@@ -86,8 +86,10 @@ def _decode_kernel(
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,  # [L, K, N, S, D] in HBM
     *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, G, 1] (head k * G + g's
-    #         sink logit); then the output and the scratch, as unpacked below
+    #         sink logit); with has_scales, the input scales_ref: SMEM f32[2] (the layer's K
+    #         and V scales of 8-bit pages); then the output and the scratch, as unpacked below
     has_sinks: bool,
+    has_scales: bool,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -95,18 +97,21 @@ def _decode_kernel(
     per_core: int,
 ):
     sinks_ref = refs[0] if has_sinks else None
+    scales_ref = refs[int(has_sinks)] if has_scales else None
+    k_scale = None if scales_ref is None else scales_ref[0]
+    v_scale = None if scales_ref is None else scales_ref[1]
     (
         o_ref,  # [K, G, D]
         table,  # SMEM i32[2 * (M + P)]: table rows of this and the next sequence, flat, each
         #        padded with P entries so a step's last page index needs no clamp
-        k_buf,  # VMEM [2, P, K, S, D]: two slots of P pages, page-major
+        k_buf,  # VMEM [2, P, K, S, D]: two slots of P pages, page-major (the pages' dtype)
         v_buf,  # VMEM [2, P, K, S, D]
         m_ref,  # VMEM f32[K, G, 1]
         l_ref,  # VMEM f32[K, G, 1]
         acc_ref,  # VMEM f32[K, G, D]
         table_sem,  # DMA[2]
         kv_sem,  # DMA[2]: one per slot, for the K and the V copies of that slot
-    ) = refs[int(has_sinks) :]
+    ) = refs[int(has_sinks) + int(has_scales) :]
     seq_in_core = pl.program_id(1)
     seq = pl.program_id(0) * per_core + seq_in_core
     _, g, _ = q_ref.shape
@@ -208,8 +213,9 @@ def _decode_kernel(
         base = page0 * block_size
         whole = (base + keys <= length) & (base >= first_key)
         attend = functools.partial(
-            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap
-        )
+            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
+            k_scale=k_scale,
+        )  # fmt: skip
 
         @pl.when(whole)
         def _every_key_visible():  # the steady state: no masks at all
@@ -227,7 +233,7 @@ def _decode_kernel(
         return carry
 
     lax.fori_loop(0, n_steps, step, 0)
-    o_ref[...] = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)
+    o_ref[...] = finish(l_ref[...], acc_ref[...], v_scale).astype(o_ref.dtype)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -264,6 +270,7 @@ def paged_attention_tpu(
     interpret: bool = False,
     pages_per_compute_block: int | None = None,
     sinks: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Paged decode attention on TPU (arguments already validated by the public wrapper).
 
@@ -281,6 +288,9 @@ def paged_attention_tpu(
         :func:`decode_pages_per_step`: ~2048 keys within ``DECODE_KV_VMEM_BUDGET``).
       sinks: optional ``f32[H]`` attention sinks: one logit per query head in the softmax's
         denominator, with no value (gpt-oss).
+      kv_scales: 8-bit (int8 / float8_e4m3fn) pages: ``f32[2]``, the layer's K and V scales
+        (a page holds ``x / scale``); the kernel converts each step's pages to ``q.dtype``
+        in VMEM and applies the scales to the logits and the output.
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -314,9 +324,13 @@ def paged_attention_tpu(
     if sinks is not None:  # [K, G, 1]: the same block for every program (fetched once)
         inputs.append(sinks.astype(jnp.float32).reshape(kh, g, 1))
         in_specs.append(pl.BlockSpec((kh, g, 1), lambda c, i, *_: (0, 0, 0)))
+    if kv_scales is not None:  # f32[2] in SMEM: two scalars every program reads
+        inputs.append(kv_scales.astype(jnp.float32).reshape(2))
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     kernel = functools.partial(
         _decode_kernel,
         has_sinks=sinks is not None,
+        has_scales=kv_scales is not None,
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,

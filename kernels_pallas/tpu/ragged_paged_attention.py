@@ -156,9 +156,11 @@ def _ragged_kernel(
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
     *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, TQ * G, 1] (row r's
-    #         query head k * G + r % G's sink logit); then the output and the scratch, as
-    #         unpacked below
+    #         query head k * G + r % G's sink logit); with has_scales, the input scales_ref:
+    #         SMEM f32[2] (the layer's K and V scales of 8-bit pages); then the output and the
+    #         scratch, as unpacked below
     has_sinks: bool,
+    has_scales: bool,
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -166,6 +168,9 @@ def _ragged_kernel(
     interpret: bool,
 ):
     sinks_ref = refs[0] if has_sinks else None
+    scales_ref = refs[int(has_sinks)] if has_scales else None
+    k_scale = None if scales_ref is None else scales_ref[0]
+    v_scale = None if scales_ref is None else scales_ref[1]
     (
         o_ref,  # [K, TQ * G, D]
         table,  # SMEM i32[2, M]: table rows of the current and the next sequence
@@ -176,7 +181,7 @@ def _ragged_kernel(
         acc_ref,  # VMEM f32[K, TQ * G, D]
         table_sem,  # DMA[2]
         kv_sem,  # DMA[2]: one per KV slot
-    ) = refs[int(has_sinks) :]
+    ) = refs[int(has_sinks) + int(has_scales) :]
     qb = pl.program_id(0)
     _, rows, _ = q_ref.shape
     tq = rows // g
@@ -285,8 +290,9 @@ def _ragged_kernel(
         stream.wait(tslot, step_page, end_page, slot)
         base = step_page * s
         attend = functools.partial(
-            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap
-        )
+            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
+            k_scale=k_scale,
+        )  # fmt: skip
         # Every row of the block is this sequence's and sees every key of the step (below the
         # causal diagonal, inside the window): the steady state of a prefill, no masks.
         whole = (row_lo == r0) & (row_hi == r1) & (base + keys - 1 <= row_lo + off)
@@ -327,7 +333,7 @@ def _ragged_kernel(
 
         @pl.when(last)
         def _finish_sequence():
-            out = finish(l_ref[...], acc_ref[...]).astype(o_ref.dtype)  # [K, R, D]
+            out = finish(l_ref[...], acc_ref[...], v_scale).astype(o_ref.dtype)  # [K, R, D]
             block_is_mine = (row_lo == r0) & (row_hi == r1)
 
             @pl.when(block_is_mine)  # a prefill block: no other sequence's rows to keep
@@ -388,6 +394,7 @@ def ragged_paged_attention_tpu(
     queries_per_block: int | None = None,
     device_kind: str | None = None,
     sinks: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention on TPU (arguments already validated by the public wrapper).
 
@@ -414,6 +421,8 @@ def ragged_paged_attention_tpu(
         VMEM headroom (:func:`ragged_blocks`).
       sinks: optional ``f32[H]`` attention sinks: one logit per query head in the softmax's
         denominator, with no value (gpt-oss).
+      kv_scales: 8-bit (int8 / float8_e4m3fn) pages: ``f32[2]``, the layer's K and V scales
+        (a page holds ``x / scale``); pages are converted to ``q.dtype`` in VMEM.
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
@@ -452,9 +461,13 @@ def ragged_paged_attention_tpu(
         rows_sinks = jnp.tile(sinks.astype(jnp.float32).reshape(kh, 1, g), (1, tq, 1))
         inputs.append(rows_sinks.reshape(kh, tq * g, 1))
         in_specs.append(pl.BlockSpec((kh, tq * g, 1), lambda qi, *_: (0, 0, 0)))
+    if kv_scales is not None:  # f32[2] in SMEM: two scalars every program reads
+        inputs.append(kv_scales.astype(jnp.float32).reshape(2))
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     kernel = functools.partial(
         _ragged_kernel,
         has_sinks=sinks is not None,
+        has_scales=kv_scales is not None,
         sm_scale=float(sm_scale),
         soft_cap=soft_cap,
         sliding_window=sliding_window,
