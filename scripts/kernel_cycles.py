@@ -89,7 +89,7 @@ def causal_pairs(q_len: int, ctx: int) -> int:
 
 def case_work(case: str, a: argparse.Namespace) -> tuple[int, int, int]:
     """``(units, bytes, useful flops)`` of a case: units are sequences (decode rows + chunk)."""
-    per = kv_bytes(a.ctx, a.kv_heads, a.head_dim, _itemsize(a.dtype))
+    per = kv_bytes(a.ctx, a.kv_heads, a.head_dim, _itemsize(_kv_dtype(a)))
     f = 4 * a.heads * a.head_dim
     if case == "decode":
         return a.batch, a.batch * per, a.batch * a.ctx * f
@@ -109,6 +109,11 @@ def ceilings(
         bundles_per_useful_flop=cycles / flops if flops else None,
         mxu_ceiling=min(1.0, (flops / peak) / t) if t > 0 and flops else None,
     )
+
+
+def _kv_dtype(a: argparse.Namespace) -> str:
+    """The cache's dtype (``--kv-dtype``, default ``--dtype``, the queries' dtype)."""
+    return getattr(a, "kv_dtype", None) or a.dtype
 
 
 def _itemsize(dtype: str) -> int:
@@ -134,7 +139,10 @@ def paxcache_cache(kp: Any, device: Any, blocks: int, a: argparse.Namespace) -> 
     import jax
     import jax.numpy as jnp
 
-    dtype = jnp.dtype(a.dtype)
+    dtype = jnp.dtype(_kv_dtype(a))
+    if hasattr(kp, "kv_cache_shape"):  # the cache's abstract leaves, nothing computed
+        tree = kp.kv_cache_shape(1, blocks, a.page, a.kv_heads, a.head_dim, dtype, platform="tpu")
+        return jax.tree.map(lambda x: _abstract(x.shape, x.dtype, device), tree)
     if hasattr(kp, "init_kv_cache"):
         tree = jax.eval_shape(
             lambda: kp.init_kv_cache(1, blocks, a.page, a.kv_heads, a.head_dim, dtype=dtype)
@@ -171,7 +179,7 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32
     opaque = not isinstance(cache, tuple)
-    sizes = dict(kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=dtype.itemsize)
+    sizes = dict(kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=_itemsize(_kv_dtype(a)))
     blocks = rag.ragged_blocks(device.device_kind)  # the op's choice for this chip
     pages = default_pages_per_compute_block(a.page, m, blocks.keys, **sizes)
     if hasattr(dec, "decode_pages_per_step"):
@@ -354,7 +362,7 @@ def _shape_flags(a: argparse.Namespace) -> list[str]:
     return [
         f"--heads={a.heads}", f"--kv-heads={a.kv_heads}", f"--head-dim={a.head_dim}",
         f"--dtype={a.dtype}", f"--page={a.page}", f"--batch={a.batch}", f"--ctx={a.ctx}",
-        f"--chunk={a.chunk}",
+        f"--chunk={a.chunk}", *([f"--kv-dtype={a.kv_dtype}"] if a.kv_dtype else []),
     ]  # fmt: skip
 
 
@@ -406,7 +414,8 @@ def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
     chip = CHIPS[target]
     _, nbytes, flops = case_work(case, a)
     rows = []
-    families = ["paxcache"] + (["rpa"] if a.rpa_wheel else [])
+    peer = a.rpa_wheel and _kv_dtype(a) == a.dtype  # the peer runs here on a float cache only
+    families = ["paxcache"] + (["rpa"] if peer else [])
     peer_error = None
     for family in families:
         try:
@@ -522,6 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument(
+        "--kv-dtype", default=None, choices=["bfloat16", "float32", "int8", "float8_e4m3fn"],
+        help="the KV cache's dtype (default --dtype; 8-bit: paxcache only, no peer row)",
+    )  # fmt: skip
     p.add_argument("--rpa-wheel", default=None, help="tpu-inference .whl or unpacked folder")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per compile")
