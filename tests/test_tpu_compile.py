@@ -139,6 +139,40 @@ def test_decode_kernel_compiles_for_a_served_decode_step(chip_name):
     assert "paxcache_paged_decode_attention" in text
 
 
+def _compile_layer_scan(
+    chip_name: str, dtype, *, blocks: int, kv_heads: int, head_dim: int, heads: int,
+    decode: bool = False,
+):  # fmt: skip
+    """A 4-layer ``lax.scan`` of the fused write + ragged attention (and, with ``decode``, a
+    decode call) over a ``dtype`` cache of 16-token pages, compiled for one chip under
+    ``impl="auto"``; returns ``(compiled, cache shape)``."""
+    device = aot.tpu_devices(chip_name)[0]
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    layers, t, b, m = 4, 64, 8, 64
+    with aot.tpu_target([device]):
+        shape = kp.kv_cache_shape(layers, blocks, 16, kv_heads, head_dim, dtype)
+        cache = jax.tree.map(lambda x: aot.spec(x.shape, x.dtype, device), shape)
+        q = aot.spec((t, heads, head_dim), bf16, device)
+        kv = aot.spec((t, kv_heads, head_dim), bf16, device)
+        rest = (aot.spec((b,), i32, device), aot.spec((b, m), i32, device),
+                aot.spec((b + 1,), i32, device), aot.spec((), i32, device),
+                aot.spec((t,), i32, device))  # fmt: skip
+
+        def fn(q, k, v, cache, lens, tables, cu, n_seqs, slots):
+            def body(c, layer):
+                out, c = kp.ragged_paged_attention(
+                    q, c, lens, tables, cu, n_seqs, layer=layer, new_kv=(k, v, slots)
+                )
+                if decode:
+                    out = out.sum() + kp.paged_attention(q[:b], c, lens, tables, layer=layer).sum()
+                return c, out.sum()
+
+            return jax.lax.scan(body, cache, jnp.arange(layers))
+
+        compiled = jax.jit(fn, donate_argnums=(3,)).trace(q, kv, kv, cache, *rest).lower().compile()
+    return compiled, shape
+
+
 def test_a_head_dim_64_cache_is_not_copied_around_the_kernels():
     """gpt-oss's head_dim 64 on v6e: a cache in XLA:TPU's own layout for ``[..., 16, 64]``
     was copied whole into the kernels' layout and back (2x the cache in temporaries, the
@@ -147,32 +181,14 @@ def test_a_head_dim_64_cache_is_not_copied_around_the_kernels():
     like a head_dim-128 cache."""
     import re
 
-    device = aot.tpu_devices("v6e:2x2")[0]
-    i32, bf16 = jnp.int32, jnp.bfloat16
-    layers, t, b, m = 4, 64, 8, 64
-    with aot.tpu_target([device]):
-        shape = kp.kv_cache_shape(layers, 8192, 16, 2, 64, bf16)
-        assert shape.k.shape[-1] == 128 and shape.head_dim == 64
-        cache = jax.tree.map(lambda x: aot.spec(x.shape, x.dtype, device), shape)
-        q, kv = aot.spec((t, 8, 64), bf16, device), aot.spec((t, 2, 64), bf16, device)
-        rest = (aot.spec((b,), i32, device), aot.spec((b, m), i32, device),
-                aot.spec((b + 1,), i32, device), aot.spec((), i32, device),
-                aot.spec((t,), i32, device))  # fmt: skip
-
-        def fn(q, k, v, cache, lens, tables, cu, n, slots):
-            def body(c, layer):
-                out, c = kp.ragged_paged_attention(
-                    q, c, lens, tables, cu, n, layer=layer, new_kv=(k, v, slots)
-                )
-                return c, out.sum()
-
-            return jax.lax.scan(body, cache, jnp.arange(layers))
-
-        compiled = jax.jit(fn, donate_argnums=(3,)).trace(q, kv, kv, cache, *rest).lower().compile()
+    compiled, shape = _compile_layer_scan(
+        "v6e:2x2", jnp.bfloat16, blocks=8192, kv_heads=2, head_dim=64, heads=8
+    )
+    assert shape.k.shape[-1] == 128 and shape.head_dim == 64
     text = compiled.as_text()
     copies = re.findall(r"= bf16\[4,2,8192,16,\d+\]\{[^}]*\} copy\(", text)
     assert not copies, copies
-    cache_bytes = 2 * layers * 2 * 8192 * 16 * 128 * 2
+    cache_bytes = 2 * 4 * 2 * 8192 * 16 * 128 * 2
     assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 64
     assert text.count("tpu_custom_call") >= 2
 
@@ -184,34 +200,16 @@ def test_8bit_caches_compile_to_the_dequantizing_mosaic_kernels(chip_name, dtype
     Mosaic kernels (they convert the pages in VMEM), with no cache-sized copy around them."""
     import re
 
-    device = aot.tpu_devices(chip_name)[0]
-    i32, bf16 = jnp.int32, jnp.bfloat16
-    layers, t, b, m, n = 4, 64, 8, 64, 4096
-    with aot.tpu_target([device]):
-        shape = kp.kv_cache_shape(layers, n, 16, 8, 128, dtype)
-        cache = jax.tree.map(lambda x: aot.spec(x.shape, x.dtype, device), shape)
-        q, kv = aot.spec((t, 32, 128), bf16, device), aot.spec((t, 8, 128), bf16, device)
-        rest = (aot.spec((b,), i32, device), aot.spec((b, m), i32, device),
-                aot.spec((b + 1,), i32, device), aot.spec((), i32, device),
-                aot.spec((t,), i32, device))  # fmt: skip
-
-        def fn(q, k, v, cache, lens, tables, cu, n_seqs, slots):
-            def body(c, layer):
-                out, c = kp.ragged_paged_attention(
-                    q, c, lens, tables, cu, n_seqs, layer=layer, new_kv=(k, v, slots)
-                )
-                dec = kp.paged_attention(q[:b], c, lens, tables, layer=layer)
-                return c, out.sum() + dec.sum()
-
-            return jax.lax.scan(body, cache, jnp.arange(layers))
-
-        compiled = jax.jit(fn, donate_argnums=(3,)).trace(q, kv, kv, cache, *rest).lower().compile()
+    n = 4096
+    compiled, _ = _compile_layer_scan(
+        chip_name, dtype, blocks=n, kv_heads=8, head_dim=128, heads=32, decode=True
+    )
     text = compiled.as_text()
     name = jnp.dtype(dtype).name.replace("float8_e4m3fn", "f8e4m3fn").replace("int8", "s8")
     copies = re.findall(rf"= {name}\[4,8,{n},16,128\]\{{[^}}]*\}} copy\(", text)
     assert not copies, copies
     assert "paxcache_paged_decode_attention" in text and "paxcache_ragged_paged_attention" in text
-    assert compiled.memory_analysis().temp_size_in_bytes < layers * 2 * n * 16 * 8 * 128 // 16
+    assert compiled.memory_analysis().temp_size_in_bytes < 4 * 2 * n * 16 * 8 * 128 // 16
 
 
 def test_auto_under_a_tpu_default_device_compiles_the_mosaic_kernels(chip):

@@ -33,7 +33,8 @@ the masked body for the edge step) and one next-step DMA issue per step but the 
 Also the TPU path of ``ragged_paged_attention(..., max_q_len=1)`` (a decode-only batch).
 Compiled for v5e, v6e and TPU7x in the tests (``tests/test_tpu_compile.py``) for bf16 and
 f32, ``D`` in {64, 128, 256}, ``G`` 1..8, ``S`` 8..128, sliding window, soft cap and tables of
-256 sequences x 32K tokens; correctness is checked in TPU interpret mode on CPU.
+256 sequences x 32K tokens, int8 (v5e) and fp8 (v6e) pages at S = 16 (converted in VMEM,
+``kv_scales``); correctness is checked in TPU interpret mode on CPU.
 """
 
 from __future__ import annotations

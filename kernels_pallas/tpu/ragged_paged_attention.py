@@ -41,15 +41,20 @@ Design:
 * Logits stay unscaled: ``sm_scale`` rides in the exponent
   (:func:`~kernels_pallas.tpu._attention_common.attend_step`).
 * The float32 softmax state ``(m, l, acc)`` of every kv head lives in VMEM scratch; when a
-  sequence's last step is done its rows of the output block are written (a ``where`` on the
-  row range) and the state is reset for the next sequence.
+  sequence's last step is done its rows of the output block are written (the whole block
+  when the sequence owns it, else a ``where`` on the row range) and, when another sequence
+  follows in the block, the state is reset.
+* 8-bit pages (int8, float8_e4m3fn) are copied as stored and converted to the queries' dtype
+  in VMEM; the layer's K scale joins ``sm_scale`` and its V scale multiplies the output
+  (``kv_scales``, two SMEM scalars).
 * Matmuls take the pages' dtype (bf16 operands on the MXU) with float32 accumulation.
 * Masks use ``where`` on logits and values; unwritten slots (NaN in tests) never leak;
   negative block ids are clamped to 0 for addressing.
 
 Compiled for v5e and v6e in the tests (``tests/test_tpu_compile.py``): bf16 and f32, ``D`` in
 {64, 128, 256}, ``G`` 1..8 (3, 5, 6, 7 included), ``S`` 8..128, window, soft cap, stacked
-layers and tables of 256 sequences x 32K tokens; correctness is checked in TPU interpret mode.
+layers and tables of 256 sequences x 32K tokens, int8 (v5e) and fp8 (v6e) pages at S = 16;
+correctness is checked in TPU interpret mode.
 """
 
 from __future__ import annotations
