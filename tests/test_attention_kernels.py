@@ -314,7 +314,7 @@ def test_tpu_ragged_masked_steps_at_every_width_match_oracle(window):
         _check(out, want, np.float32)
 
 
-@pytest.mark.parametrize("sm_scale", [4.0, 1e-3])
+@pytest.mark.parametrize("sm_scale", [4.0, pytest.param(1e-3, marks=pytest.mark.slow)])
 def test_tpu_kernels_with_the_scale_in_the_exponent_match_oracle(sm_scale):
     """The TPU kernels fold ``sm_scale`` into the softmax's exponent (``exp2``) and mask
     unscaled logits: a scale above 1 (the mask value divided by it, no overflow to -inf) and

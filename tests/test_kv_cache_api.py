@@ -266,7 +266,9 @@ def test_8bit_caches_run_the_tpu_kernels_and_xla_elsewhere(dtype):
     _check(out, _ragged_oracle(cache, q, kv_lens, tables, cu, layer=0), dtype)
 
 
-@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize(
+    "q_dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)]
+)  # f32 queries: also the decode kernel rows of _decode_params
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 def test_tpu_kernels_dequantize_8bit_poisoned_pages_like_the_oracle(dtype, q_dtype):
     """The TPU kernels (interpreted) on 8-bit pages with poison (NaN for fp8, int8's 127) in

@@ -243,10 +243,12 @@ def test_tpu_kernels_on_an_8bit_cache_give_the_xla_path_tokens(model, kv):
     in VMEM) samples the same greedy tokens as through the XLA path on the same cache dtype:
     prefill chunks, decodes, a prompt that is a prefix of another."""
     prompts = [list(b"the cache holds eight bits"), list(b"the cache holds")]
-    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     tokens = {}
     for impl, interpret in (("reference", False), ("pallas_tpu", True)):
-        eng = _engine(model, kv_cache_dtype=kv, impl=impl, interpret=interpret)
+        eng = _engine(
+            model, kv_cache_dtype=kv, impl=impl, interpret=interpret, max_num_batched_tokens=16
+        )
         assert eng.stats()["kv_cache_dtype"] == ("int8" if kv == "int8" else "float8_e4m3fn")
         tokens[impl] = [o.outputs[0].token_ids for o in eng.generate(prompts, sp)]
     assert tokens["pallas_tpu"] == tokens["reference"]
