@@ -603,7 +603,6 @@ def _place_quantized(
 #: Where a checkpoint keeps a layer's KV cache scales: compressed-tensors' names, then the
 #: older output-scale ones of the k/v projections (both as vLLM reads them).
 _KV_SCALE_NAMES = ("self_attn.{kv}_scale", "self_attn.{kv}_proj.output_scale")
-_KV_TYPE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def _checkpoint_kv_absmax(
@@ -617,6 +616,8 @@ def _checkpoint_kv_absmax(
             tensor); TensorShapeError: one that is not a scalar; CheckpointError: a scale that
             is not a finite number > 0.
     """
+    dt = jnp.dtype(kv_type)
+    type_max = float(jnp.iinfo(dt).max if jnp.issubdtype(dt, jnp.integer) else jnp.finfo(dt).max)
     out = []
     for kv in ("k", "v"):
         bounds = []
@@ -629,7 +630,7 @@ def _checkpoint_kv_absmax(
                 raise CheckpointError(
                     f"tensor {name!r}: KV cache scale {scale}; expected a finite number > 0"
                 )
-            bounds.append(scale * _KV_TYPE_MAX[kv_type])
+            bounds.append(scale * type_max)
         out.append(tuple(bounds))
     return out[0], out[1]
 
