@@ -28,6 +28,20 @@ Differences covered, by the release that changed them:
     ``plgpu.kernel`` launches Mosaic GPU kernels on every supported version (a fact, nothing
     to wrap: the GPU kernels here all use ``plgpu.kernel``).
 
+* Pallas' Triton backend (``jax.experimental.pallas.triton``, the kernel for compute
+  capability 8.0+ in :mod:`kernels_pallas.gpu.triton_attention`):
+
+  - deprecated from 0.11 (Pallas changelog: "will be removed in a future version of JAX ...
+    migrate to the Mosaic GPU backend ... or the official Triton bindings and jax_triton");
+    0.12's lowering emits a ``DeprecationWarning`` (``jax-pallas-triton``) every time. No
+    removal release is announced; :func:`triton_compiler_params` is the one place that
+    builds its parameters, so a release without it makes the dispatch fall back to XLA.
+  - 0.10 lowers with no GPU and no abstract device as compute capability 9.0; 0.12 reads
+    the capability from the abstract mesh's device (``kernels_pallas.aot.cuda_target``) or
+    the live GPU and refuses to lower with neither: :func:`triton_lowering_available`.
+  - the Triton custom call (``__gpu$xla.gpu.triton``) has no compatibility guarantee, so
+    ``jax.export`` refuses it unless told: :data:`TRITON_EXPORT_CHECKS`.
+
 This module imports only ``jax``; the Mosaic GPU helpers import ``plgpu`` when called, so
 importing it never fails on a JAX build without Mosaic GPU support.
 """
@@ -52,6 +66,10 @@ __all__ = [
     "mosaic_gpu_races_found",
     "mosaic_gpu_reset_interpreter",
     "mosaic_gpu_transpose",
+    "TRITON_CALL_TARGET",
+    "TRITON_EXPORT_CHECKS",
+    "triton_compiler_params",
+    "triton_lowering_available",
 ]
 
 
@@ -162,3 +180,51 @@ def mosaic_gpu_reset_interpreter() -> None:
     reset = getattr(interp, "reset_gpu_interpret_mode_state", None)
     if reset is not None:
         reset()
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas Triton
+# --------------------------------------------------------------------------------------------
+
+#: The custom call a Pallas Triton kernel lowers to (XLA compiles its Triton IR for the GPU).
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
+#: ``jax.export``'s ``disabled_checks`` for a program holding Pallas Triton kernels (Triton IR
+#: has no serialization compatibility guarantee, so export refuses the call by default).
+TRITON_EXPORT_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL_TARGET),)
+
+
+def triton_compiler_params(*, num_warps: int, num_stages: int) -> Any:
+    """``jax.experimental.pallas.triton.CompilerParams``: selects the Triton lowering of a
+    ``pl.pallas_call`` on CUDA.
+
+    Raises:
+      ImportError: a JAX without Pallas' Triton backend.
+    """
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def triton_lowering_available() -> str | None:
+    """Why a Pallas Triton kernel cannot be lowered for CUDA now (None: it can).
+
+    0.10 lowers without a GPU (assuming compute capability 9.0, which only matters for its
+    float8 conversions). From 0.12 the lowering takes the capability from the abstract mesh's
+    device or the live GPU and raises with neither, or for a device kind it does not know.
+    """
+    try:
+        from jax.experimental.pallas import triton as _  # noqa: F401
+    except ImportError as e:
+        return f"this JAX has no Pallas Triton backend ({e})"
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # 0.10: no device needed
+        return None
+    try:
+        gpu_info.get_gpu_info()
+    except Exception as e:  # noqa: BLE001 - ValueError / RuntimeError: no known GPU
+        return (
+            f"the Pallas Triton lowering of JAX {jax.__version__} needs a GPU or a known "
+            f"abstract one (kernels_pallas.aot.cuda_target): {e}"
+        )
+    return None
