@@ -39,10 +39,11 @@ Design (one Triton program)
   ``block_tables[seq, t // S] * S + t % S`` of the layer's ``[N * S, D]`` view of the pages,
   so any block size works (one gather per step; ids are clamped into ``[0, N)``, so a junk
   table entry never addresses memory outside the cache).
-* **Math.** ``Q K^T`` (f32 accumulation; IEEE f32 for f32 pages), soft cap, causal /
-  sliding-window / range mask with ``where`` (NaN cannot pass a select), online softmax in
-  f32, ``O = alpha O + P V`` with ``P`` in the pages' compute dtype. V rows outside the key
-  range are zeroed before the matmul (``0 * NaN`` would leak through it).
+* **Math.** ``Q K^T`` (f32 accumulation; IEEE products for f32 queries, not Triton's
+  default TF32), soft cap, causal / sliding-window / range mask with ``where`` (NaN cannot
+  pass a select), online softmax in f32, ``O = alpha O + P V`` with ``P`` in the pages'
+  compute dtype. V rows outside the key range are zeroed before the matmul (``0 * NaN``
+  would leak through it).
 * **8-bit pages** (int8, float8_e4m3fn): converted to the queries' dtype in registers (exact:
   int8 and e4m3 values are representable in bf16/f16/f32); the layer's K scale joins the
   softmax scale and its V scale multiplies the combined output. float8 needs compute
@@ -223,6 +224,8 @@ def _kernel(
         row_ok = tok < nq
         col = lax.broadcasted_iota(jnp.int32, (r, bkv), 1)
         key = lax.broadcasted_iota(jnp.int32, (bkv,), 0)
+        # f32 pages: IEEE products (Triton's default f32 dot is TF32, ~1e-3 off the oracle).
+        precision = lax.Precision.HIGHEST if cfg.dtype == jnp.float32 else None
 
         def step(i, carry):
             acc, m_i, l_i = carry  # f32[R, D], f32[R], f32[R]
@@ -237,8 +240,9 @@ def _kernel(
             v = jnp.where(keep[:, None], v, jnp.zeros_like(v))  # unwritten slots may be NaN
 
             logits = lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )  # [R, 64]
+                q, k, (((1,), (1,)), ((), ())), precision=precision,
+                preferred_element_type=jnp.float32,
+            )  # fmt: skip  # [R, 64]
             logits = logits * scale
             if cfg.soft_cap is not None:
                 logits = cfg.soft_cap * jnp.tanh(logits / cfg.soft_cap)
@@ -253,7 +257,7 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(logits - m_safe[:, None]), 0.0)
             l_i = l_i * alpha + p.sum(axis=1)
             pv = lax.dot_general(
-                p.astype(cfg.dtype), v, (((1,), (0,)), ((), ())),
+                p.astype(cfg.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                 preferred_element_type=jnp.float32,
             )  # fmt: skip
             return acc * alpha[:, None] + pv, m_new, l_i
