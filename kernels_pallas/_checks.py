@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "pallas_gpu", "pallas_triton")
 
 
 def is_int_dtype(x: Any) -> bool:

@@ -5,28 +5,42 @@
 * ``"auto"``: decided for the platform the program is **lowered for**, not the process's
   default backend. The op is staged out with :func:`jax.lax.platform_dependent`, whose
   branches are pruned per lowering platform: the ``tpu`` branch is the Mosaic TPU kernel, the
-  ``cuda`` branch the Mosaic GPU kernel (where one exists and takes the geometry), every other
-  platform the XLA path. So a program compiled ahead of time for a TPU topology from a CPU
-  host (``jax.default_device(topology.devices[0])``, see :mod:`kernels_pallas.aot`) gets the
-  same kernels as one traced on a live TPU, and ``jax.export(..., platforms=["cuda"])`` gets
-  the Mosaic GPU kernel.
+  ``cuda`` branch a Pallas GPU kernel (Mosaic GPU or Triton, by compute capability, below),
+  every other platform the XLA path. So a program compiled ahead of time for a TPU topology
+  from a CPU host (``jax.default_device(topology.devices[0])``, see :mod:`kernels_pallas.aot`)
+  gets the same kernels as one traced on a live TPU, and ``jax.export(...,
+  platforms=["cuda"])`` gets the GPU kernel.
 * ``"reference"``: the XLA path everywhere.
-* ``"pallas"``: the Pallas kernel of the target platform (GPU on a CUDA target, else TPU);
-  ``"pallas_tpu"`` / ``"pallas_gpu"``: force one family. Off its platform a forced kernel
-  needs ``interpret=True`` (the CPU tests).
+* ``"pallas"``: the Pallas kernel of the target platform (on a CUDA target the Mosaic GPU
+  kernel on 9.x, the Triton kernel on other capabilities; else TPU); ``"pallas_tpu"`` /
+  ``"pallas_gpu"`` (Mosaic GPU) / ``"pallas_triton"``: force one family. Off its platform a
+  forced kernel needs ``interpret=True`` (the CPU tests).
 
-GPU rules (``auto``): the Mosaic GPU kernels run only on compute capability 9.x (Hopper); every
-other generation runs the XLA path, recorded as ``"xla (fallback: compute capability 8.0 ...)"``
-with ONE warning per op (no kernel for it yet). The capability is, in order: the one
-:func:`kernels_pallas.aot.cuda_target` sets (``cuda_target("8.0")``: lowering or exporting for
-CUDA from any host assumes it, several targets in one process), the live GPU's, else Hopper (a
-CUDA export with neither). A geometry the GPU kernel does not take (``unsupported_reason``)
-runs the XLA path, with ONE warning naming the op and the reason. The XLA path on CUDA is the
-op's GPU form where it has one (``run(gpu_xla=)``: attention in 64 MiB chunks with 16-bit
-operands, ``reference.XLA_GPU_CHUNK_BYTES``), not the CPU-sized one. Inside
-:func:`compile_probes` each GPU kernel call is first built on its own (compiled on a live GPU,
-exported for CUDA otherwise); a kernel that fails runs the XLA path, with ONE warning naming
-the op and the error.
+GPU rules (``auto``), per attention op, for the targeted compute capability:
+
+* **9.x (Hopper)**: the Mosaic GPU kernel (``"pallas_gpu"``); a geometry it refuses
+  (``kernels_pallas.gpu.attention.unsupported_reason``: head_dim not a multiple of 64, G not
+  dividing 64, f32 or 8-bit pages, sinks, ...) runs the Triton kernel instead where that one
+  takes it.
+* **every other capability >= 8.0** (8.0 A100, 8.6, 8.9 L4, 10.0 B200, 12.x): the Triton
+  kernel (``"pallas_triton"``, :mod:`kernels_pallas.gpu.triton_attention`) for every G from 1
+  to 64, head_dim a power of two from 16 to 256, float and 8-bit pages (float8 from 8.9),
+  sinks, soft cap, sliding window.
+* **below 8.0**, or a geometry neither kernel takes, or a JAX whose Triton lowering cannot
+  run here (:func:`kernels_pallas.compat.triton_lowering_available`): the XLA path, recorded as
+  ``"xla (fallback: <why>)"`` with ONE warning per op and reason.
+
+The capability is, in order: the one :func:`kernels_pallas.aot.cuda_target` sets
+(``cuda_target("8.0")``: lowering or exporting for CUDA from any host assumes it, several
+targets in one process, nothing cached across them), the live GPU's, else Hopper (a CUDA
+export with neither). The XLA path on CUDA is the op's GPU form where it has one
+(``run(gpu_xla=)``: attention in 64 MiB chunks with 16-bit operands,
+``reference.XLA_GPU_CHUNK_BYTES``), not the CPU-sized one. Inside :func:`compile_probes` each
+GPU kernel call (either family) is first built on its own (compiled on a live GPU, exported
+for CUDA otherwise); a kernel that fails runs the XLA path, with ONE warning naming the op
+and the error. A program holding the Triton kernel exports only with
+``disabled_checks=kernels_pallas.compat.TRITON_EXPORT_CHECKS`` (Triton IR has no
+serialization guarantee).
 
 TPU rules (``auto``): a geometry the TPU kernel does not take runs the XLA path (one warning).
 Inside :func:`compile_probes` (``Engine.warmup`` and ``scripts/compile_check.py`` use it)
@@ -72,13 +86,14 @@ __all__ = [
     "run",
     "run_forced_check",
     "target_device",
+    "triton_attention_unsupported_reason",
     "target_platform",
     "targeting_cuda",
 ]
 
 logger = logging.getLogger("kernels_pallas")
 
-FAMILIES = ("xla", "pallas_tpu", "pallas_gpu")
+FAMILIES = ("xla", "pallas_tpu", "pallas_gpu", "pallas_triton")
 _PLATFORMS = ("tpu", "cuda", "cpu")
 
 _lock = threading.Lock()
@@ -165,7 +180,7 @@ def recording() -> Iterator[dict[str, dict[str, str]]]:
 def kernel_info(platform: str | None = None) -> dict[str, str]:
     """The implementation each traced op got for ``platform`` (default: the target platform).
 
-    Values are ``"pallas_tpu"``, ``"pallas_gpu"``, ``"xla"`` or
+    Values are ``"pallas_tpu"``, ``"pallas_gpu"``, ``"pallas_triton"``, ``"xla"`` or
     ``"xla (fallback: <why the kernel was not used>)"``; ops not traced yet are absent. The
     record is process-wide: the last trace of an op decides its entry (for ``"cuda"``, the
     last trace for the compute capability targeted now, :func:`cuda_capability`).
@@ -201,9 +216,10 @@ def _fallback(reason: str) -> str:
 def compile_probes() -> Iterator[None]:
     """While active, every ``impl="auto"`` TPU or GPU kernel call is compiled on its own first.
 
-    TPU: when the target is a TPU device (live, or abstract from a topology). GPU: when the
-    target platform is CUDA (a live GPU: compiled; :func:`kernels_pallas.aot.cuda_target`
-    with no GPU: exported, which runs the Mosaic GPU lowering). A kernel that fails is
+    TPU: when the target is a TPU device (live, or abstract from a topology). GPU (Mosaic GPU
+    or Triton): when the target platform is CUDA (a live GPU: compiled;
+    :func:`kernels_pallas.aot.cuda_target` with no GPU: exported, which runs the kernel's
+    lowering). A kernel that fails is
     replaced by the XLA path (one warning naming the op and the error). Results are cached
     per kernel signature, so each distinct call is built once per process.
     """
@@ -263,16 +279,20 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:500]
 
 
-def _probe_gpu(op: str, fn: Callable, args: Sequence[Any], static_key: Any) -> str | None:
+def _probe_gpu(
+    op: str, fn: Callable, args: Sequence[Any], static_key: Any, family: str = "pallas_gpu"
+) -> str | None:
     """Build ``fn(*args)`` alone for the CUDA target; the error text, or None.
 
-    On a live GPU the kernel is compiled for it (Mosaic GPU and ptxas); with no GPU it is
-    exported for CUDA (the Mosaic GPU lowering, for :func:`cuda_capability`). Cached per
-    kernel signature and capability.
+    On a live GPU the kernel is compiled for it (Mosaic GPU or Triton, and ptxas); with no GPU
+    it is exported for CUDA (the kernel's lowering, for :func:`cuda_capability`). Cached per
+    kernel family, signature and capability.
     """
+    from kernels_pallas import compat
+
     capability = cuda_capability()
     sig = tuple((tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in args)
-    key = ("cuda", op, capability, sig, static_key)
+    key = ("cuda", family, op, capability, sig, static_key)
     with _lock:
         if key in _PROBED:
             return _PROBED[key]
@@ -283,7 +303,9 @@ def _probe_gpu(op: str, fn: Callable, args: Sequence[Any], static_key: Any) -> s
             jax.jit(fn).trace(*specs).lower().compile()
         else:
             specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
-            jax.export.export(jax.jit(fn), platforms=["cuda"])(*specs)
+            jax.export.export(
+                jax.jit(fn), platforms=["cuda"], disabled_checks=compat.TRITON_EXPORT_CHECKS
+            )(*specs)
         error = None
     except Exception as e:  # noqa: BLE001 - any compiler rejection means "do not use it"
         error = _first_line(e)
@@ -313,6 +335,22 @@ def gpu_attention_unsupported_reason(
     return mod.unsupported_reason(
         head_dim=head_dim, num_q_per_kv=num_q_per_kv, block_size=block_size, dtype=dtype
     )
+
+
+def triton_attention_unsupported_reason(
+    *, head_dim: int, num_q_per_kv: int, block_size: int, dtype: Any, capability: str
+) -> str | None:
+    """Why the Triton attention kernel cannot take a geometry on ``capability`` (None if it
+    can): ``kernels_pallas.gpu.triton_attention.unsupported_reason``, the kernel's own
+    statement."""
+    try:
+        mod = importlib.import_module("kernels_pallas.gpu.triton_attention")
+    except ImportError as e:
+        return f"kernels_pallas.gpu.triton_attention is not importable ({e})"
+    return mod.unsupported_reason(
+        head_dim=head_dim, num_q_per_kv=num_q_per_kv, block_size=block_size, dtype=dtype,
+        capability=capability,
+    )  # fmt: skip
 
 
 HOPPER = "9.0"
@@ -353,13 +391,15 @@ def cuda_capability() -> str:
 
 
 def cuda_capability_reason(capability: str) -> str | None:
-    """Why the Mosaic GPU kernels do not run on ``capability`` (None: they do, 9.x)."""
+    """Why the Mosaic GPU kernels do not run on ``capability`` (None: they do, 9.x; other
+    generations from 8.0 run the Triton kernel, see the module docstring)."""
     if capability.startswith("9."):
         return None
-    return (
-        f"compute capability {capability}: no Pallas GPU kernel for this generation yet "
-        "(the Mosaic GPU kernels need Hopper, 9.x)"
-    )
+    return f"compute capability {capability}: the Mosaic GPU kernels need Hopper (9.x)"
+
+
+def _is_hopper(capability: str) -> bool:
+    return capability.startswith("9.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,7 +408,8 @@ def cuda_capability_reason(capability: str) -> str | None:
 
 
 def run_forced_check(op: str, family: str, interpret: bool) -> None:
-    """A forced TPU kernel needs a TPU target or ``interpret=True``.
+    """A forced TPU kernel needs a TPU target, a forced Triton kernel a CUDA target, or either
+    ``interpret=True``.
 
     Raises:
       ValueError: otherwise.
@@ -379,6 +420,11 @@ def run_forced_check(op: str, family: str, interpret: bool) -> None:
             f"{op}: the Mosaic TPU kernel needs a TPU target (a TPU backend or TPU default "
             f"device) or interpret=True (target is {platform!r})"
         )
+    if family == "pallas_triton" and platform != "cuda" and not interpret:
+        raise ValueError(
+            f"{op}: the Triton GPU kernel needs a CUDA target (a GPU, or "
+            f"kernels_pallas.aot.cuda_target) or interpret=True (target is {platform!r})"
+        )
 
 
 def record(op: str, impl: str) -> None:
@@ -386,20 +432,26 @@ def record(op: str, impl: str) -> None:
     _record(op, dict.fromkeys(_PLATFORMS, impl))
 
 
-def forced_family(impl: str, has_gpu: bool) -> str:
+def forced_family(impl: str, has_gpu: bool, has_triton: bool = False) -> str:
     """The family a forced ``impl`` (not ``"auto"`` / ``"reference"``) selects for the target.
 
-    ``"pallas"`` is the target's kernel (GPU on CUDA/ROCm, else TPU). An op without a Mosaic
-    GPU kernel (``has_gpu=False``: the KV ops, where XLA's in-place scatter is what a GPU
-    wants, see :mod:`kernels_pallas.kv_ops`) runs ``"xla"`` instead, so a model forced onto
-    the GPU kernels still runs. A ``"pallas_tpu"`` result still needs
-    :func:`run_forced_check`.
+    ``"pallas"`` is the target's kernel: on CUDA the Mosaic GPU kernel for 9.x and the Triton
+    kernel for other capabilities, on ROCm the Mosaic GPU one, else TPU. An op without that
+    GPU kernel (``has_gpu`` / ``has_triton`` False: the KV ops, where XLA's in-place scatter
+    is what a GPU wants, see :mod:`kernels_pallas.kv_ops`) runs ``"xla"`` instead, so a
+    model forced onto the GPU kernels still runs. A ``"pallas_tpu"`` or ``"pallas_triton"``
+    result still needs :func:`run_forced_check`.
     """
-    if impl == "pallas":
-        family = "pallas_gpu" if target_platform() in ("cuda", "rocm") else "pallas_tpu"
+    platform = target_platform()
+    if impl == "pallas" and platform == "cuda" and not _is_hopper(cuda_capability()):
+        family = "pallas_triton"
+    elif impl == "pallas":
+        family = "pallas_gpu" if platform in ("cuda", "rocm") else "pallas_tpu"
     else:
         family = impl
-    return "xla" if family == "pallas_gpu" and not has_gpu else family
+    if (family == "pallas_gpu" and not has_gpu) or (family == "pallas_triton" and not has_triton):
+        return "xla"
+    return family
 
 
 def run(
@@ -414,6 +466,8 @@ def run(
     gpu_xla: Callable[..., Any] | None = None,
     tpu_reason: str | None = None,
     gpu_reason: str | None = None,
+    triton: Callable[..., Any] | None = None,
+    triton_reason: str | None = None,
     gpu_default: bool = True,
     static_key: Any = None,
     donate: tuple[int, ...] = (),
@@ -422,15 +476,17 @@ def run(
 
     Args:
       op: the op's public name (registry key, warning text).
-      impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"`` (checked by
-        the caller).
+      impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu" |
+        "pallas_triton"`` (checked by the caller).
       interpret: forced kernels run in interpret mode (the callables already carry it).
       args: the array arguments every implementation takes.
-      xla, tpu, gpu: the implementations (``None``: no such kernel).
+      xla, tpu, gpu, triton: the implementations (``None``: no such kernel); ``gpu`` is the
+        Mosaic GPU kernel, ``triton`` the Pallas Triton one (compute capability 8.0+).
       gpu_xla: the XLA path ``auto`` runs on CUDA when the GPU kernel does not (default
         ``xla``): tuned for a GPU rather than a CPU.
-      tpu_reason, gpu_reason: why the TPU / GPU kernel cannot take these arguments.
-      gpu_default: whether ``auto`` uses the GPU kernel (when it exists and takes them).
+      tpu_reason, gpu_reason, triton_reason: why the TPU / Mosaic GPU / Triton kernel cannot
+        take these arguments (``triton_reason`` for the targeted capability).
+      gpu_default: whether ``auto`` uses a GPU kernel (when one exists and takes them).
       static_key: hashable summary of the static options baked into ``tpu`` (probe cache).
       donate: indices of ``args`` the op updates in place (donated in the compile probe).
 
@@ -442,16 +498,20 @@ def run(
         record(op, "xla")
         return xla(*args)
     if impl != "auto":
-        family = forced_family(impl, gpu is not None)
+        family = forced_family(impl, gpu is not None, triton is not None)
         run_forced_check(op, family, interpret)
         if family == "xla":
             record(op, "xla")
             return xla(*args)
-        reason = tpu_reason if family == "pallas_tpu" else gpu_reason
+        fn, reason = {
+            "pallas_tpu": (tpu, tpu_reason),
+            "pallas_gpu": (gpu, gpu_reason),
+            "pallas_triton": (triton, triton_reason),
+        }[family]
         if reason is not None and not interpret:
             raise ValueError(f"{op}: impl={impl!r} cannot run these arguments: {reason}")
         record(op, family)
-        return (tpu if family == "pallas_tpu" else gpu)(*args)
+        return fn(*args)
 
     # auto: one branch per platform, pruned at lowering. Fallback warnings are logged for the
     # target platform only (a CPU run need not hear why the GPU kernel would not be used).
@@ -469,23 +529,59 @@ def run(
             if error is not None:
                 _warn_once(op, f"the Mosaic TPU kernel failed to compile: {error}")
                 tpu_fn, tpu_impl = xla, _fallback(f"Mosaic compile error: {error}")
-    cuda_xla = gpu_xla or xla
-    if gpu is None or not gpu_default:
-        gpu_fn, gpu_impl = cuda_xla, "xla"
-    else:
-        reason = gpu_reason or cuda_capability_reason(cuda_capability())
-        if reason is not None:
-            if platform == "cuda":
-                _warn_once(op, f"the Mosaic GPU kernel cannot run here: {reason}")
-            gpu_fn, gpu_impl = cuda_xla, _fallback(reason)
-        else:
-            gpu_fn, gpu_impl = gpu, "pallas_gpu"
-            if _PROBE_DEPTH[0] and platform == "cuda":
-                error = _probe_gpu(op, gpu, args, static_key)
-                if error is not None:
-                    _warn_once(op, f"the Mosaic GPU kernel failed to compile: {error}")
-                    gpu_fn, gpu_impl = cuda_xla, _fallback(f"Mosaic GPU compile error: {error}")
+    gpu_fn, gpu_impl = _cuda_choice(
+        op, platform, args, static_key, gpu_xla or xla, gpu if gpu_default else None,
+        gpu_reason, triton if gpu_default else None, triton_reason,
+    )  # fmt: skip
     _record(op, {"tpu": tpu_impl, "cuda": gpu_impl, "cpu": "xla"})
     if tpu_fn is xla and gpu_fn is xla:
         return xla(*args)
     return jax.lax.platform_dependent(*args, tpu=tpu_fn, cuda=gpu_fn, default=xla)
+
+
+def _cuda_choice(
+    op: str,
+    platform: str,
+    args: Sequence[Any],
+    static_key: Any,
+    cuda_xla: Callable[..., Any],
+    gpu: Callable[..., Any] | None,
+    gpu_reason: str | None,
+    triton: Callable[..., Any] | None,
+    triton_reason: str | None,
+) -> tuple[Callable[..., Any], str]:
+    """The ``cuda`` branch of ``auto`` and its registry entry (module docstring's GPU rules).
+
+    Warnings (one per op and reason) only when CUDA is the target platform.
+    """
+    from kernels_pallas import compat
+
+    if gpu is None and triton is None:
+        return cuda_xla, "xla"
+    capability = cuda_capability()
+    reasons = []
+    candidates = []
+    if gpu is not None:
+        mosaic = gpu_reason or cuda_capability_reason(capability)
+        if mosaic is None:
+            candidates.append(("pallas_gpu", gpu, "Mosaic GPU"))
+        elif _is_hopper(capability) or triton is None:  # else Triton's reason says it all
+            reasons.append(mosaic)
+    if triton is not None:
+        why = triton_reason or compat.triton_lowering_available()
+        if why is None:
+            candidates.append(("pallas_triton", triton, "Triton"))
+        else:
+            reasons.append(f"Triton kernel: {why}" if reasons else why)
+    if not candidates:
+        reason = "; ".join(reasons) or f"compute capability {capability}: no GPU kernel"
+        if platform == "cuda":
+            _warn_once(op, f"no Pallas GPU kernel can run here: {reason}")
+        return cuda_xla, _fallback(reason)
+    family, fn, name = candidates[0]
+    if _PROBE_DEPTH[0] and platform == "cuda":
+        error = _probe_gpu(op, fn, args, static_key, family)
+        if error is not None:
+            _warn_once(op, f"the {name} kernel failed to compile: {error}")
+            return cuda_xla, _fallback(f"{name} compile error: {error}")
+    return fn, family

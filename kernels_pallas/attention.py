@@ -10,13 +10,16 @@ Two ops, one contract (see ``kernels_pallas.reference`` for the exact semantics)
 the KV ops):
 
 * ``"auto"``: for the platform the program is lowered for (``jax.lax.platform_dependent``):
-  the Mosaic TPU kernel on TPU (live or an AOT topology target), the Mosaic GPU kernel on CUDA
-  (Hopper; geometries it does not take use XLA with one warning), the XLA oracle elsewhere
-  (``paged_attention_reference`` for decode, ``ragged_paged_attention_xla`` for ragged).
+  the Mosaic TPU kernel on TPU (live or an AOT topology target); on CUDA the Mosaic GPU kernel
+  on Hopper (9.x) and the Triton kernel on every other compute capability from 8.0 (and for
+  Hopper geometries the Mosaic GPU kernel refuses); geometries no kernel takes use XLA with
+  one warning; the XLA oracle elsewhere (``paged_attention_reference`` for decode,
+  ``ragged_paged_attention_xla`` for ragged).
 * ``"reference"``: the oracle path, on any backend.
 * ``"pallas"``: the target platform's Pallas kernel; on CPU the TPU kernel, which needs
   ``interpret=True``.
-* ``"pallas_tpu"`` / ``"pallas_gpu"``: force one kernel family (e.g. in interpret mode on CPU).
+* ``"pallas_tpu"`` / ``"pallas_gpu"`` (Mosaic GPU) / ``"pallas_triton"``: force one kernel
+  family (e.g. in interpret mode on CPU).
 
 Stacked caches: pages may be ``[L, K, N, S, D]`` (all layers, as the engine keeps them so a
 ``lax.scan`` runs over layers) together with ``layer=`` (a Python int or a traced ``i32``
@@ -184,14 +187,14 @@ def _layer_array(layer: Any) -> jax.Array:
 
 
 _QUANTIZED_REASON = (
-    "8-bit KV pages: the Mosaic GPU attention kernels read float pages only (the TPU kernels "
-    "dequantize in VMEM)"
+    "8-bit KV pages: the Mosaic GPU attention kernels read float pages only (the TPU and "
+    "Triton kernels dequantize them)"
 )
 
 
 _SINKS_REASON = (
     "attention sinks: the Mosaic GPU attention kernels have no sink logit in their softmax (a "
-    "kernel that ignored it would be silently wrong; the TPU kernels take sinks)"
+    "kernel that ignored it would be silently wrong; the TPU and Triton kernels take sinks)"
 )
 
 
@@ -204,7 +207,7 @@ def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = 
     """
     if impl not in ("pallas", "pallas_tpu", "pallas_gpu"):
         return
-    gpu = _dispatch.forced_family(impl, True) == "pallas_gpu"
+    gpu = _dispatch.forced_family(impl, True, True) == "pallas_gpu"
     for refused, reason in (
         (is_quantized_dtype(k_pages.dtype) and gpu, _QUANTIZED_REASON),
         (sinks is not None and gpu, _SINKS_REASON),
@@ -216,17 +219,22 @@ def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = 
             )
 
 
-def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str | None, str | None]:
-    """Why the TPU / GPU kernels cannot take these operands (None: they can)."""
-    if is_quantized_dtype(k_pages.dtype):
-        return None, _QUANTIZED_REASON
-    if sinks is not None:
-        return None, _SINKS_REASON
+def _reasons(
+    q: jax.Array, k_pages: jax.Array, sinks: Any = None
+) -> tuple[str | None, str | None, str | None]:
+    """Why the TPU / Mosaic GPU / Triton kernels cannot take these operands (None: they can);
+    the Triton kernel's for the targeted compute capability."""
     kh, _, s, d = k_pages.shape[-4:]
-    gpu = _dispatch.gpu_attention_unsupported_reason(
-        head_dim=d, num_q_per_kv=q.shape[1] // kh, block_size=s, dtype=q.dtype
+    geometry = dict(head_dim=d, num_q_per_kv=q.shape[1] // kh, block_size=s)
+    triton = _dispatch.triton_attention_unsupported_reason(
+        **geometry, dtype=k_pages.dtype, capability=_dispatch.cuda_capability()
     )
-    return None, gpu
+    if is_quantized_dtype(k_pages.dtype):
+        return None, _QUANTIZED_REASON, triton
+    if sinks is not None:
+        return None, _SINKS_REASON, triton
+    gpu = _dispatch.gpu_attention_unsupported_reason(**geometry, dtype=q.dtype)
+    return None, gpu, triton
 
 
 _STATIC = ("sm_scale", "soft_cap", "sliding_window")
@@ -294,6 +302,21 @@ def _one(optional: tuple) -> Any:
     return optional[0] if optional else None
 
 
+def _has_triton_module() -> bool:
+    try:
+        importlib.import_module("kernels_pallas.gpu.triton_attention")
+    except ImportError as e:
+        logger.warning("the Triton GPU kernels are not importable (%s); they are not used", e)
+        return False
+    return True
+
+
+def _triton_kw(k_pages, layer, ks, vs, sink: tuple, kw: dict, interpret: bool) -> dict:
+    """Keyword arguments of the Triton kernels (``kernels_pallas.gpu.triton_attention``)."""
+    scales = dict(k_scale=ks, v_scale=vs) if is_quantized_dtype(k_pages.dtype) else {}
+    return dict(kw, layer=layer, sinks=_one(sink), interpret=interpret, **scales)
+
+
 def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
     fn = getattr(_gpu_module(), fn_name)
     if k_pages.ndim == 5:  # the GPU kernels read pages.at[layer] themselves (no copy)
@@ -330,15 +353,16 @@ def paged_attention_pages(
       sm_scale: logit scale, default ``D ** -0.5``.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: if set, the query sees only the last ``sliding_window`` keys.
-      impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"``.
+      impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu" |
+        "pallas_triton"``.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       layer: layer index into stacked ``[L, ...]`` pages (int or traced i32 scalar).
       k_scale, v_scale: the layer's dequantization scales (8-bit pages; ignored otherwise).
       sinks: optional ``f32[H]`` attention sinks, one logit per query head in the softmax
         denominator only (:func:`kernels_pallas.reference.paged_attention_reference`). The
-        TPU kernels take them (each row's online softmax starts from its sink); the Mosaic
-        GPU kernels do not: there ``impl="auto"`` runs the XLA path (warning once), a forced
-        GPU kernel raises.
+        TPU kernels take them (each row's online softmax starts from its sink), so does the
+        Triton kernel (in its combine); the Mosaic GPU kernels do not: there ``impl="auto"``
+        runs the Triton kernel or the XLA path, a forced ``"pallas_gpu"`` raises.
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
@@ -402,7 +426,14 @@ def paged_attention_pages(
         cu, n = jnp.arange(q.shape[0] + 1, dtype=jnp.int32), jnp.int32(q.shape[0])
         return _ragged_reference(q, k, v, lengths, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
-    tpu_reason, gpu_reason = _reasons(q, k_pages, sinks)
+    def triton(q, k, v, lengths, tables, layer, ks, vs, *sink):
+        from kernels_pallas.gpu.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k, v, lengths, tables, **_triton_kw(k, layer, ks, vs, sink, kw, interpret)
+        )
+
+    tpu_reason, gpu_reason, triton_reason = _reasons(q, k_pages, sinks)
     return _dispatch.run(
         name,
         impl,
@@ -414,6 +445,8 @@ def paged_attention_pages(
         gpu_xla=gpu_xla,
         tpu_reason=tpu_reason,
         gpu_reason=gpu_reason,
+        triton=triton if _has_triton_module() else None,
+        triton_reason=triton_reason,
         static_key=tuple(sorted(kw.items())),
     )
 
@@ -530,7 +563,14 @@ def ragged_paged_attention_pages(
             dict(kw, interpret=interpret),
         )
 
-    tpu_reason, gpu_reason = _reasons(q, k_pages, sinks)
+    def triton(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+        from kernels_pallas.gpu.triton_attention import ragged_paged_attention_triton
+
+        return ragged_paged_attention_triton(
+            q, k, v, kv_lens, tables, cu, n, **_triton_kw(k, layer, ks, vs, sink, kw, interpret)
+        )
+
+    tpu_reason, gpu_reason, triton_reason = _reasons(q, k_pages, sinks)
     return _dispatch.run(
         name,
         impl,
@@ -542,6 +582,8 @@ def ragged_paged_attention_pages(
         gpu_xla=gpu_xla,
         tpu_reason=tpu_reason,
         gpu_reason=gpu_reason,
+        triton=triton if _has_triton_module() else None,
+        triton_reason=triton_reason,
         static_key=(*sorted(kw.items()), ("max_q_len", max_q_len)),
     )
 
@@ -718,7 +760,8 @@ def ragged_paged_attention(
         before anything attends, and the updated cache is returned too. (Today the write is
         the ``write_kv`` op inside the same program; the in-kernel fused write is to come.)
       sm_scale, soft_cap, sliding_window, impl, interpret, sinks: as in
-        :func:`paged_attention_pages` (sinks: ``f32[H]``; the TPU kernels and the XLA path).
+        :func:`paged_attention_pages` (sinks: ``f32[H]``; the TPU and Triton kernels and the
+        XLA path).
       max_q_len: optional hint (``1``: a decode-only batch, each sequence owning the row of
         its index), see :func:`ragged_paged_attention_pages`; never needed for correctness.
 

@@ -2,9 +2,11 @@
 generation, the engine's whole step exported for each, the SM count the GPU work planning
 fills, and the warm-up compile probe's fallback when a GPU kernel fails to build.
 
-Only Hopper (9.x) has a Pallas kernel today: every other capability runs the XLA path, said
-by ``kernel_info("cuda")`` and one warning per op. Several targets follow each other in one
-process, in both orders, with nothing cached across them.
+Hopper (9.x) runs the Mosaic GPU kernel, every other capability from 8.0 (8.0, 8.9, 10.0) the
+Pallas Triton kernel, and below 8.0 the XLA path, said by ``kernel_info("cuda")`` and one
+warning per op. Several targets follow each other in one process, in both orders, with
+nothing cached across them. Exports that may hold the Triton kernel pass
+``compat.TRITON_EXPORT_CHECKS`` (Triton IR has no serialization guarantee).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ import pytest
 from flax import nnx
 
 import kernels_pallas as kp
-from kernels_pallas import _dispatch, aot
+from kernels_pallas import _dispatch, aot, compat
 from kernels_pallas.gpu import attention as ga
+from kernels_pallas.gpu import triton_attention as ta
 from kernels_pallas.gpu import work
 from paxcache import Engine, compile_check
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
 
 MOSAIC_GPU = "custom_call @mosaic_gpu"
-CAPABILITIES = ("9.0", "8.0", "8.9", "10.0", "9.0")  # Hopper again after the others
+TRITON = compat.TRITON_CALL_TARGET
+CAPABILITIES = ("9.0", "8.0", "8.9", "10.0", "7.5", "9.0")  # Hopper again after the others
+# The kernel family each capability gets for a mainstream geometry (bf16, G = 4, D = 128).
+FAMILY = {"9.0": "pallas_gpu", "8.0": "pallas_triton", "8.9": "pallas_triton",
+          "10.0": "pallas_triton", "7.5": "xla"}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -54,32 +61,50 @@ def _decode():
 
 
 def _export(fn, args) -> str:
-    return jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=TRITON_CHECKS)
+    return exported(*args).mlir_module()
+
+
+TRITON_CHECKS = compat.TRITON_EXPORT_CHECKS
+
+
+def _export_step(engine, num_tokens=None, **kwargs) -> str:
+    """``compile_check.export_step``'s program, exported with the Triton call allowed."""
+    args = compile_check._step_args(
+        engine, num_tokens, kwargs.get("decode", False), False, kwargs.get("loop", False)
+    )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), args)
+    exported = jax.export.export(
+        engine._jit_step, platforms=["cuda"], disabled_checks=TRITON_CHECKS
+    )
+    return exported(*abstract).mlir_module()
 
 
 def test_each_capability_gets_its_kernel_several_targets_in_one_process():
     for capability in CAPABILITIES:
-        hopper = capability.startswith("9.")
+        family = FAMILY[capability]
         with aot.cuda_target(capability) as device:
             assert device.compute_capability == capability
             ops = {"ragged_paged_attention": _ragged(), "paged_attention": _decode()}
             for op, (fn, args) in ops.items():
-                assert (MOSAIC_GPU in _export(fn, args)) == hopper, (capability, op)
+                text = _export(fn, args)
+                assert (MOSAIC_GPU in text) == (family == "pallas_gpu"), (capability, op)
+                assert (TRITON in text) == (family == "pallas_triton"), (capability, op)
                 impl = kp.kernel_info("cuda")[op]
-                if hopper:
-                    assert impl == "pallas_gpu"
-                else:
+                if family == "xla":
                     assert impl.startswith("xla (fallback: ") and f"capability {capability}" in impl
+                else:
+                    assert impl == family, (capability, op, impl)
 
 
 def test_a_capability_without_a_kernel_says_so_in_one_warning(caplog):
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
     fn, args = _ragged()
-    with aot.cuda_target("8.9"):
+    with aot.cuda_target("7.5"):
         for _ in range(3):
             _export(fn, args)
     msgs = [r.getMessage() for r in caplog.records if "ragged_paged_attention" in r.getMessage()]
-    assert len(msgs) == 1 and "compute capability 8.9" in msgs[0], msgs
+    assert len(msgs) == 1 and "compute capability 7.5" in msgs[0], msgs
 
 
 @pytest.mark.parametrize("bad", ["9", "sm_90", "9.0a", ""])
@@ -132,12 +157,25 @@ def test_the_engine_step_exports_for_every_generation_with_its_kernel(bf16_model
     engine = _engine(bf16_model)
     for capability in ("8.0", "8.9", "9.0", "10.0"):
         with aot.cuda_target(capability):
-            text = compile_check.export_step(engine).mlir_module()
+            text = _export_step(engine)
             info = kp.kernel_info("cuda")
-        hopper = capability == "9.0"
-        assert (MOSAIC_GPU in text) == hopper, capability
-        assert (info["ragged_paged_attention"] == "pallas_gpu") == hopper, info
+        family = FAMILY[capability]
+        assert (MOSAIC_GPU in text) == (family == "pallas_gpu"), capability
+        assert (TRITON in text) == (family == "pallas_triton"), capability
+        assert info["ragged_paged_attention"] == family, info
         assert info["write_kv"] == info["copy_blocks"] == "xla"  # XLA's scatter on every GPU
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="paxcache.compile_check.export_step does not pass "
+    "kernels_pallas.compat.TRITON_EXPORT_CHECKS yet, so jax.export refuses the Triton call",
+)
+def test_compile_check_exports_the_step_with_the_triton_kernel(bf16_model):
+    with aot.cuda_target("8.0"):
+        text = compile_check.export_step(_engine(bf16_model)).mlir_module()
+    assert TRITON in text
 
 
 def test_export_step_refuses_a_token_count_that_is_not_a_bucket(bf16_model):
@@ -170,9 +208,30 @@ def test_a_gpu_kernel_that_fails_to_build_falls_back_to_xla_at_warmup(
     assert len(msgs) == 1 and "ragged_paged_attention" in msgs[0], msgs
 
 
+def test_a_triton_kernel_that_fails_to_build_falls_back_to_xla_in_the_probe(monkeypatch, caplog):
+    """The compile probe covers the Triton kernel too: its lowering raising on 8.0 makes the
+    op run the XLA path, with one warning, however often it is traced."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Triton lowering failed: injected by the test")
+
+    monkeypatch.setattr(ta, "_run_kernel", broken)
+    monkeypatch.setattr(_dispatch, "_PROBED", {})
+    caplog.set_level(logging.WARNING, logger="kernels_pallas")
+    fn, args = _ragged(m=7, t=48)  # shapes no other test traced (jit caches the kernel)
+    with aot.cuda_target("8.0"), kp.compile_probes():
+        for _ in range(2):
+            text = _export(fn, args)
+        info = kp.kernel_info("cuda")["ragged_paged_attention"]
+    assert TRITON not in text
+    assert info.startswith("xla (fallback: Triton compile error: RuntimeError: Triton lowering")
+    msgs = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
+    assert len(msgs) == 1 and "ragged_paged_attention" in msgs[0], msgs
+
+
 def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
     """No weights, no GPU: the engine sized for an 80 GiB GPU (GPU defaults), its step exported
-    with the Mosaic GPU kernel on Hopper only."""
+    with the Mosaic GPU kernel on Hopper and the Triton kernel on Ampere."""
     cfg = LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -185,8 +244,8 @@ def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
     assert engine.decode_buckets == ()  # one program per bucket off the TPU kernels
     for capability, hopper in (("9.0", True), ("8.0", False)):
         with aot.cuda_target(capability):
-            text = engine.export_step(64).mlir_module()
-        assert (MOSAIC_GPU in text) == hopper, capability
+            text = _export_step(engine, 64)
+        assert (MOSAIC_GPU in text) == hopper and (TRITON in text) != hopper, capability
     # The GPU default runs decode-only steps as 8-iteration multi-step decodes: the while
     # loop exports with the Hopper kernel inside it.
     assert engine.decode_steps == 8
@@ -241,10 +300,10 @@ def test_decode_rows_on_the_chunked_path_match_the_decode_oracle():
 
 @pytest.mark.parametrize("op", ["ragged", "decode"])
 def test_cuda_without_a_kernel_runs_the_xla_path_on_bf16_operands(op):
-    """On 8.0 the exported attention's matmuls take the pages' bf16 (f32 accumulation); the
-    CPU lowering of the same function keeps the exact f32 path."""
+    """On 7.5 (no kernel) the exported attention's matmuls take the pages' bf16 (f32
+    accumulation); the CPU lowering of the same function keeps the exact f32 path."""
     fn, args = _ragged(m=6) if op == "ragged" else _decode()
-    with aot.cuda_target("8.0"):
+    with aot.cuda_target("7.5"):
         cuda = _export(fn, args)
     cpu = jax.jit(fn).trace(*args).lower().as_text()
 

@@ -1,8 +1,9 @@
 """One dispatch for every kernel op (``kernels_pallas._dispatch``), on this CPU host.
 
 * ``impl="auto"`` follows the platform a program is lowered for: CPU -> XLA; CUDA (exported
-  from here, no GPU: assumed Hopper) -> the Mosaic GPU kernel, or the XLA path with ONE
-  warning when the geometry is one the GPU kernel does not take; the registry
+  from here, no GPU: assumed Hopper) -> the Mosaic GPU kernel, the Triton kernel for a
+  geometry Mosaic GPU does not take, or the XLA path with ONE warning when neither takes it
+  (per capability: ``tests/test_cuda_target.py``); the registry
   (``kernels_pallas.kernel_info``) says what each op got, per platform.
 * forced kernels on the wrong target are refused with a clear error.
 * the engine: ``warmup()`` compiles every swap program (no compilation at the first
@@ -21,7 +22,9 @@ import pytest
 from flax import nnx
 
 import kernels_pallas as kp
-from kernels_pallas import _dispatch
+from kernels_pallas import _dispatch, aot, compat
+
+TRITON_CHECKS = compat.TRITON_EXPORT_CHECKS
 
 
 @pytest.fixture(autouse=True)
@@ -62,22 +65,44 @@ def test_export_for_cuda_picks_the_mosaic_gpu_kernel_assuming_hopper():
     assert kp.kernel_info("cuda")["ragged_paged_attention"] == "pallas_gpu"
 
 
-def test_geometry_the_gpu_kernel_refuses_falls_back_to_xla_with_one_warning(caplog, monkeypatch):
-    """G = 6 does not divide the 64-row wgmma tile: the CUDA branch is the XLA path, warned
-    about once (when CUDA is the target), and the registry says why."""
-    monkeypatch.setattr(_dispatch, "target_platform", lambda: "cuda")
+def _export_cuda(fn, args) -> str:
+    return jax.export.export(fn, platforms=["cuda"], disabled_checks=TRITON_CHECKS)(
+        *args
+    ).mlir_module()
+
+
+def test_geometry_mosaic_gpu_refuses_runs_the_triton_kernel_on_hopper(caplog):
+    """G = 6 does not divide the 64-row wgmma tile: on Hopper the CUDA branch is the Triton
+    kernel (which takes any G), recorded as such, with no warning."""
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
-    for _ in range(3):
-        exported = jax.export.export(_ragged_fn(), platforms=["cuda"])(*_ragged_args(6))
-    assert "mosaic_gpu" not in exported.mlir_module()
-    info = kp.kernel_info("cuda")["ragged_paged_attention"]
-    assert info.startswith("xla (fallback: ") and "query heads per kv head (6)" in info
+    with aot.cuda_target("9.0"):
+        text = _export_cuda(_ragged_fn(), _ragged_args(6))
+        info = kp.kernel_info("cuda")["ragged_paged_attention"]
+    assert "custom_call @mosaic_gpu" not in text and compat.TRITON_CALL_TARGET in text
+    assert info == "pallas_triton"
+    assert not [r for r in caplog.records if "ragged_paged_attention" in r.getMessage()]
+
+
+def test_geometry_no_gpu_kernel_takes_falls_back_to_xla_with_one_warning(caplog):
+    """head_dim 96 is neither a multiple of 64 (Mosaic GPU) nor a power of two (Triton): the
+    CUDA branch is the XLA path, warned about once, and the registry names both reasons."""
+    caplog.set_level(logging.WARNING, logger="kernels_pallas")
+    with aot.cuda_target("9.0"):
+        for _ in range(3):
+            text = _export_cuda(_ragged_fn(), _ragged_args(4, d=96))
+        info = kp.kernel_info("cuda")["ragged_paged_attention"]
+    assert "custom_call @mosaic_gpu" not in text and compat.TRITON_CALL_TARGET not in text
+    assert info.startswith("xla (fallback: ") and "head_dim=96" in info and "Triton" in info
     msgs = [r.getMessage() for r in caplog.records if "ragged_paged_attention" in r.getMessage()]
     assert len(msgs) == 1, msgs
 
 
-def test_gpu_reason_comes_from_the_gpu_module_when_it_defines_one(monkeypatch):
+def test_gpu_reasons_come_from_the_gpu_kernel_modules(monkeypatch):
+    """Each GPU kernel module states what it refuses (Mosaic GPU: ``gpu.attention``; Triton:
+    ``gpu.triton_attention``, for the targeted capability); refused by both, the registry
+    names both reasons."""
     from kernels_pallas.gpu import attention as ga
+    from kernels_pallas.gpu import triton_attention as ta
 
     calls = []
 
@@ -85,10 +110,17 @@ def test_gpu_reason_comes_from_the_gpu_module_when_it_defines_one(monkeypatch):
         calls.append((head_dim, num_q_per_kv, block_size, jnp.dtype(dtype).name))
         return "nope"
 
+    def triton_reason(*, head_dim, num_q_per_kv, block_size, dtype, capability):
+        calls.append((head_dim, num_q_per_kv, block_size, jnp.dtype(dtype).name, capability))
+        return "nope too"
+
     monkeypatch.setattr(ga, "unsupported_reason", reason, raising=False)
-    jax.export.export(_ragged_fn(), platforms=["cuda"])(*_ragged_args(4))
-    assert calls == [(128, 4, 16, "bfloat16")]
-    assert kp.kernel_info("cuda")["ragged_paged_attention"] == "xla (fallback: nope)"
+    monkeypatch.setattr(ta, "unsupported_reason", triton_reason)
+    with aot.cuda_target("9.0"):
+        _export_cuda(_ragged_fn(), _ragged_args(4))
+        info = kp.kernel_info("cuda")["ragged_paged_attention"]
+    assert sorted(calls) == [(128, 4, 16, "bfloat16"), (128, 4, 16, "bfloat16", "9.0")]
+    assert info == "xla (fallback: nope; Triton kernel: nope too)"
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@
 layouts, TMA descriptors, wgmma shapes, SMEM budget) without a GPU, short of ptxas; the module
 text then holds the ``mosaic_gpu`` custom call. The fast subset covers every head_dim, several
 G and block sizes, bf16 and f16, stacked ``layer=``, decode and ragged; ``-m slow`` runs the
-whole grid (head_dim 64/128/256 x G 1..8 x block_size 8..128).
+whole grid (head_dim 64/128/256 x G 1..8 x block_size 8..128). Geometries the Hopper kernel
+refuses export with the Triton kernel where it takes them (the Triton kernel on other
+capabilities: ``tests/test_gpu_triton.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import numpy as np
 import pytest
 
 import kernels_pallas as kp
+from kernels_pallas import aot, compat
 from kernels_pallas.gpu import attention as ga
+from kernels_pallas.gpu import triton_attention as ta
 
 # The kernel's custom call in the exported module (the target is mosaic_gpu or mosaic_gpu_v2);
 # a bare "mosaic_gpu" would also match debug locations named after functions.
@@ -95,7 +99,8 @@ MAINSTREAM = [
     pytest.param(32, 8, 128, None, id="llama3-8b"),
     pytest.param(32, 8, 128, 4096, id="mistral-7b-window"),
 ]
-# (H, K, D, S, dtype): geometry the Hopper kernel does not take -> XLA path.
+# (H, K, D, S, dtype): geometry the Hopper kernel does not take -> the Triton kernel where it
+# takes it (g3, block24, float32), else the XLA path (head_dim 96 / 80).
 OTHER = [
     pytest.param(32, 32, 96, 16, jnp.bfloat16, id="head_dim96"),
     pytest.param(40, 40, 80, 16, jnp.bfloat16, id="head_dim80"),
@@ -106,12 +111,17 @@ OTHER = [
 
 
 def _export_auto(kind, h, kv, d, s, dtype, window):
-    """The public op on an abstract 2-layer cache (the value the engine passes)."""
+    """The public op on an abstract 2-layer cache (the value the engine passes), exported for
+    Hopper."""
     q, _, _, *rest = _inputs(kind, g=h // kv, d=d, s=s, dtype=dtype, kv_heads=kv, layers=2)
     args = (q, kp.kv_cache_shape(2, 16, s, kv, d, dtype), *rest)
     op = kp.paged_attention if kind == "decode" else kp.ragged_paged_attention
     fn = functools.partial(op, impl="auto", sliding_window=window, layer=np.int32(1))
-    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    with aot.cuda_target("9.0"):
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"], disabled_checks=compat.TRITON_EXPORT_CHECKS
+        )
+        return exported(*args).mlir_module()
 
 
 @pytest.mark.parametrize("kind", ["decode", "ragged"])
@@ -124,7 +134,12 @@ def test_auto_exported_for_cuda_runs_the_mosaic_gpu_kernel_on_mainstream_shapes(
 
 @pytest.mark.parametrize("kind", ["decode", "ragged"])
 @pytest.mark.parametrize("h,kv,d,s,dtype", OTHER)
-def test_auto_exported_for_cuda_lowers_the_xla_path_for_other_shapes(kind, h, kv, d, s, dtype):
-    assert ga.unsupported_reason(head_dim=d, num_q_per_kv=h // kv, block_size=s, dtype=dtype)
+def test_auto_exported_for_hopper_runs_triton_or_xla_where_mosaic_gpu_refuses(
+    kind, h, kv, d, s, dtype
+):
+    geometry = dict(head_dim=d, num_q_per_kv=h // kv, block_size=s, dtype=dtype)
+    assert ga.unsupported_reason(**geometry)
+    triton = ta.unsupported_reason(**geometry, capability="9.0") is None
     text = _export_auto(kind, h, kv, d, s, dtype, None)
     assert MOSAIC_GPU not in text
+    assert (compat.TRITON_CALL_TARGET in text) == triton
