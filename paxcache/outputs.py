@@ -103,22 +103,24 @@ class RequestState:
         self.sent_logprobs = [0] * len(seqs)
         self.sent_prompt_logprobs = False
         self.prompt_logprobs_ready = False
+        # Characters of text held back: a stop string's length less one.
+        self._hold = max((len(s) for s in params.stop or ()), default=1) - 1
+        self._delta = params.output_kind == "delta"
 
     def output(self, *, finished: bool) -> RequestOutput:
         """The request's output now (cumulative, or only what is new with
         ``output_kind="delta"``); text that may still turn out to be the start of a stop
         string is held back until it cannot."""
         comps = []
-        stops = self.params.stop or ()
-        hold = max((len(s) for s in stops), default=1) - 1
-        delta = self.params.output_kind == "delta"
+        hold, delta = self._hold, self._delta
         for i, s in enumerate(self.seqs):
-            visible = len(s.text) if s.is_finished else max(s.emitted, len(s.text) - hold)
+            text_len = len(s.text)
+            visible = text_len if s.is_finished else max(s.emitted, text_len - hold)
             new_text = s.text[s.emitted : visible]
             s.emitted = visible
             if delta:  # only what is new: linear in the output length, however long
                 start = s.num_prompt + self.sent_tokens[i]
-                token_ids = s.token_ids[start:] if s.num_generated > 0 else []
+                token_ids = s.token_ids[start:]
                 self.sent_tokens[i] += len(token_ids)
                 logprobs = None
                 if s.logprobs is not None:
@@ -126,20 +128,15 @@ class RequestState:
                     self.sent_logprobs[i] = len(s.logprobs)
                 text = new_text
             else:
-                token_ids = list(s.token_ids[s.num_prompt :]) if s.num_generated > 0 else []
+                token_ids = s.token_ids[s.num_prompt :]  # a copy
                 logprobs = list(s.logprobs) if s.logprobs is not None else None
-                text = s.text[:visible]
+                text = s.text if visible == text_len else s.text[:visible]
             comps.append(
                 CompletionOutput(
-                    index=s.index,
-                    token_ids=token_ids,
-                    text=text,
-                    finish_reason=s.finish_reason,
-                    logprobs=logprobs,
-                    new_token_ids=list(s.new_ids),
-                    new_text=new_text,
+                    s.index, token_ids, text, s.finish_reason, logprobs, s.new_ids, new_text
                 )
             )
+            s.new_ids = []  # reported: this list now belongs to the output
         prompt_lps = self.seqs[0].prompt_logprobs
         if prompt_lps is not None and not self.prompt_logprobs_ready:
             self.prompt_logprobs_ready = all(e is not None for e in prompt_lps[1:])
@@ -155,7 +152,9 @@ class RequestState:
             finished=finished,
             error=next((s.error for s in self.seqs if s.error), None),
             num_cached_tokens=self.seqs[0].num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in self.seqs),
+            num_preemptions=sum(s.num_preemptions for s in self.seqs)
+            if len(self.seqs) > 1
+            else self.seqs[0].num_preemptions,
             prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None,
         )
 
@@ -214,6 +213,4 @@ class OutputProcessor:
             outputs.append(req.output(finished=finished))
             if finished:
                 self._requests.pop(req.request_id, None)
-            for s in req.seqs:
-                s.new_ids = []
         return outputs

@@ -322,7 +322,10 @@ def request_keys(
     Returns:
       u32[B, 2] keys, a pure function of each row's ``(seed, step, index)``.
     """
-    s = np.asarray([int(v) & _U64 for v in np.ravel(seeds)], dtype=np.uint64)
+    if isinstance(seeds, np.ndarray) and seeds.dtype == np.uint64:
+        s = seeds.ravel()
+    else:
+        s = np.asarray([int(v) & _U64 for v in np.ravel(seeds)], dtype=np.uint64)
     t = np.asarray(steps, dtype=np.int64).ravel().astype(np.uint64)
     j = np.asarray(indices, dtype=np.int64).ravel().astype(np.uint64)
     if not (s.shape == t.shape == j.shape):
@@ -345,8 +348,10 @@ def sequence_keys(seqs: Sequence[Any], num_rows: int, ahead: Sequence[int] = (0,
     seeds = np.zeros(num_rows, np.uint64)
     generated = np.zeros(num_rows, np.int64)
     index = np.zeros(num_rows, np.int64)
-    for j, seq in enumerate(seqs):
-        seeds[j], generated[j], index[j] = seq.seed & _U64, seq.num_generated, seq.index
+    n = len(seqs)
+    seeds[:n] = [seq.seed & _U64 for seq in seqs]
+    generated[:n] = [seq.num_generated for seq in seqs]
+    index[:n] = [seq.index for seq in seqs]
     k = len(ahead)
     steps = generated[None, :] + np.asarray(ahead, np.int64)[:, None]  # [k, R]
     keys = request_keys(np.tile(seeds, k), steps.ravel(), np.tile(index, k))

@@ -202,13 +202,14 @@ class Scheduler:
         """Ends sequences now (abort, failure): out of every queue, blocks freed, finished
         with ``reason`` (a sequence that already finished keeps its own)."""
         self.remove(seqs)
+        self._release(seqs)
         for s in seqs:
-            self._release(s)
             s.finish(reason, error)
 
-    def _release(self, seq: Sequence) -> None:
-        if seq in self.block_manager:
-            self.block_manager.free(seq)
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Frees the blocks of those of ``seqs`` that hold any, in one allocator call."""
+        bm = self.block_manager
+        bm.free_many([s for s in seqs if s in bm])
 
     def reset_cache(self, state: object) -> list[Sequence]:
         """Starts the block manager over from an empty ``state`` (the old one is gone, e.g.
@@ -339,8 +340,8 @@ class Scheduler:
     def _requeue(self, unit: list[Sequence]) -> None:
         """Frees a unit's blocks and queues it again (in age order) with its whole history,
         to be computed from the start."""
+        self._release(unit)
         for s in unit:
-            self._release(s)
             s.state = SeqState.WAITING
             s.num_computed = 0
             s.num_allocated = 0
@@ -358,7 +359,7 @@ class Scheduler:
             if seq not in self.running:  # preempted as a newer unit of an older one's room
                 continue
             self.num_rope_recomputes += 1
-            self._release(seq)
+            self._release([seq])
             seq.num_computed = seq.num_allocated = 0
             seq.shared_last = False
             while not self._admit([seq], reserve=0):
@@ -575,10 +576,10 @@ class Scheduler:
             self._advance(plan, np.asarray(row_ok, bool), result, failed, touched, finished)
         else:
             self._advance_loop(plan, result, failed, touched, finished)
-        for seq in finished:
-            if seq.request_id not in failed:
-                self.remove([seq])
-                self._release(seq)
+        done = [seq for seq in finished if seq.request_id not in failed]
+        if done:  # one queue pass and one allocator call, however many finished
+            self.remove(done)
+            self._release(done)
         for seq in {id(s.group[0]): s for s, _ in plan.rows + plan.samples}.values():
             if seq.request_id in failed:
                 self.finish(seq.group, "error", INTERNAL_ERROR)
@@ -629,7 +630,8 @@ class Scheduler:
         """Appends the ``toks`` one decode row of a multi-step decode generated and applies the
         stop conditions to them at once, exactly as ``len(toks)`` single steps would; False,
         changing nothing, when that is not certain (stop strings, logprobs, a grammar, a stop
-        or length condition before the last token, text the decoder cannot take at once)."""
+        or length condition before the last token). The decoder takes the chunk whole
+        (:meth:`IncrementalDecoder.push_chunk`)."""
         p = seq.params
         if p.stop or seq.logprobs is not None or seq.matcher is not None:
             return False
@@ -641,8 +643,6 @@ class Scheduler:
         stop_last = is_stop_token(p, toks[-1], eos)  # not detokenized
         body = toks[:-1] if stop_last else toks
         piece = seq.decoder.push_chunk(body) if body else ""
-        if piece is None:
-            return False
         self._feed(seq, n)
         seq.token_ids.extend(toks)
         seq.new_ids.extend(toks)
@@ -677,6 +677,8 @@ class Scheduler:
         ``result.tokens`` (and logprobs) and meet the stop conditions. A sequence that
         finished in an earlier iteration (a stop string the device does not see) takes
         nothing more."""
+        ran = np.asarray(ran).tolist()  # Python bools and ints: no numpy scalar per row
+        tokens = np.asarray(result.tokens).tolist()
         for i, (seq, q) in enumerate(plan.rows):
             if not ran[i] or seq.request_id in failed or seq.is_finished:
                 continue
@@ -691,7 +693,7 @@ class Scheduler:
                 seq.num_allocated = lead.num_allocated
                 seq.leader = None
                 seq.shared_last = True
-            tok = int(result.tokens[j])
+            tok = tokens[j]
             seq.token_ids.append(tok)
             seq.new_ids.append(tok)
             self.num_generated_tokens += 1

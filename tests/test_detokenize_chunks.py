@@ -1,6 +1,6 @@
 """IncrementalDecoder.push_chunk (multi-step decode detokenizes each row's tokens at once):
-whenever it takes a chunk, the text is exactly what pushing the ids one by one gives, at the
-chunk's end and for every later push and flush; when it cannot tell, it adds nothing."""
+the text is exactly what pushing the ids one by one gives, at the chunk's end and for every
+later push and flush, whether it decodes the chunk at once or id by id."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ _chunks = st.lists(st.lists(_ids, min_size=1, max_size=MAX_HELD_TOKENS + 2), max
 
 @settings(max_examples=150, deadline=None)
 @given(which=st.sampled_from(["bytes", "tiny"]), chunks=_chunks, tail=st.lists(_ids, max_size=4))
-def test_a_taken_chunk_gives_the_text_of_one_by_one_pushes(tokenizers, which, chunks, tail):
+def test_a_chunk_gives_the_text_of_one_by_one_pushes(tokenizers, which, chunks, tail):
     tok = tokenizers[which]
     if which == "bytes":
         chunks = [[i % 256 for i in c] for c in chunks]
@@ -34,10 +34,7 @@ def test_a_taken_chunk_gives_the_text_of_one_by_one_pushes(tokenizers, which, ch
     text_one = text_many = ""
     for chunk in chunks:
         text_one += "".join(one.push(i) for i in chunk)
-        piece = many.push_chunk(chunk)
-        if piece is None:  # nothing was added: the caller pushes id by id
-            piece = "".join(many.push(i) for i in chunk)
-        text_many += piece
+        text_many += many.push_chunk(chunk)
         assert many.ids == one.ids
         assert text_many == text_one, chunk
     for i in tail:
@@ -45,12 +42,14 @@ def test_a_taken_chunk_gives_the_text_of_one_by_one_pushes(tokenizers, which, ch
     assert many.flush() == one.flush()
 
 
-def test_plain_text_chunks_are_taken_and_held_characters_are_not(tokenizers):
+def test_plain_text_chunks_decode_at_once_and_held_characters_id_by_id(tokenizers):
     dec = IncrementalDecoder(tokenizers["bytes"])
-    assert dec.push_chunk(list(b"hello ")) == "hello "
-    assert dec.push_chunk([0xE2, 0x82]) is None  # would end inside a character
+    assert dec._chunk_at_once(list(b"hello ")) == "hello "
+    assert dec._chunk_at_once([0xE2, 0x82]) is None  # would end inside a character
     assert dec.ids == list(b"hello ")
-    assert dec.push(0xE2) == ""  # now one is held back: the next chunk goes id by id
-    assert dec.push_chunk([0x82, 0xAC]) is None
-    assert dec.push(0x82) + dec.push(0xAC) == "\u20ac"
-    assert dec.push_chunk(list(range(97, 97 + MAX_HELD_TOKENS + 1))) is None  # too long
+    assert dec.push_chunk([0xE2, 0x82]) == ""  # id by id: held back, as push would
+    assert dec.ids == list(b"hello ") + [0xE2, 0x82]
+    assert dec._chunk_at_once([0xAC]) is None  # something is held: id by id
+    assert dec.push_chunk([0xAC, 0x21]) == "\u20ac!"
+    assert dec._chunk_at_once(list(range(97, 97 + MAX_HELD_TOKENS + 1))) is None  # too long
+    assert dec.push_chunk(list(range(97, 97 + MAX_HELD_TOKENS + 1))) == "abcdefghi"

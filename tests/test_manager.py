@@ -232,3 +232,28 @@ def test_append_batch_serves_several_sequences_in_one_call(bm):
     assert cows["a"] == [] and len(cows["b"]) == 1 and cows["c"] == []
     assert bm.seq_len("a") == 5 and bm.seq_len("b") == 4 and bm.seq_len("c") == 4
     assert_ok(bm)
+
+
+def test_free_many_equals_freeing_one_by_one_and_refuses_bad_ids_whole(bm):
+    one = BlockManager(CFG)
+    for m in (bm, one):
+        m.allocate("a", prompt(5))
+        m.allocate("b", prompt(7, start=300))
+        m.fork("a", "c")  # "c" shares "a"'s blocks: both freed at once drop two references
+        m.allocate("d", prompt(3, start=500))
+    snap = snapshot(bm)
+    with pytest.raises(errors.UnknownSequenceError):
+        bm.free_many(["a", "nope"])
+    assert_unchanged(bm, snap)
+    with pytest.raises(ValueError, match="repeated"):
+        bm.free_many(["a", "b", "a"])
+    assert_unchanged(bm, snap)
+    bm.free_many(["a", "b", "c"])
+    for seq_id in ("a", "b", "c"):
+        one.free(seq_id)
+    assert bm.num_free_blocks == one.num_free_blocks
+    assert bm.free_slots == one.free_slots and list(bm._slots) == ["d"]
+    assert bm.block_table("d") == one.block_table("d")
+    assert_ok(bm)
+    bm.free_many([])  # nothing to free: nothing changes
+    assert bm.num_free_blocks == one.num_free_blocks

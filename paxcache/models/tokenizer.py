@@ -175,7 +175,10 @@ class ByteTokenizer:
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """Ids -> raw bytes, dropping ids >= 256 (specials)."""
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        try:  # the common case, every id a byte: one C call
+            return bytes(ids)
+        except (ValueError, TypeError):
+            return bytes([i for i in map(int, ids) if 0 <= i < 256])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text; invalid UTF-8 becomes U+FFFD. Special ids are dropped, or spelled
@@ -618,21 +621,38 @@ class IncrementalDecoder:
 
     def push(self, *ids: int) -> str:
         """Adds ids; returns the newly completed text (maybe empty)."""
-        self.ids.extend(int(i) for i in ids)
+        if len(ids) == 1:
+            self.ids.append(int(ids[0]))
+        else:
+            self.ids.extend(int(i) for i in ids)
         return self._advance(final=False)
 
-    def push_chunk(self, ids: Sequence[int]) -> str | None:
-        """Adds ``ids`` with three decodes, returning what pushing them one by one would have
-        returned in total (every later call then returns what it would after those pushes);
-        None, adding nothing, when that cannot be told without decoding id by id.
+    def push_chunk(self, ids: Sequence[int]) -> str:
+        """Adds ``ids``; returns what pushing them one by one would have returned in total
+        (every later call then returns what it would after those pushes).
 
-        It can when nothing is held back now, ``ids`` are at most ``MAX_HELD_TOKENS`` (no
-        push of theirs could be forced out early), the window's text has no U+FFFD (no
-        incomplete character was held or forced out along the way) and the last id adds
-        text (so one by one nothing would be held at the end either).
+        Three decodes when that total can be told at once: nothing is held back now, ``ids``
+        are at most ``MAX_HELD_TOKENS`` (no push of theirs could be forced out early), the
+        window's text has no U+FFFD (no incomplete character was held or forced out along
+        the way) and the last id adds text (so one by one nothing would be held at the end
+        either). Otherwise it pushes them one by one (two decodes each), here, so the caller
+        never does.
         """
         ids = [int(i) for i in ids]
-        if not ids or self._read != len(self.ids) or len(ids) > MAX_HELD_TOKENS:
+        if not ids:
+            return ""
+        at_once = self._chunk_at_once(ids)
+        if at_once is not None:
+            return at_once
+        pieces = []
+        for i in ids:
+            self.ids.append(i)
+            pieces.append(self._advance(final=False))
+        return "".join(pieces)
+
+    def _chunk_at_once(self, ids: list[int]) -> str | None:
+        """:meth:`push_chunk`'s three-decode path; None, adding nothing, when it cannot tell."""
+        if self._read != len(self.ids) or len(ids) > MAX_HELD_TOKENS:
             return None
         window = self.ids[self._prefix :]
         text = self._decode(window + ids)
