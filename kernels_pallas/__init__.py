@@ -13,9 +13,10 @@ Public API (README "Kernels"; the package's place in the repository: ARCHITECTUR
 
 ``impl`` values shared by every op (decided in one place, :mod:`kernels_pallas._dispatch`):
 ``"auto"`` (for the platform the program is lowered for: Mosaic TPU kernel on TPU, live or an
-ahead-of-time topology target; Mosaic GPU kernel on CUDA/Hopper; XLA elsewhere),
-``"reference"`` (the oracle / XLA path), ``"pallas"`` (the target's Pallas kernel; on CPU the
-TPU kernel, which needs ``interpret=True``), ``"pallas_tpu"`` and ``"pallas_gpu"`` (force one
+ahead-of-time topology target; Mosaic GPU kernel on CUDA/Hopper, the Pallas Triton kernel on
+other CUDA compute capabilities from 8.0; XLA elsewhere), ``"reference"`` (the oracle / XLA
+path), ``"pallas"`` (the target's Pallas kernel; on CPU the TPU kernel, which needs
+``interpret=True``), ``"pallas_tpu"``, ``"pallas_gpu"`` and ``"pallas_triton"`` (force one
 kernel family, e.g. in interpret mode on CPU).
 
 ``kernel_info()`` says which implementation each traced op got (and why, if it fell back),

@@ -28,8 +28,8 @@ native bf16, upcasts bf16 updates over the whole array, so keep CPU caches in fl
 follows the platform the program is lowered for (Mosaic TPU kernel on TPU, live or an AOT
 topology target; XLA's in-place scatter on GPU and CPU), ``"reference"`` (the XLA path),
 ``"pallas"`` (the target's kernel; on CPU the TPU kernel, which needs ``interpret=True``),
-``"pallas_tpu"`` (force the TPU kernels), ``"pallas_gpu"`` (there are no Mosaic GPU KV
-kernels: the XLA path, recorded as such, as for swap_blocks).
+``"pallas_tpu"`` (force the TPU kernels), ``"pallas_gpu"`` / ``"pallas_triton"`` (there are
+no GPU KV kernels: the XLA path, recorded as such, as for swap_blocks).
 
 Why no GPU kernels for write_kv / copy_blocks: on a GPU, XLA's scatter of donated pages is
 already one in-place kernel with a thread per element, so a Mosaic GPU kernel moving the same
