@@ -219,9 +219,7 @@ def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = 
             )
 
 
-def _reasons(
-    q: jax.Array, k_pages: jax.Array, sinks: Any = None
-) -> tuple[str | None, str | None, str | None]:
+def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str | None, ...]:
     """Why the TPU / Mosaic GPU / Triton kernels cannot take these operands (None: they can);
     the Triton kernel's for the targeted compute capability."""
     kh, _, s, d = k_pages.shape[-4:]
@@ -304,11 +302,10 @@ def _one(optional: tuple) -> Any:
 
 def _has_triton_module() -> bool:
     try:
-        importlib.import_module("kernels_pallas.gpu.triton_attention")
+        return bool(importlib.import_module("kernels_pallas.gpu.triton_attention"))
     except ImportError as e:
         logger.warning("the Triton GPU kernels are not importable (%s); they are not used", e)
         return False
-    return True
 
 
 def _triton_kw(k_pages, layer, ks, vs, sink: tuple, kw: dict, interpret: bool) -> dict:
