@@ -86,6 +86,7 @@ from collections.abc import Collection
 
 import numpy as np
 
+from paxcache.allocator import append_need
 from paxcache.errors import OutOfBlocksError
 from paxcache.manager import BlockManager
 from paxcache.outputs import INTERNAL_ERROR
@@ -268,25 +269,29 @@ class Scheduler:
         return -(-tokens // self.block_size)
 
     def blocks_needed(self, rows: list[tuple[Sequence, int]]) -> int:
-        """Fresh blocks the allocator's ``append`` takes to feed ``rows``, exactly.
-
-        A row needs a block per block boundary it crosses beyond its allocation, and one more
-        when it writes into a partial last block it shares with siblings (copy-on-write), except
-        that when every holder of that block writes in the same step the last one keeps it.
-        The holders of a request's shared block are its running sequences with
-        ``shared_last`` (siblings forked together that have not written yet).
-        """
+        """Fresh blocks the allocator's ``append`` takes to feed ``rows``, exactly: its own
+        arithmetic (:func:`paxcache.allocator.append_need`) on what the scheduler knows. A row
+        appends what it feeds beyond its allocation; a partial last block is shared while
+        siblings forked with it hold it (``shared_last``: the request's running sequences
+        with it set are the holders, its writers ranked in row order)."""
         s = self.block_size
         need = 0
-        writers: collections.Counter[str] = collections.Counter()
+        holders: collections.Counter[str] | None = None
+        rank: collections.Counter[str] = collections.Counter()
         for seq, q in rows:
-            end = seq.num_computed + q
-            need += max(0, self._blocks(end) - self._blocks(seq.num_allocated))
-            if seq.shared_last and end > seq.num_allocated and seq.num_allocated % s:
-                writers[seq.request_id] += 1
-        for rid, w in writers.items():
-            holders = sum(1 for t in self.running if t.request_id == rid and t.shared_last)
-            need += w - (w == holders)
+            length = seq.num_allocated
+            new = max(0, seq.num_computed + q - length)
+            shared = seq.shared_last and new > 0 and length % s != 0
+            last_ref = r = 0
+            if shared:
+                if holders is None:
+                    holders = collections.Counter(
+                        t.request_id for t in self.running if t.shared_last
+                    )
+                last_ref, r = holders[seq.request_id], rank[seq.request_id]
+                rank[seq.request_id] += 1
+            before, after, cow = append_need(length, new, s, shared, last_ref, r)
+            need += after - before + cow
         return need
 
     # -- preemption -----------------------------------------------------------------------

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paxcache import allocator
 from paxcache.config import CacheConfig
@@ -663,3 +665,38 @@ class AllocatorVariantsTest(chex.TestCase):
 def test_init_rejects_a_non_config():
     with pytest.raises(ValueError, match="CacheConfig"):
         allocator.init({"num_blocks": 4})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    length=st.integers(0, 40),
+    num_new=st.integers(0, 20),
+    block_size=st.sampled_from([1, 4, 16]),
+    holders=st.integers(2, 5),
+    writers=st.integers(0, 5),
+)
+def test_append_need_is_one_rule_for_python_ints_and_device_arrays(
+    length, num_new, block_size, holders, writers
+):
+    """The scheduler (Python ints per row) and the allocator (i32 arrays) share the rule: the
+    blocks an append crosses, and min(writers, holders - 1) copies of a shared last block."""
+    writers = min(writers, holders)
+    shared = length % block_size != 0 and num_new > 0
+    host = [
+        allocator.append_need(length, num_new, block_size, shared, holders, r)
+        for r in range(writers)
+    ] or [allocator.append_need(length, num_new, block_size, False, 0, 0)]
+    dev = allocator.append_need(
+        jnp.full(max(writers, 1), length, jnp.int32),
+        jnp.full(max(writers, 1), num_new, jnp.int32),
+        block_size,
+        jnp.full(max(writers, 1), shared and writers > 0),
+        jnp.full(max(writers, 1), holders, jnp.int32),
+        jnp.arange(max(writers, 1), dtype=jnp.int32),
+    )
+    before, after, _ = host[0]
+    assert before == -(-length // block_size) and after == -(-(length + num_new) // block_size)
+    copies = sum(int(cow) for _, _, cow in host)
+    assert copies == (min(writers, holders - 1) if shared else 0)
+    assert [bool(c) for c in dev[2]] == [bool(c) for _, _, c in host]
+    assert int(dev[0][0]) == before and int(dev[1][0]) == after

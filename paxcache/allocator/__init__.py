@@ -96,6 +96,7 @@ from paxcache.allocator.prefix_cache import commit
 from paxcache.allocator.sequences import (
     allocate,
     append,
+    append_need,
     can_append,
     fork,
     free,
@@ -121,6 +122,7 @@ __all__ = [
     "SwapPlan",
     "allocate",
     "append",
+    "append_need",
     "can_append",
     "check_invariants",
     "commit",

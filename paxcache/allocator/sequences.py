@@ -166,6 +166,31 @@ class _Grant(NamedTuple):
     granted: jax.Array  # the slot gets them
 
 
+def append_need(
+    length: Any, num_new: Any, block_size: int, writes_shared: Any, last_ref: Any, rank: Any
+) -> tuple[Any, Any, Any]:
+    """The block arithmetic of an append, written once: the device allocator (:func:`append`,
+    on ``i32[B]`` arrays) and the scheduler's plan (``Scheduler.blocks_needed``, on Python
+    ints per row) both call it, so they cannot disagree.
+
+    Args:
+      length: tokens the slot holds now.
+      num_new: tokens appended.
+      block_size: S.
+      writes_shared: the append writes into a partial last block that others hold too.
+      last_ref: holders of that last block (its ref count).
+      rank: writers of that same block before this one (slot order).
+
+    Returns:
+      ``(blocks before, blocks after, copy-on-write)``: the append takes ``after - before``
+      fresh blocks plus one for a copy-on-write; a writer copies while someone else still
+      holds the block, and the last one (when every holder writes) keeps it.
+    """
+    before = (length + block_size - 1) // block_size
+    after = (length + num_new + block_size - 1) // block_size
+    return before, after, writes_shared & (last_ref - rank > 1)
+
+
 def _grant(state: BlockState, num_new_tokens: jax.Array) -> _Grant:
     """The one rule of which slots an append of ``num_new_tokens`` (``i32[B]``) grants:
     live, within ``M * S`` tokens, and every block it needs free, in slot order."""
@@ -177,21 +202,17 @@ def _grant(state: BlockState, num_new_tokens: jax.Array) -> _Grant:
     new_len = length + nt
     live = state.active & ~state.swapped
     want = live & (nt > 0) & (new_len <= m * s)
-    nb_old = (length + s - 1) // s
-    nb_new = (new_len + s - 1) // s
-    new_blocks = jnp.where(want, nb_new - nb_old, 0)
     last_col = jnp.clip(length // s, 0, m - 1)
     last_blk = take2(state.block_tables, rows, last_col)
     last_ref = take(state.ref_counts, last_blk)
     writes_shared = want & (length % s != 0) & (last_blk >= 0) & (last_ref > 1)
-    rank = lax.cond(
+    rank = lax.cond(  # the writers of one shared block are served in slot order
         jnp.any(writes_shared),
         lambda: _rank_among_equal(jnp.where(writes_shared, last_blk, n)),
         lambda: jnp.zeros((b,), I32),
     )
-    # Like serving the writers of one shared block in slot order: each copies while someone
-    # else still holds the block, and the last one (when every holder writes) keeps it.
-    cow = writes_shared & (last_ref - rank > 1)
+    nb_old, nb_new, cow = append_need(length, nt, s, writes_shared, last_ref, rank)
+    new_blocks = jnp.where(want, nb_new - nb_old, 0)
     need = new_blocks + cow.astype(I32)
     csum = cumsum(need)
     granted = want & ((need == 0) | (csum <= num_free_blocks(state)))
