@@ -13,8 +13,10 @@
   the GPU unused. :func:`configure_gpu_allocator` (``scripts/serve.py`` calls it before JAX
   starts; call it yourself before the first JAX call, or set the variable) makes the pool
   :data:`GPU_POOL_FRACTION` of the GPU, and the cache gets ``0.9 x the GPU's memory - the
-  memory in use (weights) - the step's reserve``, within what the pool has free (with a
-  warning naming the variable when the pool is what limits it). The device's total comes
+  memory in use (weights) - the step's reserve``, within what the pool has free less
+  :data:`GPU_POOL_HEADROOM` of the GPU (with a warning naming the variable when the pool is
+  what limits it: a cache that took all of XLA's default pool but the step's reserve left
+  no slack, and a Llama-3-8B step on an H200 ran out of memory). The device's total comes
   from the CUDA driver (``cuDeviceTotalMem``), else from ``bytes_limit`` and the fraction.
   Preallocation (``XLA_PYTHON_CLIENT_PREALLOCATE``, on by default) does not change the pool
   size, only when it is taken; ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool, and the
@@ -35,6 +37,7 @@ from paxcache import kv_cache
 __all__ = [
     "DEVICE_MEMORY_FRACTION",
     "GPU_POOL_FRACTION",
+    "GPU_POOL_HEADROOM",
     "Sized",
     "configure_gpu_allocator",
     "cuda_total_memory",
@@ -60,6 +63,12 @@ GPU_POOL_FRACTION = 0.95
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 _XLA_DEFAULT_MEM_FRACTION = 0.75
+
+
+GPU_POOL_HEADROOM = GPU_POOL_FRACTION - DEVICE_MEMORY_FRACTION
+"""Share of the GPU's memory the cache leaves free inside XLA's pool: with the pool at
+:data:`GPU_POOL_FRACTION` the cache gets its :data:`DEVICE_MEMORY_FRACTION` share exactly; a
+smaller pool keeps the same headroom."""
 
 
 def configure_gpu_allocator(fraction: float = GPU_POOL_FRACTION) -> bool:
@@ -117,8 +126,11 @@ def _gpu_budget(stats: Mapping[str, int], reserve_bytes: int) -> int:
     """KV bytes on a GPU: 0.9 of its memory less what is in use and the step's reserve,
     within what XLA's pool has free."""
     in_use = int(stats.get("bytes_in_use", 0))
-    want = int(DEVICE_MEMORY_FRACTION * int(stats["device_total_bytes"])) - in_use
-    pool = int(stats["bytes_limit"]) - in_use
+    total = int(stats["device_total_bytes"])
+    want = int(DEVICE_MEMORY_FRACTION * total) - in_use
+    # The pool keeps the headroom the device's fraction leaves (fragmentation, the buffers of
+    # the other programs): see the module doc.
+    pool = int(stats["bytes_limit"]) - int(GPU_POOL_HEADROOM * total) - in_use
     if pool < want:
         logger.warning(
             "KV sizing: XLA's GPU pool (%.1f of the device's %.1f GiB) limits the cache to "

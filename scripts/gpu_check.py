@@ -61,6 +61,7 @@ import numpy as np
 
 from kernels_pallas import kv_ops, reference
 from kernels_pallas.gpu import attention as ga
+from kernels_pallas.gpu import triton_attention as ta
 
 EXIT_FAILED, EXIT_NOT_HOPPER, EXIT_HANG = 1, 2, 3
 MIN_WORKING_SET = 256 << 20
@@ -427,6 +428,9 @@ def decode_timing(b, ctx, bw, *, interpret=False, h=32, kv_heads=8, d=128, s=16)
         "paxcache_mgpu": lambda q, k, v, ln, tb: ga.paged_attention_gpu(
             q, k, v, ln, tb, sm_scale=scale, interpret=interpret
         ),
+        "paxcache_triton": lambda q, k, v, ln, tb: ta.paged_attention_triton(
+            q, k, v, ln, tb, sm_scale=scale, interpret=interpret
+        ),
         "xla_reference": lambda q, k, v, ln, tb: reference.ragged_paged_attention_xla(
             q, k, v, ln, tb, jnp.arange(q.shape[0] + 1, dtype=jnp.int32), q.shape[0],
             sm_scale=scale,
@@ -451,9 +455,13 @@ def decode_timing(b, ctx, bw, *, interpret=False, h=32, kv_heads=8, d=128, s=16)
             row["ok"] &= check["ok"] or name == "jax_bundled"
         except Exception as e:  # noqa: BLE001
             row[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            row["ok"] &= name == "jax_bundled"  # ours and XLA must run; the bundled one may not
+            # ours and XLA must run; the bundled one (and Triton, deprecated in JAX) may not
+            row["ok"] &= name in ("jax_bundled", "paxcache_triton")
     if "us" in row.get("jax_bundled", {}) and "us" in row.get("paxcache_mgpu", {}):
         row["speedup_vs_bundled"] = round(row["jax_bundled"]["us"] / row["paxcache_mgpu"]["us"], 3)
+    if "us" in row.get("paxcache_triton", {}) and "us" in row.get("paxcache_mgpu", {}):
+        ratio = row["paxcache_triton"]["us"] / row["paxcache_mgpu"]["us"]
+        row["triton_over_mgpu"] = round(ratio, 3)
     return row
 
 
@@ -557,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case-timeout", type=float, default=None,
                     help="watchdog seconds a case (default 240; 1200 with --dry-run)")  # fmt: skip
     ap.add_argument("--resume", action="store_true", help="skip cases already recorded")
+    ap.add_argument("--dump-dir", default=None, help="Mosaic GPU ptxas dumps (default: "
+                    "OUT/mosaic_dump)")  # fmt: skip
     ap.add_argument("--only", default=None, help="run only cases whose name contains this")
     ap.add_argument("--selftest-hang", type=float, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -575,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout = args.case_timeout or (1200.0 if dry else 240.0)
     dog = Watchdog(timeout, hang_and_exit(rec))
 
-    dump_dir = os.path.join(out, "mosaic_dump")
+    dump_dir = args.dump_dir or os.path.join(out, "mosaic_dump")
     if not dry:  # ptxas -v of every Mosaic GPU kernel compiled: registers and spills
         os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
         os.environ.setdefault("MOSAIC_GPU_DUMP_TO", dump_dir)
