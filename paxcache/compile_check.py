@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import kernels_pallas
-from kernels_pallas import aot
+from kernels_pallas import aot, compat
 from paxcache import allocator, kv_cache, kv_quant, sharding, sizing
 from paxcache import step as step_lib
 from paxcache.engine import Engine
@@ -287,11 +287,18 @@ def export_step(
     the engine would run there, kernels included, from any host. Inside
     ``kernels_pallas.aot.cuda_target("8.0")`` a CUDA export assumes that compute capability
     (``kernels_pallas.kernel_info("cuda")`` then says what each op got); ``.mlir_module()``
-    is its StableHLO. Arguments as :func:`lower_step`.
+    is its StableHLO. Arguments as :func:`lower_step`. The export allows the Pallas Triton
+    call (``kernels_pallas.compat.TRITON_EXPORT_CHECKS``: Triton IR has no serialization
+    guarantee), which a CUDA step holds on every compute capability from 8.0.
     """
     args = _step_args(engine, num_tokens, decode, masked, loop)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), args)
-    return jax.export.export(engine._jit_step, platforms=list(platforms))(*abstract)
+    exported = jax.export.export(
+        engine._jit_step,
+        platforms=list(platforms),
+        disabled_checks=compat.TRITON_EXPORT_CHECKS,
+    )
+    return exported(*abstract)
 
 
 # --------------------------------------------------------------------------------------------

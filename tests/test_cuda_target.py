@@ -68,18 +68,6 @@ def _export(fn, args) -> str:
 TRITON_CHECKS = compat.TRITON_EXPORT_CHECKS
 
 
-def _export_step(engine, num_tokens=None, **kwargs) -> str:
-    """``compile_check.export_step``'s program, exported with the Triton call allowed."""
-    args = compile_check._step_args(
-        engine, num_tokens, kwargs.get("decode", False), False, kwargs.get("loop", False)
-    )
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), args)
-    exported = jax.export.export(
-        engine._jit_step, platforms=["cuda"], disabled_checks=TRITON_CHECKS
-    )
-    return exported(*abstract).mlir_module()
-
-
 def test_each_capability_gets_its_kernel_several_targets_in_one_process():
     for capability in CAPABILITIES:
         family = FAMILY[capability]
@@ -154,28 +142,17 @@ def _engine(model, num_blocks: int = 32) -> Engine:
 
 
 def test_the_engine_step_exports_for_every_generation_with_its_kernel(bf16_model):
+    """``compile_check.export_step`` (the public export, the Triton call allowed)."""
     engine = _engine(bf16_model)
     for capability in ("8.0", "8.9", "9.0", "10.0"):
         with aot.cuda_target(capability):
-            text = _export_step(engine)
+            text = compile_check.export_step(engine).mlir_module()
             info = kp.kernel_info("cuda")
         family = FAMILY[capability]
         assert (MOSAIC_GPU in text) == (family == "pallas_gpu"), capability
         assert (TRITON in text) == (family == "pallas_triton"), capability
         assert info["ragged_paged_attention"] == family, info
         assert info["write_kv"] == info["copy_blocks"] == "xla"  # XLA's scatter on every GPU
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="paxcache.compile_check.export_step does not pass "
-    "kernels_pallas.compat.TRITON_EXPORT_CHECKS yet, so jax.export refuses the Triton call",
-)
-def test_compile_check_exports_the_step_with_the_triton_kernel(bf16_model):
-    with aot.cuda_target("8.0"):
-        text = compile_check.export_step(_engine(bf16_model)).mlir_module()
-    assert TRITON in text
 
 
 def test_export_step_refuses_a_token_count_that_is_not_a_bucket(bf16_model):
@@ -244,7 +221,7 @@ def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
     assert engine.decode_buckets == ()  # one program per bucket off the TPU kernels
     for capability, hopper in (("9.0", True), ("8.0", False)):
         with aot.cuda_target(capability):
-            text = _export_step(engine, 64)
+            text = engine.export_step(64).mlir_module()
         assert (MOSAIC_GPU in text) == hopper and (TRITON in text) != hopper, capability
     # The GPU default runs decode-only steps as 8-iteration multi-step decodes: the while
     # loop exports with the Hopper kernel inside it.
