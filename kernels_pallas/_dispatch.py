@@ -18,10 +18,12 @@
 
 GPU rules (``auto``), per attention op, for the targeted compute capability:
 
-* **9.x (Hopper)**: the Mosaic GPU kernel (``"pallas_gpu"``); a geometry it refuses
-  (``kernels_pallas.gpu.attention.unsupported_reason``: head_dim not a multiple of 64, G not
-  dividing 64, f32 or 8-bit pages, sinks, ...) runs the Triton kernel instead where that one
-  takes it.
+* **9.x (Hopper)**: ``paged_attention`` (decode) runs the Mosaic GPU kernel
+  (``"pallas_gpu"``); a geometry it refuses (``kernels_pallas.gpu.attention.unsupported_reason``:
+  head_dim not a multiple of 64, G not dividing 64, f32 or 8-bit pages, sinks, ...) runs the
+  Triton kernel instead where that one takes it. ``ragged_paged_attention`` runs the Triton
+  kernel for every geometry it takes (:data:`MOSAIC_GPU_RAGGED_REASON`: the Mosaic GPU ragged
+  kernel failed its oracle on an H200; ``impl="pallas_gpu"`` still forces it).
 * **every other capability >= 8.0** (8.0 A100, 8.6, 8.9 L4, 10.0 B200, 12.x): the Triton
   kernel (``"pallas_triton"``, :mod:`kernels_pallas.gpu.triton_attention`) for every G from 1
   to 64, head_dim a power of two from 16 to 256, float and 8-bit pages (float8 from 8.9),
@@ -75,6 +77,7 @@ from jax.sharding import SingleDeviceSharding
 __all__ = [
     "FAMILIES",
     "HOPPER",
+    "MOSAIC_GPU_RAGGED_REASON",
     "compile_probes",
     "cuda_capability",
     "cuda_capability_reason",
@@ -94,6 +97,14 @@ __all__ = [
 logger = logging.getLogger("kernels_pallas")
 
 FAMILIES = ("xla", "pallas_tpu", "pallas_gpu", "pallas_triton")
+
+MOSAIC_GPU_RAGGED_REASON = (
+    "the Mosaic GPU ragged kernel gave wrong outputs on an H200 (G = 1 and 4, relative error "
+    "0.6-1.5 against the oracle; scripts/gpu_check.py, 2026-12-04): impl='auto' does not pick "
+    "it until that is fixed (impl='pallas_gpu' still runs it)"
+)
+"""Why ``ragged_paged_attention``'s ``auto`` skips the Mosaic GPU kernel on Hopper (the
+Triton kernel, checked on the same H200, runs instead). Its decode kernel passed there."""
 _PLATFORMS = ("tpu", "cuda", "cpu")
 
 _lock = threading.Lock()
@@ -469,6 +480,7 @@ def run(
     triton: Callable[..., Any] | None = None,
     triton_reason: str | None = None,
     gpu_default: bool = True,
+    gpu_auto_reason: str | None = None,
     static_key: Any = None,
     donate: tuple[int, ...] = (),
 ) -> Any:
@@ -487,6 +499,8 @@ def run(
       tpu_reason, gpu_reason, triton_reason: why the TPU / Mosaic GPU / Triton kernel cannot
         take these arguments (``triton_reason`` for the targeted capability).
       gpu_default: whether ``auto`` uses a GPU kernel (when one exists and takes them).
+      gpu_auto_reason: why ``auto`` does not pick the Mosaic GPU kernel even where it takes
+        the arguments (Triton, else XLA, runs instead); forcing ``"pallas_gpu"`` still runs it.
       static_key: hashable summary of the static options baked into ``tpu`` (probe cache).
       donate: indices of ``args`` the op updates in place (donated in the compile probe).
 
@@ -531,7 +545,7 @@ def run(
                 tpu_fn, tpu_impl = xla, _fallback(f"Mosaic compile error: {error}")
     gpu_fn, gpu_impl = _cuda_choice(
         op, platform, args, static_key, gpu_xla or xla, gpu if gpu_default else None,
-        gpu_reason, triton if gpu_default else None, triton_reason,
+        gpu_reason, triton if gpu_default else None, triton_reason, gpu_auto_reason,
     )  # fmt: skip
     _record(op, {"tpu": tpu_impl, "cuda": gpu_impl, "cpu": "xla"})
     if tpu_fn is xla and gpu_fn is xla:
@@ -549,8 +563,12 @@ def _cuda_choice(
     gpu_reason: str | None,
     triton: Callable[..., Any] | None,
     triton_reason: str | None,
+    gpu_auto_reason: str | None = None,
 ) -> tuple[Callable[..., Any], str]:
     """The ``cuda`` branch of ``auto`` and its registry entry (module docstring's GPU rules).
+
+    ``gpu_auto_reason`` (:func:`run`) keeps ``gpu`` out where neither ``gpu_reason`` nor the
+    capability does (a fallback names those first).
 
     Warnings (one per op and reason) only when CUDA is the target platform.
     """
@@ -562,7 +580,7 @@ def _cuda_choice(
     reasons = []
     candidates = []
     if gpu is not None:
-        mosaic = gpu_reason or cuda_capability_reason(capability)
+        mosaic = gpu_reason or cuda_capability_reason(capability) or gpu_auto_reason
         if mosaic is None:
             candidates.append(("pallas_gpu", gpu, "Mosaic GPU"))
         elif _is_hopper(capability) or triton is None:  # else Triton's reason says it all

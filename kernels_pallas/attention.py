@@ -581,6 +581,7 @@ def ragged_paged_attention_pages(
         gpu_reason=gpu_reason,
         triton=triton if _has_triton_module() else None,
         triton_reason=triton_reason,
+        gpu_auto_reason=_dispatch.MOSAIC_GPU_RAGGED_REASON,
         static_key=(*sorted(kw.items()), ("max_q_len", max_q_len)),
     )
 

@@ -2,11 +2,14 @@
 generation, the engine's whole step exported for each, the SM count the GPU work planning
 fills, and the warm-up compile probe's fallback when a GPU kernel fails to build.
 
-Hopper (9.x) runs the Mosaic GPU kernel, every other capability from 8.0 (8.0, 8.9, 10.0) the
-Pallas Triton kernel, and below 8.0 the XLA path, said by ``kernel_info("cuda")`` and one
-warning per op. Several targets follow each other in one process, in both orders, with
-nothing cached across them. Exports that may hold the Triton kernel pass
-``compat.TRITON_EXPORT_CHECKS`` (Triton IR has no serialization guarantee).
+Hopper (9.x) runs decode (``paged_attention``) on the Mosaic GPU kernel and the ragged op on the
+Pallas Triton kernel (``_dispatch.MOSAIC_GPU_RAGGED_REASON``), every other capability from 8.0
+(8.0, 8.9, 10.0) the Triton kernel for both, and below 8.0 the XLA path, said by
+``kernel_info("cuda")`` and one warning per op. The engine's step holds the ragged op only, so
+it exports with the Triton call on every capability from 8.0 (``compile_check.export_step``).
+Several targets follow each other in one process, in both orders, with nothing cached across
+them. Exports that may hold the Triton kernel pass ``compat.TRITON_EXPORT_CHECKS`` (Triton IR
+has no serialization guarantee).
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM
 MOSAIC_GPU = "custom_call @mosaic_gpu"
 TRITON = compat.TRITON_CALL_TARGET
 CAPABILITIES = ("9.0", "8.0", "8.9", "10.0", "7.5", "9.0")  # Hopper again after the others
-# The kernel family each capability gets for a mainstream geometry (bf16, G = 4, D = 128).
-FAMILY = {"9.0": "pallas_gpu", "8.0": "pallas_triton", "8.9": "pallas_triton",
+# The kernel family each capability gets per op for a mainstream geometry (bf16, G = 4,
+# D = 128): on Hopper decode runs Mosaic GPU and the ragged op Triton (the Mosaic GPU ragged
+# kernel failed its oracle on an H200).
+RAGGED = {"9.0": "pallas_triton", "8.0": "pallas_triton", "8.9": "pallas_triton",
           "10.0": "pallas_triton", "7.5": "xla"}  # fmt: skip
+FAMILY = {"ragged_paged_attention": RAGGED, "paged_attention": {**RAGGED, "9.0": "pallas_gpu"}}
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +57,11 @@ def _ragged(m: int = 4, t: int = 24):
     return jax.jit(fn), args
 
 
-def _decode():
+def _decode(b: int = 3):
     sds = jax.ShapeDtypeStruct
     args = (
-        sds((3, 8, 128), jnp.bfloat16), kp.kv_cache_shape(2, 16, 16, 2, 128, jnp.bfloat16),
-        sds((3,), jnp.int32), sds((3, 4), jnp.int32),
+        sds((b, 8, 128), jnp.bfloat16), kp.kv_cache_shape(2, 16, 16, 2, 128, jnp.bfloat16),
+        sds((b,), jnp.int32), sds((b, 4), jnp.int32),
     )  # fmt: skip
     return jax.jit(functools.partial(kp.paged_attention, impl="auto", layer=np.int32(1))), args
 
@@ -70,11 +76,11 @@ TRITON_CHECKS = compat.TRITON_EXPORT_CHECKS
 
 def test_each_capability_gets_its_kernel_several_targets_in_one_process():
     for capability in CAPABILITIES:
-        family = FAMILY[capability]
         with aot.cuda_target(capability) as device:
             assert device.compute_capability == capability
             ops = {"ragged_paged_attention": _ragged(), "paged_attention": _decode()}
             for op, (fn, args) in ops.items():
+                family = FAMILY[op][capability]
                 text = _export(fn, args)
                 assert (MOSAIC_GPU in text) == (family == "pallas_gpu"), (capability, op)
                 assert (TRITON in text) == (family == "pallas_triton"), (capability, op)
@@ -142,16 +148,15 @@ def _engine(model, num_blocks: int = 32) -> Engine:
 
 
 def test_the_engine_step_exports_for_every_generation_with_its_kernel(bf16_model):
-    """``compile_check.export_step`` (the public export, the Triton call allowed)."""
+    """``compile_check.export_step`` (the public export, the Triton call allowed): the step's
+    ragged attention is the Triton kernel on every generation from 8.0, Hopper included."""
     engine = _engine(bf16_model)
     for capability in ("8.0", "8.9", "9.0", "10.0"):
         with aot.cuda_target(capability):
             text = compile_check.export_step(engine).mlir_module()
             info = kp.kernel_info("cuda")
-        family = FAMILY[capability]
-        assert (MOSAIC_GPU in text) == (family == "pallas_gpu"), capability
-        assert (TRITON in text) == (family == "pallas_triton"), capability
-        assert info["ragged_paged_attention"] == family, info
+        assert MOSAIC_GPU not in text and TRITON in text, capability
+        assert info["ragged_paged_attention"] == RAGGED[capability] == "pallas_triton", info
         assert info["write_kv"] == info["copy_blocks"] == "xla"  # XLA's scatter on every GPU
 
 
@@ -160,12 +165,10 @@ def test_export_step_refuses_a_token_count_that_is_not_a_bucket(bf16_model):
         compile_check.export_step(_engine(bf16_model), 24)
 
 
-def test_a_gpu_kernel_that_fails_to_build_falls_back_to_xla_at_warmup(
-    bf16_model, monkeypatch, caplog
-):
-    """The warm-up compile probe (``compile_probes``, as ``Engine.warmup`` runs the step) on
-    the CUDA path: the Mosaic GPU kernel raising in its lowering makes that op run the XLA
-    path with one warning; the program still builds."""
+def test_a_gpu_kernel_that_fails_to_build_falls_back_to_xla_in_the_probe(monkeypatch, caplog):
+    """The compile probe (``compile_probes``, as ``Engine.warmup`` runs the step) on the CUDA
+    path: the Mosaic GPU kernel (decode on Hopper) raising in its lowering makes that op run
+    the XLA path with one warning; the program still builds."""
 
     def broken(*args, **kwargs):
         raise RuntimeError("Mosaic GPU lowering failed: injected by the test")
@@ -173,21 +176,22 @@ def test_a_gpu_kernel_that_fails_to_build_falls_back_to_xla_at_warmup(
     monkeypatch.setattr(ga, "_run_kernel", broken)
     monkeypatch.setattr(_dispatch, "_PROBED", {})
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
-    fn, args = _ragged(m=5, t=40)  # shapes no other test traced (jit caches the kernel)
-    engine = _engine(bf16_model, num_blocks=48)  # built outside the target: it runs on CPU
+    fn, args = _decode(b=5)  # shapes no other test traced (jit caches the kernel)
     with aot.cuda_target("9.0"), kp.compile_probes():
         text = _export(fn, args)
-        info = kp.kernel_info("cuda")["ragged_paged_attention"]
-        step = compile_check.export_step(engine).mlir_module()
-    assert MOSAIC_GPU not in text and MOSAIC_GPU not in step
+        info = kp.kernel_info("cuda")["paged_attention"]
+    assert MOSAIC_GPU not in text
     assert info.startswith("xla (fallback: Mosaic GPU compile error: RuntimeError: Mosaic GPU")
     msgs = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
-    assert len(msgs) == 1 and "ragged_paged_attention" in msgs[0], msgs
+    assert len(msgs) == 1 and "paged_attention" in msgs[0], msgs
 
 
-def test_a_triton_kernel_that_fails_to_build_falls_back_to_xla_in_the_probe(monkeypatch, caplog):
-    """The compile probe covers the Triton kernel too: its lowering raising on 8.0 makes the
-    op run the XLA path, with one warning, however often it is traced."""
+def test_a_triton_kernel_that_fails_to_build_falls_back_to_xla_at_warmup(
+    bf16_model, monkeypatch, caplog
+):
+    """The probe covers the Triton kernel too: its lowering raising on Hopper makes the ragged
+    op run the XLA path, in the op and in the engine's exported step, with one warning
+    however often it is traced."""
 
     def broken(*args, **kwargs):
         raise RuntimeError("Triton lowering failed: injected by the test")
@@ -196,11 +200,13 @@ def test_a_triton_kernel_that_fails_to_build_falls_back_to_xla_in_the_probe(monk
     monkeypatch.setattr(_dispatch, "_PROBED", {})
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
     fn, args = _ragged(m=7, t=48)  # shapes no other test traced (jit caches the kernel)
-    with aot.cuda_target("8.0"), kp.compile_probes():
+    engine = _engine(bf16_model, num_blocks=48)  # built outside the target: it runs on CPU
+    with aot.cuda_target("9.0"), kp.compile_probes():
         for _ in range(2):
             text = _export(fn, args)
         info = kp.kernel_info("cuda")["ragged_paged_attention"]
-    assert TRITON not in text
+        step = compile_check.export_step(engine).mlir_module()
+    assert TRITON not in text and TRITON not in step and MOSAIC_GPU not in step
     assert info.startswith("xla (fallback: Triton compile error: RuntimeError: Triton lowering")
     msgs = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
     assert len(msgs) == 1 and "ragged_paged_attention" in msgs[0], msgs
@@ -208,7 +214,8 @@ def test_a_triton_kernel_that_fails_to_build_falls_back_to_xla_in_the_probe(monk
 
 def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
     """No weights, no GPU: the engine sized for an 80 GiB GPU (GPU defaults), its step exported
-    with the Mosaic GPU kernel on Hopper and the Triton kernel on Ampere."""
+    with the Triton kernel on Hopper (the ragged op: no Mosaic GPU call), the multi-step
+    decode loop too."""
     cfg = LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -219,16 +226,15 @@ def test_an_abstract_llama3_8b_engine_exports_its_step_per_generation():
         max_num_batched_tokens=64,
     )  # fmt: skip
     assert engine.decode_buckets == ()  # one program per bucket off the TPU kernels
-    for capability, hopper in (("9.0", True), ("8.0", False)):
-        with aot.cuda_target(capability):
-            text = engine.export_step(64).mlir_module()
-        assert (MOSAIC_GPU in text) == hopper and (TRITON in text) != hopper, capability
+    with aot.cuda_target("9.0"):  # Ampere: the small engine above
+        text = engine.export_step(64).mlir_module()
+    assert MOSAIC_GPU not in text and TRITON in text
     # The GPU default runs decode-only steps as 8-iteration multi-step decodes: the while
     # loop exports with the Hopper kernel inside it.
     assert engine.decode_steps == 8
     with aot.cuda_target("9.0"):
         loop = engine.export_step(16, loop=True).mlir_module()
-    assert MOSAIC_GPU in loop and "stablehlo.while" in loop
+    assert TRITON in loop and MOSAIC_GPU not in loop and "stablehlo.while" in loop
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """One dispatch for every kernel op (``kernels_pallas._dispatch``), on this CPU host.
 
-* ``impl="auto"`` follows the platform a program is lowered for: CPU -> XLA; CUDA (exported
-  from here, no GPU: assumed Hopper) -> the Mosaic GPU kernel, the Triton kernel for a
-  geometry Mosaic GPU does not take, or the XLA path with ONE warning when neither takes it
-  (per capability: ``tests/test_cuda_target.py``); the registry
-  (``kernels_pallas.kernel_info``) says what each op got, per platform.
+* ``impl="auto"`` follows the platform a program is lowered for: CPU -> XLA; CUDA on Hopper
+  (``aot.cuda_target("9.0")``, no GPU) -> decode on the Mosaic GPU kernel (the Triton kernel
+  for a geometry Mosaic GPU does not take), the ragged op on the Triton kernel (the Mosaic GPU
+  ragged kernel failed its oracle on an H200; ``impl="pallas_gpu"`` still forces it), or the
+  XLA path with ONE warning when no kernel takes it (per capability:
+  ``tests/test_cuda_target.py``); the registry (``kernels_pallas.kernel_info``) says what
+  each op got, per platform.
 * forced kernels on the wrong target are refused with a clear error.
 * the engine: ``warmup()`` compiles every swap program (no compilation at the first
   preemption), ``stats()["kernel_impls"]`` and the ``paxcache_kernel_info`` gauge.
@@ -42,13 +44,25 @@ def _ragged_args(g: int, d: int = 128, s: int = 16, dtype=jnp.bfloat16):
     )  # fmt: skip
 
 
-def _ragged_fn():
+def _ragged_fn(impl: str = "auto"):
     """A new function each call, so jit traces again (dispatch decides at trace time)."""
 
     def ragged(q, cache, lens, tables, cu, n, layer):
-        return kp.ragged_paged_attention(q, cache, lens, tables, cu, n, layer=layer)
+        return kp.ragged_paged_attention(q, cache, lens, tables, cu, n, layer=layer, impl=impl)
 
     return jax.jit(ragged)
+
+
+def _decode_args(g: int):
+    args = _ragged_args(g)
+    return (jax.ShapeDtypeStruct((4, *args[0].shape[1:]), args[0].dtype), *args[1:4], args[6])
+
+
+def _decode_fn():
+    def decode(q, cache, lens, tables, layer):
+        return kp.paged_attention(q, cache, lens, tables, layer=layer)
+
+    return jax.jit(decode)
 
 
 def test_auto_on_cpu_is_the_xla_path_and_is_recorded():
@@ -59,28 +73,46 @@ def test_auto_on_cpu_is_the_xla_path_and_is_recorded():
     assert kp.kernel_info("tpu")["ragged_paged_attention"] == "pallas_tpu"
 
 
-def test_export_for_cuda_picks_the_mosaic_gpu_kernel_assuming_hopper():
-    exported = jax.export.export(_ragged_fn(), platforms=["cuda"])(*_ragged_args(4))
-    assert "mosaic_gpu" in exported.mlir_module()
-    assert kp.kernel_info("cuda")["ragged_paged_attention"] == "pallas_gpu"
-
-
 def _export_cuda(fn, args) -> str:
     return jax.export.export(fn, platforms=["cuda"], disabled_checks=TRITON_CHECKS)(
         *args
     ).mlir_module()
 
 
-def test_geometry_mosaic_gpu_refuses_runs_the_triton_kernel_on_hopper(caplog):
-    """G = 6 does not divide the 64-row wgmma tile: on Hopper the CUDA branch is the Triton
-    kernel (which takes any G), recorded as such, with no warning."""
+MOSAIC_GPU = "custom_call @mosaic_gpu"
+TRITON = compat.TRITON_CALL_TARGET
+
+
+def test_hopper_auto_runs_ragged_on_triton_and_decode_on_mosaic_gpu(caplog):
+    """On an H200 the Mosaic GPU ragged kernel failed its oracle (G = 1 and 4) while its
+    decode kernel and the Triton kernels passed: on 9.0 ``auto`` exports the ragged op with
+    the Triton call and decode with the Mosaic GPU one, recorded as such, with no warning;
+    ``impl="pallas_gpu"`` still forces the Mosaic GPU ragged kernel."""
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
     with aot.cuda_target("9.0"):
-        text = _export_cuda(_ragged_fn(), _ragged_args(6))
-        info = kp.kernel_info("cuda")["ragged_paged_attention"]
-    assert "custom_call @mosaic_gpu" not in text and compat.TRITON_CALL_TARGET in text
+        ragged = _export_cuda(_ragged_fn(), _ragged_args(4))
+        decode = _export_cuda(_decode_fn(), _decode_args(4))
+        info = dict(kp.kernel_info("cuda"))
+        forced = _export_cuda(_ragged_fn("pallas_gpu"), _ragged_args(4))
+        forced_info = kp.kernel_info("cuda")["ragged_paged_attention"]
+    assert TRITON in ragged and MOSAIC_GPU not in ragged
+    assert MOSAIC_GPU in decode and TRITON not in decode
+    assert info["ragged_paged_attention"] == "pallas_triton", info
+    assert info["paged_attention"] == "pallas_gpu", info
+    assert MOSAIC_GPU in forced and TRITON not in forced and forced_info == "pallas_gpu"
+    assert not [r.getMessage() for r in caplog.records if r.name == "kernels_pallas"]
+
+
+def test_geometry_mosaic_gpu_refuses_runs_the_triton_kernel_on_hopper(caplog):
+    """G = 6 does not divide the 64-row wgmma tile: on Hopper decode's CUDA branch is the
+    Triton kernel (which takes any G), recorded as such, with no warning."""
+    caplog.set_level(logging.WARNING, logger="kernels_pallas")
+    with aot.cuda_target("9.0"):
+        text = _export_cuda(_decode_fn(), _decode_args(6))
+        info = kp.kernel_info("cuda")["paged_attention"]
+    assert MOSAIC_GPU not in text and TRITON in text
     assert info == "pallas_triton"
-    assert not [r for r in caplog.records if "ragged_paged_attention" in r.getMessage()]
+    assert not [r for r in caplog.records if "paged_attention" in r.getMessage()]
 
 
 def test_geometry_no_gpu_kernel_takes_falls_back_to_xla_with_one_warning(caplog):
