@@ -99,12 +99,13 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: Any, impl: str = "auto") 
       kv_cache_dtype: ``"auto"``, ``"int8"`` or ``"fp8"``.
       model_dtype: the model's compute dtype.
       impl: the engine's kernel choice; the Mosaic GPU kernels cannot read 8-bit pages (the
-        TPU kernels dequantize them in VMEM).
+        TPU kernels dequantize them in VMEM, the Pallas Triton GPU kernel in registers).
 
     Raises:
       ValueError: an unknown ``kv_cache_dtype``, or an 8-bit one with ``impl`` forcing the
-        GPU kernels (``"pallas_gpu"``, or ``"pallas"`` on a GPU; ``"auto"`` takes the XLA
-        path for an 8-bit cache there).
+        Mosaic GPU kernels (``"pallas_gpu"``, or ``"pallas"`` on a GPU; ``"auto"`` runs the
+        Triton kernel on an 8-bit cache there, from compute capability 8.0, float8 from 8.9,
+        else the XLA path).
     """
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
@@ -113,8 +114,8 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: Any, impl: str = "auto") 
     if impl == "pallas_gpu" or (impl == "pallas" and gpu):
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} with impl={impl!r}: the Mosaic GPU attention "
-            "kernels read float pages only; use impl='auto' (XLA attention on 8-bit pages) "
-            "or 'reference'"
+            "kernels read float pages only; use impl='auto' (the Triton kernel or XLA attention "
+            "on 8-bit pages) or 'reference'"
         )
     return _EIGHT_BIT[kv_cache_dtype]
 
