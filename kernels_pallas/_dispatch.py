@@ -12,7 +12,8 @@
   platforms=["cuda"])`` gets the GPU kernel.
 * ``"reference"``: the XLA path everywhere.
 * ``"pallas"``: the Pallas kernel of the target platform (on a CUDA target the Mosaic GPU
-  kernel on 9.x, the Triton kernel on other capabilities; else TPU); ``"pallas_tpu"`` /
+  kernel on 9.x, but the Triton one for the ragged op, :data:`MOSAIC_GPU_RAGGED_REASON`, and
+  the Triton kernel on other capabilities; else TPU); ``"pallas_tpu"`` /
   ``"pallas_gpu"`` (Mosaic GPU) / ``"pallas_triton"``: force one family. Off its platform a
   forced kernel needs ``interpret=True`` (the CPU tests).
 
@@ -500,7 +501,8 @@ def run(
         take these arguments (``triton_reason`` for the targeted capability).
       gpu_default: whether ``auto`` uses a GPU kernel (when one exists and takes them).
       gpu_auto_reason: why ``auto`` does not pick the Mosaic GPU kernel even where it takes
-        the arguments (Triton, else XLA, runs instead); forcing ``"pallas_gpu"`` still runs it.
+        the arguments (Triton, else XLA, runs instead; ``"pallas"`` takes Triton's too);
+        forcing ``"pallas_gpu"`` still runs it.
       static_key: hashable summary of the static options baked into ``tpu`` (probe cache).
       donate: indices of ``args`` the op updates in place (donated in the compile probe).
 
@@ -513,6 +515,8 @@ def run(
         return xla(*args)
     if impl != "auto":
         family = forced_family(impl, gpu is not None, triton is not None)
+        if impl == "pallas" and family == "pallas_gpu" and gpu_auto_reason and triton is not None:
+            family = "pallas_triton"  # "the target's kernel": the one auto trusts here
         run_forced_check(op, family, interpret)
         if family == "xla":
             record(op, "xla")

@@ -87,7 +87,8 @@ def test_hopper_auto_runs_ragged_on_triton_and_decode_on_mosaic_gpu(caplog):
     """On an H200 the Mosaic GPU ragged kernel failed its oracle (G = 1 and 4) while its
     decode kernel and the Triton kernels passed: on 9.0 ``auto`` exports the ragged op with
     the Triton call and decode with the Mosaic GPU one, recorded as such, with no warning;
-    ``impl="pallas_gpu"`` still forces the Mosaic GPU ragged kernel."""
+    ``impl="pallas_gpu"`` still forces the Mosaic GPU ragged kernel, ``impl="pallas"`` (the
+    target's kernel) gets Triton's."""
     caplog.set_level(logging.WARNING, logger="kernels_pallas")
     with aot.cuda_target("9.0"):
         ragged = _export_cuda(_ragged_fn(), _ragged_args(4))
@@ -95,6 +96,8 @@ def test_hopper_auto_runs_ragged_on_triton_and_decode_on_mosaic_gpu(caplog):
         info = dict(kp.kernel_info("cuda"))
         forced = _export_cuda(_ragged_fn("pallas_gpu"), _ragged_args(4))
         forced_info = kp.kernel_info("cuda")["ragged_paged_attention"]
+        target_kernel = _export_cuda(_ragged_fn("pallas"), _ragged_args(4))  # the trusted one
+    assert TRITON in target_kernel and MOSAIC_GPU not in target_kernel
     assert TRITON in ragged and MOSAIC_GPU not in ragged
     assert MOSAIC_GPU in decode and TRITON not in decode
     assert info["ragged_paged_attention"] == "pallas_triton", info
