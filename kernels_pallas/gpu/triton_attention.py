@@ -83,6 +83,7 @@ from kernels_pallas.gpu.work import (
     M_ROW0,
     M_SEQ,
     M_STEPS,
+    combine,
     decode_work,
     plan_items,
     ragged_work,
@@ -293,28 +294,6 @@ def _run_kernel(items, tables, scales, q_rows, k_slots, v_slots, cfg: _Cfg):
     )(items, tables, scales, q_rows, k_slots, v_slots)
 
 
-def _combine(o, lse, item_tile, num_tiles: int, sink_rows):
-    """Merge the items' partials per tile (``o f32[I, K, R, D]``, ``lse f32[I, K, R]``).
-
-    ``item_tile i32[I]``: each item's tile, ascending, ``num_tiles`` for dead items (never
-    written, ignored). ``sink_rows f32[K, R]`` (or None): each row's sink logit, a partial
-    with a zero value vector. Returns ``f32[W, K, R, D]`` (zeros for rows without keys).
-    """
-    live = (item_tile < num_tiles)[:, None, None]
-    lse = jnp.where(live, lse, _NEG_INF)
-    seg = dict(segment_ids=item_tile, num_segments=num_tiles + 1, indices_are_sorted=True)
-    mx = jax.ops.segment_max(lse, **seg)  # [W + 1, K, R]
-    if sink_rows is not None:
-        mx = jnp.maximum(mx, sink_rows[None])
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    wgt = jnp.where(jnp.isfinite(lse), jnp.exp(lse - mx[item_tile]), 0.0)
-    den = jax.ops.segment_sum(wgt, **seg)
-    if sink_rows is not None:
-        den = den + jnp.exp(sink_rows[None] - mx)
-    num = jax.ops.segment_sum(jnp.where(wgt[..., None] > 0, o * wgt[..., None], 0.0), **seg)
-    return (num / jnp.where(den > 0, den, 1.0)[..., None])[:num_tiles]
-
-
 def _q_rows(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
     """``[T, H, D] -> [K, T * G + R, D]``: each kv head's rows, token-major, padded so that an
     R-row tile starting at any real token stays in bounds."""
@@ -425,7 +404,7 @@ def paged_attention_triton(
         items, block_tables.astype(jnp.int32), scales, _q_rows(q, kv_heads, rows),
         _slots(k_pages), _slots(v_pages), cfg,
     )  # fmt: skip
-    out = _combine(o, lse, item_tile, b, _sink_rows(sinks, kv_heads, g, rows))[:, :, :g]
+    out = combine(o, lse, item_tile, b, _sink_rows(sinks, kv_heads, g, rows))[:, :, :g]
     if cfg.quantized:
         out = out * scales[1]
     return out.reshape(b, h, d).astype(q.dtype)
@@ -488,7 +467,7 @@ def ragged_paged_attention_triton(
         items, block_tables.astype(jnp.int32), scales, _q_rows(q, kv_heads, rows),
         _slots(k_pages), _slots(v_pages), cfg,
     )  # fmt: skip
-    out = _combine(o, lse, item_tile, tiles.shape[0], _sink_rows(sinks, kv_heads, g, rows))
+    out = combine(o, lse, item_tile, tiles.shape[0], _sink_rows(sinks, kv_heads, g, rows))
     out = out[:, :, : tpt * g].reshape(out.shape[0], kv_heads, tpt, g, d)
     out = out[tile_of_row, :, slot_of_row]  # [T, K, G, D]
     _, _, valid = reference.ragged_row_info(cu_q_lens, kv_lens, num_seqs, t)

@@ -83,12 +83,20 @@ def default_item_budget(num_tiles: int, kv_heads: int, num_sms: int = NUM_SMS) -
     return max(num_tiles, -(-2 * num_sms // max(1, kv_heads)))
 
 
-def combine(o: jax.Array, lse: jax.Array, item_tile: jax.Array, num_tiles: int) -> jax.Array:
-    """Merge the items' partials per tile: ``o f32[I, K, R, D]``, ``lse f32[I, K, 64]``.
+def combine(
+    o: jax.Array,
+    lse: jax.Array,
+    item_tile: jax.Array,
+    num_tiles: int,
+    sink_rows: jax.Array | None = None,
+) -> jax.Array:
+    """Merge the items' partials per tile: ``o f32[I, K, R, D]``, ``lse f32[I, K, >= R]``.
 
     ``item_tile i32[I]`` is each item's tile, ascending, with ``num_tiles`` for dead items
     (whose ``o`` and ``lse`` were never written and are ignored). Empty splits
     (``lse = -inf``) get weight 0; a row with no keys in any item gives zeros.
+    ``sink_rows f32[K, R]`` (or None): each row's sink logit, a partial with a zero value
+    vector (the Triton kernel's attention sinks).
 
     Returns:
       ``f32[W, K, R, D]``.
@@ -98,9 +106,13 @@ def combine(o: jax.Array, lse: jax.Array, item_tile: jax.Array, num_tiles: int) 
     lse = jnp.where(live, lse[..., :r], _NEG_INF)  # [I, K, R]
     seg = dict(segment_ids=item_tile, num_segments=num_tiles + 1, indices_are_sorted=True)
     mx = jax.ops.segment_max(lse, **seg)  # [W + 1, K, R]
+    if sink_rows is not None:
+        mx = jnp.maximum(mx, sink_rows[None])
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     wgt = jnp.where(jnp.isfinite(lse), jnp.exp(lse - mx[item_tile]), 0.0)
     den = jax.ops.segment_sum(wgt, **seg)
+    if sink_rows is not None:
+        den = den + jnp.exp(sink_rows[None] - mx)
     num = jax.ops.segment_sum(jnp.where(wgt[..., None] > 0, o * wgt[..., None], 0.0), **seg)
     return (num / jnp.where(den > 0, den, 1.0)[..., None])[:num_tiles]
 
