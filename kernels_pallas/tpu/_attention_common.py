@@ -12,8 +12,9 @@
   VMEM rows keep stale data, which the caller masks with ``where``); negative block ids are
   clamped to 0 for addressing.
 * :func:`attend_step`: one flash-attention update of the ``(m, l, acc)`` VMEM state of every
-  kv head, with bf16/f16 operands fed to the MXU as they are (float32 accumulation), a
-  ``where``-mask so NaN garbage in masked keys/values cannot reach the result.
+  kv head (statistics lane-dense in the ragged kernel: :func:`state_scratch`), with bf16/f16
+  operands fed to the MXU as they are (float32 accumulation), a ``where``-mask so NaN garbage
+  in masked keys/values cannot reach the result.
 
 A DMA semaphore counts bytes, not copies: waiting for one copy on a semaphore shared by
 several only says that *some* copy of that size landed. Both helpers therefore wait for every
@@ -36,6 +37,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2_E = 1.4426950408889634
+#: Lanes of a softmax statistic (m, l) in the state scratch: lane-dense, the row's value in
+#: every lane of its vreg row.
+STAT_LANES = 128
 
 #: VMEM the KV double buffers may take (K and V, two slots). The kernels raise their scoped
 #: VMEM limit to fit them (:func:`vmem_limit_bytes`).
@@ -164,7 +168,9 @@ def attend_step(
       k_buf, v_buf: ``[2, P, K, S, D]`` VMEM; slot ``slot`` holds this step's pages. Keys not
         in ``mask`` may hold anything (NaN included).
       slot: which buffer slot.
-      state: ``(m f32[K, R, 1], l f32[K, R, 1], acc f32[K, R, D])`` VMEM refs, updated.
+      state: ``(m f32[K, R, L], l f32[K, R, L], acc f32[K, R, D])`` VMEM refs, updated; the
+        statistics one lane (``L = 1``, the decode kernel) or lane-dense (``L = 128``, each
+        row's value in every lane, :func:`state_scratch`).
       mask: ``bool[R, C]``, which (row, key) pairs count; None: every pair (no masking).
       key_ok: ``bool[C, 1]``, keys that count for at least one row: other value rows are
         zeroed so NaN garbage cannot pass through ``p @ v`` (keys need no such care: their
@@ -195,7 +201,7 @@ def attend_step(
         logits = lax.dot_general(
             q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [R, C]
-        m_prev = m_ref[h]  # [R, 1], scaled units
+        m_prev = m_ref[h]  # [R, 1] or lane-dense [R, 128], scaled units
         scale = sm_scale if k_scale is None else sm_scale * k_scale
         if soft_cap is None and sm_scale > 0:
             # The scale rides in the exponent: exp(scale * x - m) = 2^(x * scale * log2(e) -
@@ -210,7 +216,7 @@ def attend_step(
                 logits = jnp.where(mask, logits, fill)
             row_max = jnp.max(logits, axis=1, keepdims=True) * scale
             m_new = jnp.maximum(m_prev, row_max)
-            p = jnp.exp2(logits * (scale * _LOG2_E) - m_new * _LOG2_E)
+            p = jnp.exp2(logits * (scale * _LOG2_E) - spread_lanes(m_new * _LOG2_E, keys))
         else:
             logits = logits * scale
             if soft_cap is not None:
@@ -218,29 +224,46 @@ def attend_step(
             if mask is not None:
                 logits = jnp.where(mask, logits, MASK_VALUE)
             m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-            p = jnp.exp(logits - m_new)
+            p = jnp.exp(logits - spread_lanes(m_new, keys))
         alpha = jnp.exp(m_prev - m_new)
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [R, D]
-        acc_ref[h] = alpha * acc_ref[h] + pv
+        acc_ref[h] = spread_lanes(alpha, d) * acc_ref[h] + pv
         m_ref[h] = m_new
+
+
+def spread_lanes(x: jax.Array, n: int) -> jax.Array:
+    """A per-row statistic ``[..., L]`` (``L = 1``, or lane-dense: the row's value in each
+    of ``L = 128`` lanes) as an operand of a ``[..., n]`` array: lane-dense values are tiled
+    (whole vregs, no cross-lane broadcast) or sliced to ``n`` lanes; ``[..., 1]`` ones are
+    returned as they are (broadcast by the operation)."""
+    lanes = x.shape[-1]
+    if lanes == 1 or lanes == n:
+        return x
+    if n < lanes:
+        return x[..., :n]
+    if n % lanes:
+        return x[..., :1]
+    return jnp.concatenate([x] * (n // lanes), axis=-1)
 
 
 def reset_state(state: tuple[Any, Any, Any], sinks: jax.Array | None = None) -> None:
     """``m = MASK_VALUE``, ``l = 0``, ``acc = 0`` for every head.
 
-    With attention sinks (``f32[K, R, 1]``, each row's query head's sink logit) the softmax
-    starts from the sink instead, a logit with no value: ``m = max(sink, MASK_VALUE)``,
-    ``l = exp(sink - m)`` (1, or 0 for a sink of -inf), ``acc = 0``; the online softmax then
-    carries it in its denominator, and a row that sees no key returns zeros.
+    With attention sinks (``f32[K, R, 1]``, each row's query head's sink logit, broadcast to
+    the statistics' lanes) the softmax starts from the sink instead, a logit with no value:
+    ``m = max(sink, MASK_VALUE)``, ``l = exp(sink - m)`` (1, or 0 for a sink of -inf),
+    ``acc = 0``; the online softmax then carries it in its denominator, and a row that sees
+    no key returns zeros.
     """
     m_ref, l_ref, acc_ref = state
     if sinks is None:
         m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     else:
+        sinks = jnp.broadcast_to(sinks, m_ref.shape)  # lane-dense statistics: every lane
         m0 = jnp.maximum(sinks, MASK_VALUE)
         m_ref[...] = m0
         l_ref[...] = jnp.exp(sinks - m0)
@@ -249,16 +272,18 @@ def reset_state(state: tuple[Any, Any, Any], sinks: jax.Array | None = None) -> 
 
 def finish(l_i: jax.Array, acc: jax.Array, v_scale: jax.Array | None = None) -> jax.Array:
     """``acc / l`` (times an 8-bit cache's V scale) with rows that saw no key returning
-    zeros."""
+    zeros; ``l_i`` ``[..., R, 1]`` or lane-dense ``[..., R, 128]``, ``acc`` ``[..., R, D]``."""
+    l_i = spread_lanes(l_i, acc.shape[-1])
     out = acc / jnp.where(l_i > 0.0, l_i, 1.0)
     return out if v_scale is None else out * v_scale
 
 
 def state_scratch(kv_heads: int, rows: int, head_dim: int) -> list:
-    """VMEM scratch shapes of ``(m, l, acc)``."""
+    """VMEM scratch shapes of ``(m, l, acc)``: lane-dense statistics ``f32[K, R, 128]``
+    (a row's value in every lane: whole-vreg loads and stores, no lane broadcasts)."""
     return [
-        pltpu.VMEM((kv_heads, rows, 1), jnp.float32),
-        pltpu.VMEM((kv_heads, rows, 1), jnp.float32),
+        pltpu.VMEM((kv_heads, rows, STAT_LANES), jnp.float32),
+        pltpu.VMEM((kv_heads, rows, STAT_LANES), jnp.float32),
         pltpu.VMEM((kv_heads, rows, head_dim), jnp.float32),
     ]
 
@@ -290,6 +315,6 @@ def scratch_bytes(
 ) -> int:
     """VMEM of :func:`pipeline_scratch`'s buffers (padded to tiles)."""
     kv = 4 * pages * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)
-    stats = 2 * kv_heads * vmem_tile_bytes(rows, 1, 4)
+    stats = 2 * kv_heads * vmem_tile_bytes(rows, STAT_LANES, 4)
     acc = kv_heads * vmem_tile_bytes(rows, head_dim, 4)
     return kv + stats + acc

@@ -40,7 +40,11 @@ Design:
   short block's diagonal step does not compute keys past its last row.
 * Logits stay unscaled: ``sm_scale`` rides in the exponent
   (:func:`~kernels_pallas.tpu._attention_common.attend_step`).
-* The float32 softmax state ``(m, l, acc)`` of every kv head lives in VMEM scratch; when a
+* The float32 softmax state ``(m, l, acc)`` of every kv head lives in VMEM scratch, the
+  statistics lane-dense (``f32[K, R, 128]``, a row's value in every lane: whole-vreg loads
+  and stores, and the row max / sum reach ``[R, C]`` and ``[R, D]`` operands by tiling
+  vregs instead of lane broadcasts; static schedule, v5e, a 2048-token chunk: 67.6 -> 59.3
+  cycles per KiB, v6e 53.7 -> 41.3, from ``[K, R, 1]`` one row per sublane); when a
   sequence's last step is done its rows of the output block are written (the whole block
   when the sequence owns it, else a ``where`` on the row range) and, when another sequence
   follows in the block, the state is reset.
@@ -181,8 +185,8 @@ def _ragged_kernel(
         table,  # SMEM i32[2, M]: table rows of the current and the next sequence
         k_buf,  # VMEM [2, P, K, S, D]
         v_buf,
-        m_ref,  # VMEM f32[K, TQ * G, 1]
-        l_ref,  # VMEM f32[K, TQ * G, 1]
+        m_ref,  # VMEM f32[K, TQ * G, 128]: lane-dense (a row's value in every lane)
+        l_ref,  # VMEM f32[K, TQ * G, 128]
         acc_ref,  # VMEM f32[K, TQ * G, D]
         table_sem,  # DMA[2]
         kv_sem,  # DMA[2]: one per KV slot
