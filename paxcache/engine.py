@@ -467,6 +467,20 @@ class Engine:
             self.warmup()
         pipe = self._pipeline
         touched = pipe.step() if pipe is not None else self._run(self.scheduler.schedule())
+        return self._report(touched)
+
+    def _report(self, touched: list[Seq]) -> list[RequestOutput]:
+        """The step's outputs: the output processor detokenizes what ``touched`` sequences
+        gained and finds stop strings, which the scheduler then ends (freeing their blocks
+        before the next plan); a request whose text fails fails alone."""
+        stops, failed = self.outputs.detokenize(touched)
+        if stops:
+            self.scheduler.stop_at(stops)
+        for rid in failed:
+            req = self.outputs.get(rid)
+            if req is not None:
+                self.scheduler.finish(req.seqs, "error", INTERNAL_ERROR)
+                touched = touched + req.seqs
         return self.outputs.process(touched)
 
     def _run(self, plan: StepPlan) -> list[Seq]:

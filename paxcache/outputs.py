@@ -1,10 +1,14 @@
-"""Request and completion outputs returned by the engine (vLLM-compatible field names), and
-the engine's per-request record that builds them (:class:`RequestState`)."""
+"""Request and completion outputs returned by the engine (vLLM-compatible field names), the
+engine's per-request record that builds them (:class:`RequestState`), and the one output
+processor (:class:`OutputProcessor`): detokenization, stop strings, logprob entries, deltas."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 INTERNAL_ERROR = "internal error while processing this request"
 """``RequestOutput.error`` of a request that failed inside the engine (the details are logged,
@@ -101,11 +105,28 @@ class RequestState:
         # output_kind="delta": tokens / logprobs of each completion already reported.
         self.sent_tokens = [0] * len(seqs)
         self.sent_logprobs = [0] * len(seqs)
+        self.formatted_logprobs = [0] * len(seqs)  # entries of each seq's logprobs formatted
         self.sent_prompt_logprobs = False
         self.prompt_logprobs_ready = False
         # Characters of text held back: a stop string's length less one.
         self._hold = max((len(s) for s in params.stop or ()), default=1) - 1
         self._delta = params.output_kind == "delta"
+
+    def _format_logprobs(self, i: int, entries: list) -> None:
+        """Sequence ``i``'s logprob entries as the step returned them, ``(token_id, logprob,
+        top_ids, top_logprobs)``, formatted in place as ``{"token_id", "logprob", "top":
+        [(id, logprob), ...]}`` (the top ``params.logprobs``; a constrained row's disallowed
+        tokens have -inf and are not reported)."""
+        k = self.params.logprobs or 0
+        for e in range(self.formatted_logprobs[i], len(entries)):
+            tok, lp, top_ids, top_lps = entries[e]
+            top = [(int(top_ids[r]), float(top_lps[r])) for r in range(k)]
+            entries[e] = {
+                "token_id": int(tok),
+                "logprob": float(lp),
+                "top": [t for t in top if t[1] > float("-inf")],
+            }
+        self.formatted_logprobs[i] = len(entries)
 
     def output(self, *, finished: bool) -> RequestOutput:
         """The request's output now (cumulative, or only what is new with
@@ -114,6 +135,8 @@ class RequestState:
         comps = []
         hold, delta = self._hold, self._delta
         for i, s in enumerate(self.seqs):
+            if s.logprobs is not None:
+                self._format_logprobs(i, s.logprobs)
             text_len = len(s.text)
             visible = text_len if s.is_finished else max(s.emitted, text_len - hold)
             new_text = s.text[s.emitted : visible]
@@ -199,6 +222,35 @@ class OutputProcessor:
             self._pending.append(req.output(finished=True))
         return req
 
+    def detokenize(self, touched: list[Any]) -> tuple[list[tuple[Any, int]], list[str]]:
+        """Takes the tokens a step appended to the ``touched`` sequences into their text, and
+        looks for their stop strings, as each token is added (a multi-step decode's row adds
+        several at once: one ``push_chunk`` when it has no stop strings).
+
+        Returns:
+          ``(stops, failed)``: each sequence whose text reached a stop string, with the
+          generated tokens it keeps (through the one that completed the string; the text is
+          cut before the string), for the scheduler to end
+          (:meth:`~paxcache.scheduler.Scheduler.stop_at`); the ids of requests whose
+          detokenization raised (logged; the engine fails them alone).
+        """
+        stops: list[tuple[Any, int]] = []
+        failed: dict[str, None] = {}
+        for seq in touched:
+            if seq.request_id in failed or seq.decoder is None:
+                continue
+            try:
+                keep = _take_text(seq)
+            except Exception:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("request %s failed while detokenizing", seq.request_id)
+                if seq.is_finished:  # by its last token: the failure is what it reports
+                    seq.finish_reason, seq.error = "error", INTERNAL_ERROR
+                failed[seq.request_id] = None
+                continue
+            if keep is not None:
+                stops.append((seq, keep))
+        return stops, list(failed)
+
     def process(self, touched: list[Any]) -> list[RequestOutput]:
         """The outputs of one step: the queued abort outputs, then one per live request with
         a touched sequence (``touched``: sequences with ``request_id``, ``is_finished`` and this
@@ -214,3 +266,35 @@ class OutputProcessor:
             if finished:
                 self._requests.pop(req.request_id, None)
         return outputs
+
+
+def _take_text(seq: Any) -> int | None:
+    """Detokenizes ``seq``'s generated tokens not yet in its text (all but a last token that
+    ended it by itself) and finds its first stop string among them: returns the generated
+    tokens to keep when one completed one (the text is cut before it), else None. A sequence
+    that finished by length (or by its grammar) without stop strings flushes the characters
+    its decoder held back."""
+    start, end = seq.num_detokenized, seq.num_generated
+    seq.num_detokenized = end
+    if seq.is_finished and seq.ends_on_stop_token:
+        end -= 1
+    base = seq.num_prompt
+    stops = seq.params.stop or ()
+    if stops:
+        longest = max(len(s) for s in stops)
+        for n in range(start, end):
+            seq.text += seq.decoder.push(seq.token_ids[base + n])
+            window = max(0, seq.emitted - longest)
+            hits = [i for i in (seq.text.find(s, window) for s in stops) if i >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                return n + 1
+        return None
+    if end - start == 1:
+        seq.text += seq.decoder.push(seq.token_ids[base + start])
+    elif end > start:
+        seq.text += seq.decoder.push_chunk(seq.token_ids[base + start : base + end])
+    reason = seq.finish_reason
+    if reason == "length" or (reason == "stop" and seq.matcher is not None):
+        seq.text += seq.decoder.flush()
+    return None

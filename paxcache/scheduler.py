@@ -10,9 +10,9 @@ nothing here calls back into the engine:
    It moves no KV and runs no model: the plan's block copies are the engine's to make.
 2. The engine carries the plan out (swaps, then one fused device step: :mod:`paxcache.step`).
 3. :meth:`Scheduler.postprocess` takes the step's :class:`StepResult`: the block manager adopts
-   the block state the step returned, rows advance, sampled tokens (and logprobs) are appended
-   and detokenized, stop conditions are applied and finished sequences are freed. It is the
-   only place a step's results change a sequence.
+   the block state, rows advance, sampled tokens (and logprobs) are appended, a token's own
+   stop conditions are applied and what finished is freed; :meth:`Scheduler.stop_at` then
+   ends what the output processor found a stop string in (the text is not the scheduler's).
 
 Token accounting is unified (prefill, chunked prefill, decode and recompute are one thing; see
 :mod:`paxcache.sequence`): a step feeds ``token_ids[num_computed : num_computed + q]`` and
@@ -555,8 +555,10 @@ class Scheduler:
 
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """All per-sequence accounting of a step that ran: adopts the block state, advances
-        the rows, appends the sampled tokens (and logprobs), detokenizes, applies the stop
-        conditions and frees what finished. A request whose host work raises fails alone.
+        the rows, appends the sampled tokens (and logprobs), applies the stop conditions a
+        token decides by itself (stop strings come after, from the output processor:
+        :meth:`stop_at`) and frees what finished. A request whose host work raises fails
+        alone.
 
         Returns:
           The sequences whose request has something new to report (a token, a finish or a
@@ -600,9 +602,9 @@ class Scheduler:
         finished: list[Sequence],
     ) -> None:
         """A multi-step decode's accounting (every row one token per iteration, sampling its
-        own sequence): a plain row (no stop strings, logprobs or grammar) takes its tokens at
-        once (:meth:`_take_chunk`, one detokenization); the others, and any row the chunk
-        cannot prove equal, go iteration by iteration (:meth:`_advance`), as one step each."""
+        own sequence): a row takes its tokens at once (:meth:`_take_chunk`); any row the
+        chunk cannot prove equal goes iteration by iteration (:meth:`_advance`), as one step
+        each."""
         steps = np.asarray(result.steps)
         slow = np.zeros(len(steps), bool)
         steps_of_row = steps.tolist()
@@ -612,13 +614,7 @@ class Scheduler:
             if n == 0 or seq.request_id in failed or seq.is_finished:
                 continue
             toks = tokens_of_sample[j][:n]
-            try:
-                took = self._take_chunk(seq, toks)
-            except Exception:  # noqa: BLE001 - this request fails, the others go on
-                logger.exception("request %s failed while detokenizing", seq.request_id)
-                failed[seq.request_id] = None
-                continue
-            if not took:
+            if not self._take_chunk(seq, toks, result, j):
                 slow[row] = True
                 continue
             touched[id(seq)] = seq
@@ -631,34 +627,49 @@ class Scheduler:
             touched.clear()
             touched.update(order)
 
-    def _take_chunk(self, seq: Sequence, toks: list[int]) -> bool:
-        """Appends the ``toks`` one decode row of a multi-step decode generated and applies the
-        stop conditions to them at once, exactly as ``len(toks)`` single steps would; False,
-        changing nothing, when that is not certain (stop strings, logprobs, a grammar, a stop
-        or length condition before the last token). The decoder takes the chunk whole
-        (:meth:`IncrementalDecoder.push_chunk`)."""
+    def _take_chunk(self, seq: Sequence, toks: list[int], result: StepResult, j: int) -> bool:
+        """Appends the ``toks`` one decode row of a multi-step decode generated (sample ``j``
+        of ``result``; with their logprobs) and applies the stop conditions to them at once,
+        exactly as ``len(toks)`` single steps would; False, changing nothing, when that is
+        not certain (a grammar, a stop or length condition before the last token). Stop
+        strings are the output processor's, as after a single step (:meth:`stop_at`)."""
         p = seq.params
-        if p.stop or seq.logprobs is not None or seq.matcher is not None:
+        if seq.matcher is not None:
             return False
         eos, n = self.eos_token_ids, len(toks)
         if any(is_stop_token(p, t, eos) for t in toks[:-1]):
             return False
         if reached_length(seq, self.max_model_len, more=n - 1):
             return False  # a length stop before the last token
-        stop_last = is_stop_token(p, toks[-1], eos)  # not detokenized
-        body = toks[:-1] if stop_last else toks
-        piece = seq.decoder.push_chunk(body) if body else ""
         self._feed(seq, n)
         seq.token_ids.extend(toks)
         seq.new_ids.extend(toks)
+        if seq.logprobs is not None:  # raw, per iteration k: the output processor formats
+            r = result
+            lps = zip(r.logprob[:n, j], r.top_ids[:n, j], r.top_logprobs[:n, j], strict=True)
+            seq.logprobs.extend((t, *lp) for t, lp in zip(toks, lps, strict=True))
         self.num_generated_tokens += n
-        seq.text += piece
-        if stop_last:
-            seq.finish("stop")
-        elif reached_length(seq, self.max_model_len):
-            seq.finish("length")
-            seq.text += seq.decoder.flush()
+        check_stop(seq, toks[-1], eos, self.max_model_len)
         return True
+
+    def stop_at(self, hits: list[tuple[Sequence, int]]) -> None:
+        """Ends the sequences whose text reached a stop string (``hits``: each with the
+        generated tokens it keeps, found by the output processor): a multi-step decode may
+        have generated more, which are dropped as if never sampled. Each finishes with
+        ``"stop"`` (a stop string outranks the length or stop token of the same token) and
+        its blocks are freed."""
+        for seq, keep in hits:
+            drop = seq.num_generated - keep
+            if drop > 0:  # the step's last tokens, all in new_ids (not yet reported)
+                del seq.token_ids[seq.num_prompt + keep :]
+                del seq.new_ids[len(seq.new_ids) - drop :]
+                if seq.logprobs is not None:
+                    del seq.logprobs[keep:]
+                self.num_generated_tokens -= drop
+                seq.ends_on_stop_token = False
+            if seq.is_finished:
+                seq.finish_reason = "stop"
+        self.finish([seq for seq, _ in hits], "stop")
 
     def _feed(self, seq: Sequence, q: int) -> None:
         """``q`` more of ``seq``'s tokens went through the model (their K/V are written)."""
@@ -703,27 +714,14 @@ class Scheduler:
             seq.new_ids.append(tok)
             self.num_generated_tokens += 1
             try:
-                if seq.logprobs is not None:
-                    k = seq.params.logprobs
-                    top_ids, top_lps = result.top_ids[j], result.top_logprobs[j]
-                    seq.logprobs.append(
-                        {
-                            "token_id": tok,
-                            "logprob": float(result.logprob[j]),
-                            # A constrained row's disallowed tokens have -inf: not reported.
-                            "top": [
-                                (int(top_ids[i]), float(top_lps[i]))
-                                for i in range(k)
-                                if top_lps[i] > -np.inf
-                            ],
-                        }
-                    )
-                # Advances the grammar matcher, detokenizes, applies the stop conditions.
+                if seq.logprobs is not None:  # raw: the output processor formats it
+                    lp = (tok, result.logprob[j], result.top_ids[j], result.top_logprobs[j])
+                    seq.logprobs.append(lp)
+                # Advances the grammar matcher, applies the token's stop conditions.
                 check_stop(seq, tok, self.eos_token_ids, self.max_model_len)
             except Exception:  # noqa: BLE001 - this request fails, the others go on
                 logger.exception(
-                    "request %s failed while detokenizing or checking stop conditions; "
-                    "failing it alone",
+                    "request %s failed in its grammar or stop conditions; failing it alone",
                     seq.request_id,
                 )
                 failed[seq.request_id] = None

@@ -1,8 +1,11 @@
 """One completion of a request, as the scheduler accounts for it; and its stop conditions.
 
 A :class:`Sequence` is plain host data. The scheduler (:mod:`paxcache.scheduler`) owns every
-field but the output state at the end (``text``, ``decoder``, ``logprobs`` are filled by the
-scheduler's ``postprocess`` and read by the engine when it builds a ``RequestOutput``).
+field but the text state at the end: its ``postprocess`` appends the tokens (and their
+``logprobs``) and applies the stop conditions a token decides by itself (:func:`check_stop`);
+the engine's ``OutputProcessor`` (:mod:`paxcache.outputs`) owns ``text``, ``emitted``,
+``decoder`` and ``num_detokenized``: it detokenizes, finds stop strings (the scheduler then
+ends those sequences, :meth:`~paxcache.scheduler.Scheduler.stop_at`) and builds the outputs.
 
 Unified token accounting (prefill, chunked prefill, decode and recompute are one thing):
 ``token_ids`` holds the prompt followed by the generated tokens; ``num_computed`` of them have
@@ -82,11 +85,17 @@ class Sequence:
       error: why it failed, when ``finish_reason == "error"``.
       text: detokenized output so far (ends before a matched stop string).
       emitted: characters of ``text`` already reported.
-      logprobs: per generated token ``{"token_id", "logprob", "top"}``, or None.
+      logprobs: per generated token, when the request asked for logprobs (else None): as the
+        step returned it, ``(token_id, logprob, top_ids, top_logprobs)``, until the output
+        processor formats it as ``{"token_id", "logprob", "top"}``.
       prompt_logprobs: the leader of a request with ``params.prompt_logprobs``: one entry per
         prompt token, ``None`` for the first and for those not computed yet, else
         ``{"token_id", "logprob", "rank", "top"}``; None otherwise.
       decoder: the incremental detokenizer (``push(id) -> str``, ``flush() -> str``).
+      num_detokenized: generated tokens the output processor has taken into ``text`` (a
+        token that ended the sequence by itself counts, untaken).
+      ends_on_stop_token: its last token ended it by itself (EOS or a stop token id): that
+        token is not detokenized.
       new_ids: tokens generated in the current step (cleared once reported).
       matcher: its grammar state (:class:`paxcache.grammar.Matcher`) when the request is
         constrained, else None. It has consumed exactly the generated tokens, so preemption
@@ -121,6 +130,8 @@ class Sequence:
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None
     decoder: Any = None
+    num_detokenized: int = 0
+    ends_on_stop_token: bool = False
     new_ids: list[int] = dataclasses.field(default_factory=list)
     matcher: Any = None
 
@@ -225,11 +236,12 @@ def reached_length(seq: Sequence, max_model_len: int, more: int = 0) -> bool:
 
 
 def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len: int) -> None:
-    """Detokenizes ``tok`` (just appended to ``seq``) and finishes ``seq`` if it should stop.
-
-    Stops: a stop string in the text (the text is cut before it), EOS (unless ``ignore_eos``)
-    or a stop token id (neither is detokenized), a grammar that can take no more tokens
-    (``"stop"``), ``max_tokens`` generated, or ``max_model_len`` reached (both ``"length"``).
+    """Finishes ``seq`` if ``tok`` (just appended to it) ends it by itself: EOS (unless
+    ``ignore_eos``) or a stop token id (``"stop"``; that token is not detokenized:
+    ``ends_on_stop_token``), a grammar that can take no more tokens (``"stop"``),
+    ``max_tokens`` generated or ``max_model_len`` reached (both ``"length"``). Stop strings
+    need the text: the output processor finds them (:meth:`paxcache.outputs.OutputProcessor.
+    detokenize`).
 
     Raises:
       ValueError: the token is outside the sequence's grammar (its matcher refused it).
@@ -237,28 +249,13 @@ def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len:
     p = seq.params
     if seq.matcher is not None and not seq.matcher.consume(tok):
         raise ValueError(f"token {tok} is not allowed by the grammar: {seq.matcher.error}")
-    stop_tok = is_stop_token(p, tok, eos_ids)
-    if not stop_tok:
-        seq.text += seq.decoder.push(tok)
-    reason = None
-    stops = p.stop or ()
-    if stops:
-        window_start = max(0, seq.emitted - max(len(s) for s in stops))
-        hits = [(seq.text.find(s, window_start), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if hits:
-            i, _ = min(hits)
-            seq.text = seq.text[:i]
-            reason = "stop"
-    if reason is None:
-        if stop_tok or (seq.matcher is not None and seq.matcher.is_stopped()):
-            reason = "stop"
-        elif reached_length(seq, max_model_len):
-            reason = "length"
-    if reason is not None:
-        seq.finish(reason)
-        if (reason == "length" or seq.matcher is not None) and not stops:
-            seq.text += seq.decoder.flush()
+    if is_stop_token(p, tok, eos_ids):
+        seq.ends_on_stop_token = True
+        seq.finish("stop")
+    elif seq.matcher is not None and seq.matcher.is_stopped():
+        seq.finish("stop")
+    elif reached_length(seq, max_model_len):
+        seq.finish("length")
 
 
 def check_prompt(

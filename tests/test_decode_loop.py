@@ -162,7 +162,8 @@ class _LetterTokenizer(ByteTokenizer):
 def test_a_plain_rows_tokens_are_detokenized_once_per_step(model, monkeypatch):
     """Rows without stop strings, logprobs or a grammar take a loop's tokens at once (one
     ``push_chunk`` per step, no per-token push), with the single-step engine's text; a row
-    with a stop string goes token by token in the same steps."""
+    with a stop string takes them at once too, and the output processor finds the string
+    token by token and drops the tokens the loop sampled after it."""
     from paxcache.models.tokenizer import IncrementalDecoder
 
     calls = {"push": 0, "push_chunk": 0}
@@ -186,9 +187,14 @@ def test_a_plain_rows_tokens_are_detokenized_once_per_step(model, monkeypatch):
     stop_at = multi["plain"].outputs[0].text[7]  # a letter the greedy row writes
     stop = SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_at])
     requests["stops"] = ([5, 6, 7], stop)
-    both, _ = _run(letters(4), requests)
-    single, _ = _run(letters(1), requests)
+    both_eng, single_eng = letters(4), letters(1)
+    both, _ = _run(both_eng, requests)
+    single, _ = _run(single_eng, requests)
     assert _summary([both[r] for r in requests]) == _summary([single[r] for r in requests])
+    kept = multi["plain"].outputs[0].text.index(stop_at) + 1  # through the stop's letter
+    assert len(both["stops"].outputs[0].token_ids) == kept
+    generated = [e.stats()["num_generated_tokens"] for e in (both_eng, single_eng)]
+    assert generated == [12 + kept, 12 + kept]  # the dropped tokens are not counted
     assert _summary([multi["plain"]]) == _summary([single["plain"]])
     assert both["stops"].outputs[0].finish_reason == "stop"
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paxcache.outputs import OutputProcessor, RequestState
 from paxcache.sampling import SamplingParams
@@ -61,3 +63,108 @@ def test_a_live_id_cannot_be_added_twice():
     with pytest.raises(ValueError, match="already live"):
         proc.add(_request("a"))
     assert [r.request_id for r in proc.requests()] == ["a"]
+
+
+# -- detokenization and stop strings (the processor's, after the scheduler appended) -------
+
+
+class _Letters:
+    """Decoder stand-in: every token is one letter (``push`` / ``push_chunk`` / ``flush``)."""
+
+    def push(self, tok: int) -> str:
+        return chr(ord("a") + tok % 26)
+
+    def push_chunk(self, ids) -> str:
+        return "".join(self.push(t) for t in ids)
+
+    def flush(self) -> str:
+        return "!"
+
+
+def _texted(stop=None, max_tokens=8, logprobs=None) -> RequestState:
+    params = SamplingParams(max_tokens=max_tokens, stop=stop, logprobs=logprobs)
+    seqs = new_request("r", [1, 2], params, seed=0, make_decoder=_Letters)
+    return RequestState("r", None, [1, 2], params, seqs)
+
+
+def _append(seq, tokens) -> None:  # what the scheduler's postprocess does
+    seq.token_ids.extend(tokens)
+    seq.new_ids.extend(tokens)
+    if seq.logprobs is not None:
+        seq.logprobs.extend((t, -1.0, [t, 0], [-1.0, float("-inf")]) for t in tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=1, max_size=12),
+    chunk=st.integers(1, 5),
+    stop=st.text(alphabet="abcde", min_size=1, max_size=3),
+)
+def test_a_stop_string_ends_a_chunk_where_one_token_at_a_time_would(tokens, chunk, stop):
+    """A multi-step decode's row hands over several tokens at once: the processor finds the
+    stop string at the token that completed it, as token-at-a-time detokenization would,
+    and names how many generated tokens the sequence keeps."""
+
+    def run(size):
+        proc = OutputProcessor()
+        req = _texted(stop=[stop], max_tokens=len(tokens) + 1)
+        proc.add(req)
+        (seq,) = req.seqs
+        for i in range(0, len(tokens), size):
+            _append(seq, tokens[i : i + size])
+            stops, failed = proc.detokenize([seq])
+            assert failed == []
+            if stops:
+                ((hit, keep),) = stops
+                assert hit is seq
+                return keep, seq.text
+            proc.process([seq])  # reports what cannot be a stop string's start
+        return None, seq.text
+
+    letters = "".join(chr(ord("a") + t) for t in tokens)
+    keep, text = run(chunk)
+    assert (keep, text) == run(1)
+    if stop in letters:
+        assert keep == letters.index(stop) + len(stop) and text == letters[: letters.index(stop)]
+    else:
+        assert keep is None and text == letters
+
+
+def test_stop_at_drops_a_chunks_tokens_after_the_stop_string_and_outranks_length():
+    from paxcache import BlockManager, CacheConfig
+    from paxcache.scheduler import Scheduler
+
+    cfg = CacheConfig(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4)
+    sched = Scheduler(BlockManager(cfg), max_num_seqs=2, max_num_batched_tokens=8)
+    req = _texted(stop=["cd"], max_tokens=6, logprobs=1)
+    (seq,) = req.seqs
+    _append(seq, [0, 1, 2, 3, 4, 0])  # "abcdea": the last token also reached max_tokens
+    seq.finish("length")
+    sched.num_generated_tokens = 6
+    proc = OutputProcessor()
+    proc.add(req)
+    stops, _ = proc.detokenize([seq])
+    assert stops == [(seq, 4)]
+    sched.stop_at(stops)
+    assert seq.token_ids == [1, 2, 0, 1, 2, 3] and seq.new_ids == [0, 1, 2, 3]
+    assert seq.finish_reason == "stop" and sched.num_generated_tokens == 4
+    (out,) = proc.process([seq])
+    comp = out.outputs[0]
+    assert comp.text == "ab" and comp.finish_reason == "stop" and out.finished
+    assert [e["token_id"] for e in comp.logprobs] == [0, 1, 2, 3]
+    assert comp.logprobs[0] == {"token_id": 0, "logprob": -1.0, "top": [(0, -1.0)]}
+
+
+def test_a_stop_token_is_not_detokenized_and_a_length_finish_flushes():
+    proc = OutputProcessor()
+    eos = _texted()
+    (seq,) = eos.seqs
+    _append(seq, [2, 3])
+    seq.ends_on_stop_token = True
+    seq.finish("stop")
+    assert proc.detokenize([seq]) == ([], []) and seq.text == "c"  # no flush either
+    length = _texted(max_tokens=2)
+    (seq,) = length.seqs
+    _append(seq, [2, 3])
+    seq.finish("length")
+    assert proc.detokenize([seq]) == ([], []) and seq.text == "cd!"

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paxcache import BlockManager, CacheConfig, SamplingParams, allocator
-from paxcache.outputs import INTERNAL_ERROR
+from paxcache.outputs import INTERNAL_ERROR, OutputProcessor
 from paxcache.scheduler import Scheduler, SeqState, StepPlan, StepResult
 from paxcache.sequence import new_request
 
@@ -110,7 +110,8 @@ def test_plan_rows_then_postprocess_advances_and_samples():
     touched = sched.postprocess(plan, _fake_step(sched, plan))
     assert touched == [a, b]
     assert a.num_computed == a.num_allocated == 10 and a.token_ids[-1] == 7
-    assert a.new_ids == [7] and a.text == "h" and sched.num_generated_tokens == 2
+    # The text is the output processor's (paxcache.outputs): the scheduler only appends.
+    assert a.new_ids == [7] and a.text == "" and sched.num_generated_tokens == 2
     assert sched.num_prefill_tokens_computed == 13
     # Next: two decodes, each a row of one token that grows its allocation.
     plan = sched.schedule()
@@ -167,7 +168,11 @@ def test_swap_preemption_puts_the_block_pairs_in_the_plan_and_resumes_later():
     assert len(bm) == 0 and bm.num_free_host_blocks == 8
 
 
-def test_a_request_whose_detokenizer_raises_fails_alone():
+def test_a_request_whose_detokenizer_raises_is_reported_failed_alone():
+    """Detokenizing is the output processor's: the scheduler appends the token whatever the
+    decoder does; the processor names the failing request and takes the other's text; the
+    engine then ends the failed one (``Engine._report``)."""
+
     class Exploding(_Decoder):
         def push(self, tok):
             raise RuntimeError("tokenizer bug")
@@ -178,8 +183,12 @@ def test_a_request_whose_detokenizer_raises_fails_alone():
     a.decoder = Exploding()
     plan = sched.schedule()
     touched = sched.postprocess(plan, _fake_step(sched, plan))
-    assert a.finish_reason == "error" and a.error == INTERNAL_ERROR and a in touched
-    assert b.state == SeqState.RUNNING and b.num_generated == 1
+    assert touched == [a, b] and a.num_generated == b.num_generated == 1
+    stops, failed = OutputProcessor().detokenize(touched)
+    assert stops == [] and failed == ["a"] and b.text == "h"
+    sched.finish(a.group, "error", INTERNAL_ERROR)
+    assert a.finish_reason == "error" and a.error == INTERNAL_ERROR
+    assert b.state == SeqState.RUNNING
     assert a not in sched.block_manager and all(sched.check_invariants().values())
 
 
