@@ -32,6 +32,7 @@ compilation): it never moves the state between devices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Hashable, Mapping, Sequence
 
 import jax
@@ -52,7 +53,15 @@ from paxcache.errors import (
 
 __all__ = ["BlockManager"]
 
-_allocate = jax.jit(allocator.allocate, static_argnames=("commit",))
+
+@functools.partial(jax.jit, static_argnames=("commit",))
+def _allocate(state, slot, token_ids, num_tokens, salt, *, commit):
+    """``allocator.allocate`` and the free block count after it: an admission reads both in
+    one transfer (the scheduler asks for the count next)."""
+    state, res = allocator.allocate(state, slot, token_ids, num_tokens, salt, commit=commit)
+    return state, res, allocator.num_free_blocks(state)
+
+
 _append = jax.jit(allocator.append, static_argnames=("commit",))
 _commit = jax.jit(allocator.commit)
 _fork = jax.jit(allocator.fork)
@@ -370,23 +379,21 @@ class BlockManager:
         salt = self._peek_salt(cache_salt)
         padded = np.zeros(cfg.max_model_len, np.int32)
         padded[: ids.size] = ids
-        state, res = _allocate(
+        state, res, free = _allocate(
             self._state, np.int32(slot), padded, np.int32(ids.size), np.int32(salt), commit=commit
         )
-        ok, cached = jax.device_get((res.ok, res.num_cached_tokens))
+        read = jax.device_get((res.ok, res.num_cached_tokens, free))  # one transfer
+        ok, cached, num_free = (int(x) for x in read)
         if not ok:
             raise OutOfBlocksError(
                 f"cannot allocate {cfg.blocks_for(ids.size)} blocks for {seq_id!r}: "
                 f"{self.num_free_blocks} free, watermark {cfg.watermark_blocks}"
             )
-        num_free = None
-        if reserve > 0:
-            num_free = int(_num_free(state))
-            if num_free < reserve + cfg.watermark_blocks:
-                raise OutOfBlocksError(
-                    f"allocating {seq_id!r} would leave {num_free} free blocks, fewer than the "
-                    f"{reserve} reserved plus the watermark {cfg.watermark_blocks}"
-                )
+        if reserve > 0 and num_free < reserve + cfg.watermark_blocks:
+            raise OutOfBlocksError(
+                f"allocating {seq_id!r} would leave {num_free} free blocks, fewer than the "
+                f"{reserve} reserved plus the watermark {cfg.watermark_blocks}"
+            )
         self._salt_id(cache_salt)  # registers a new salt (its id is ``salt``)
         self._set_state(state, num_free)
         self._take_slot(seq_id, slot)
