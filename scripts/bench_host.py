@@ -10,9 +10,11 @@ decode steps of ``Engine.step()``. Each step's host thread is split into:
 * ``prepare_us``: ``step.prepare_inputs`` (the plan as padded arrays);
 * ``dispatch_us``: the call of the jitted step (returns before the device finishes);
 * ``wait_us``: ``step.read_result`` (waits for the device, then one transfer back);
-* ``postprocess_us``: ``Scheduler.postprocess`` less detokenization (appending tokens, stop
-  checks, freeing); ``detokenize_us``: ``IncrementalDecoder.push`` and ``push_chunk`` (a
-  multi-step row's tokens at once, where the text allows);
+* ``postprocess_us``: ``Scheduler.postprocess`` and the output processor
+  (``OutputProcessor.detokenize``, ``process``) less detokenization (appending tokens, stop
+  checks, freeing, stop strings, building the outputs); ``detokenize_us``:
+  ``IncrementalDecoder.push`` and ``push_chunk`` (a multi-step row's tokens at once, where the
+  text allows);
 * ``host_us``: the step's wall time less ``dispatch_us`` and ``wait_us`` (on the CPU backend
   the call of a small program runs it in the calling thread, so dispatch holds device time
   there); ``device_idle_us``: the wall time from one step's ``read_result`` returning to the
@@ -121,8 +123,9 @@ class Phases:
 
     @contextlib.contextmanager
     def installed(self, eng: Engine) -> Iterator[None]:
-        sched = eng.scheduler
+        sched, outs = eng.scheduler, eng.outputs
         saved = (sched.schedule, sched.postprocess, eng._jit_step)
+        saved_outs = (outs.process, getattr(outs, "detokenize", None))  # newer builds
         saved_mod = (step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result)
         saved_push = IncrementalDecoder.push
         saved_chunk = getattr(IncrementalDecoder, "push_chunk", None)  # newer builds
@@ -145,6 +148,9 @@ class Phases:
 
         sched.schedule = self.timed("schedule", sched.schedule)
         sched.postprocess = self.timed("postprocess", sched.postprocess)
+        outs.process = self.timed("postprocess", outs.process)
+        if saved_outs[1] is not None:
+            outs.detokenize = self.timed("postprocess", saved_outs[1])
         eng._jit_step = dispatch
         step_lib.prepare_inputs = self.timed("prepare", step_lib.prepare_inputs)
         step_lib.read_result = overlap_lib.read_result = read
@@ -155,6 +161,9 @@ class Phases:
             yield
         finally:
             sched.schedule, sched.postprocess, eng._jit_step = saved
+            outs.process = saved_outs[0]
+            if saved_outs[1] is not None:
+                outs.detokenize = saved_outs[1]
             step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result = saved_mod
             IncrementalDecoder.push = saved_push
             if saved_chunk is not None:
