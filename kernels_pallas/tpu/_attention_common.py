@@ -270,11 +270,24 @@ def reset_state(state: tuple[Any, Any, Any], sinks: jax.Array | None = None) -> 
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
-def finish(l_i: jax.Array, acc: jax.Array, v_scale: jax.Array | None = None) -> jax.Array:
+def finish(
+    l_i: jax.Array, acc: jax.Array, v_scale: jax.Array | None = None, *,
+    reciprocal: bool = False, approx: bool = False,
+) -> jax.Array:  # fmt: skip
     """``acc / l`` (times an 8-bit cache's V scale) with rows that saw no key returning
-    zeros; ``l_i`` ``[..., R, 1]`` or lane-dense ``[..., R, 128]``, ``acc`` ``[..., R, D]``."""
-    l_i = spread_lanes(l_i, acc.shape[-1])
-    out = acc / jnp.where(l_i > 0.0, l_i, 1.0)
+    zeros; ``l_i`` ``[..., R, 1]`` or lane-dense ``[..., R, 128]``, ``acc`` ``[..., R, D]``.
+
+    ``reciprocal``: multiply by ``1 / l`` (``pl.reciprocal`` without IEEE edge cases: ``l`` is
+    0 or at least 1, the row max's own term) instead of dividing; ``approx``: the TPU's
+    reciprocal estimate without its refinement (for bf16 outputs: the exact path refines
+    the estimate with one Newton step, which doubles its bits to float32's 24, so it holds
+    about 12, bf16 keeps 8; RPA v3 takes it for outputs narrower than float32)."""
+    l_i = jnp.where(l_i > 0.0, l_i, 1.0)
+    if not (reciprocal or approx):
+        out = acc / spread_lanes(l_i, acc.shape[-1])
+    else:
+        inv = pl.reciprocal(l_i, approx=approx, full_range=False)
+        out = acc * spread_lanes(inv, acc.shape[-1])
     return out if v_scale is None else out * v_scale
 
 

@@ -342,17 +342,28 @@ def _ragged_kernel(
 
         @pl.when(last)
         def _finish_sequence():
-            out = finish(l_ref[...], acc_ref[...], v_scale).astype(o_ref.dtype)  # [K, R, D]
             block_is_mine = (row_lo == r0) & (row_hi == r1)
 
+            def out(h: int) -> jax.Array:
+                """Head ``h``'s rows ``[R, D]`` (bf16 ones take the approximate reciprocal)."""
+                o = finish(
+                    l_ref[h], acc_ref[h], v_scale, reciprocal=True,
+                    approx=o_ref.dtype == jnp.bfloat16,
+                )  # fmt: skip
+                return o.astype(o_ref.dtype)
+
+            # Computed where stored, head by head: a [K, R, D] result computed before the
+            # branches would be spilled and reloaded.
             @pl.when(block_is_mine)  # a prefill block: no other sequence's rows to keep
             def _store_block():
-                o_ref[...] = out
+                for h in range(o_ref.shape[0]):
+                    o_ref[h] = out(h)
 
             @pl.when(~block_is_mine)
             def _store_rows():
                 mine = (out_row >= (row_lo - r0) * g) & (out_row < (row_hi - r0) * g)  # [R, 1]
-                o_ref[...] = jnp.where(mine[None], out, o_ref[...])
+                for h in range(o_ref.shape[0]):
+                    o_ref[h] = jnp.where(mine, out(h), o_ref[h])
 
             @pl.when(next_seq)  # the state is read again only by a next sequence here
             def _reset_for_next_sequence():
