@@ -31,6 +31,8 @@ class CompletionOutput:
         when the request asked for logprobs, else ``None`` (delta: the new tokens' entries).
       new_token_ids: the tokens generated in the step that produced this output.
       new_text: the text added in the step that produced this output.
+      stop_reason: the stop token id or stop string that ended the completion (vLLM's
+        field; None for EOS, a length finish and while running).
     """
 
     index: int
@@ -40,6 +42,7 @@ class CompletionOutput:
     logprobs: list[dict] | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -156,7 +159,14 @@ class RequestState:
                 text = s.text if visible == text_len else s.text[:visible]
             comps.append(
                 CompletionOutput(
-                    s.index, token_ids, text, s.finish_reason, logprobs, s.new_ids, new_text
+                    s.index,
+                    token_ids,
+                    text,
+                    s.finish_reason,
+                    logprobs,
+                    s.new_ids,
+                    new_text,
+                    s.stop_reason if s.finish_reason == "stop" else None,
                 )
             )
             s.new_ids = []  # reported: this list now belongs to the output
@@ -285,9 +295,12 @@ def _take_text(seq: Any) -> int | None:
         for n in range(start, end):
             seq.text += seq.decoder.push(seq.token_ids[base + n])
             window = max(0, seq.emitted - longest)
-            hits = [i for i in (seq.text.find(s, window) for s in stops) if i >= 0]
+            found = ((seq.text.find(s, window), s) for s in stops)
+            hits = [(i, s) for i, s in found if i >= 0]
             if hits:
-                seq.text = seq.text[: min(hits)]
+                at, string = min(hits, key=lambda hit: hit[0])  # the first listed on a tie
+                seq.text = seq.text[:at]
+                seq.stop_reason = string
                 return n + 1
         return None
     if end - start == 1:

@@ -96,6 +96,8 @@ class Sequence:
         token that ended the sequence by itself counts, untaken).
       ends_on_stop_token: its last token ended it by itself (EOS or a stop token id): that
         token is not detokenized.
+      stop_reason: vLLM's: the stop token id or stop string that ended it (None for EOS and
+        every other finish).
       new_ids: tokens generated in the current step (cleared once reported).
       matcher: its grammar state (:class:`paxcache.grammar.Matcher`) when the request is
         constrained, else None. It has consumed exactly the generated tokens, so preemption
@@ -132,6 +134,7 @@ class Sequence:
     decoder: Any = None
     num_detokenized: int = 0
     ends_on_stop_token: bool = False
+    stop_reason: int | str | None = None
     new_ids: list[int] = dataclasses.field(default_factory=list)
     matcher: Any = None
 
@@ -251,6 +254,8 @@ def check_stop(seq: Sequence, tok: int, eos_ids: Collection[int], max_model_len:
         raise ValueError(f"token {tok} is not allowed by the grammar: {seq.matcher.error}")
     if is_stop_token(p, tok, eos_ids):
         seq.ends_on_stop_token = True
+        if not (tok in eos_ids and not p.ignore_eos):  # a stop token id: vLLM reports it
+            seq.stop_reason = tok
         seq.finish("stop")
     elif seq.matcher is not None and seq.matcher.is_stopped():
         seq.finish("stop")

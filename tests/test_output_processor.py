@@ -151,6 +151,7 @@ def test_stop_at_drops_a_chunks_tokens_after_the_stop_string_and_outranks_length
     (out,) = proc.process([seq])
     comp = out.outputs[0]
     assert comp.text == "ab" and comp.finish_reason == "stop" and out.finished
+    assert comp.stop_reason == "cd"  # vLLM's field: the string that ended it
     assert [e["token_id"] for e in comp.logprobs] == [0, 1, 2, 3]
     assert comp.logprobs[0] == {"token_id": 0, "logprob": -1.0, "top": [(0, -1.0)]}
 
@@ -168,3 +169,20 @@ def test_a_stop_token_is_not_detokenized_and_a_length_finish_flushes():
     _append(seq, [2, 3])
     seq.finish("length")
     assert proc.detokenize([seq]) == ([], []) and seq.text == "cd!"
+
+
+def test_stop_reason_names_a_stop_token_id_but_not_eos():
+    from paxcache.sequence import check_stop
+
+    for tok, want in ((7, 7), (0, None)):  # 7: a stop token id; 0: EOS
+        params = SamplingParams(max_tokens=8, stop_token_ids=[7])
+        (seq,) = new_request("r", [1, 2], params, seed=0, make_decoder=_Letters)
+        req = RequestState("r", None, [1, 2], params, [seq])
+        _append(seq, [3, tok])
+        check_stop(seq, tok, eos_ids=(0,), max_model_len=64)
+        assert seq.finish_reason == "stop" and seq.ends_on_stop_token
+        proc = OutputProcessor()
+        proc.add(req)
+        assert proc.detokenize([seq]) == ([], [])
+        (out,) = proc.process([seq])
+        assert out.outputs[0].stop_reason == want and out.outputs[0].text == "d"  # 3 only
