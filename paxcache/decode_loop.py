@@ -10,8 +10,9 @@ row has stopped, when the next iteration's blocks are not all free (the host the
 as usual: preemption and admission stay the scheduler's), after the first finish when a
 request waits for a slot (``exit_on_finish``), or after ``K`` iterations. Stop strings,
 detokenization, streaming and aborts are the host's, applied to the returned tokens
-(:meth:`Scheduler.postprocess <paxcache.scheduler.Scheduler.postprocess>`, iteration by
-iteration), so the tokens are those of ``K`` single steps.
+(:meth:`Scheduler.postprocess <paxcache.scheduler.Scheduler.postprocess>` and the output
+processor), so the tokens are those of ``K`` single steps. With overlapped scheduling the
+loop after one in flight is built on the device (:func:`next_inputs`).
 
 Here: the loop's extra inputs (:class:`DecodeLoopInputs`), which plans may run it
 (:func:`eligible`), building the inputs (:func:`prepare`) and the device loop (:func:`run`,
@@ -41,6 +42,7 @@ __all__ = [
     "eligible",
     "empty",
     "for_plan",
+    "next_inputs",
     "prepare",
     "resolve_decode_steps",
     "run",
@@ -82,12 +84,15 @@ class DecodeLoopInputs:
         ``max_model_len``); padding rows 1.
       exit_on_finish: ``bool[]`` leave the loop after an iteration in which a row stopped
         (a queued request waits for its slot or blocks).
+      active: ``bool[R]`` rows that run the first iteration: the plan's rows (a pipelined
+        continuation, :func:`next_inputs`, leaves out those that stopped in the loop before).
     """
 
     keys: jax.Array
     stop_ids: jax.Array
     max_new: jax.Array
     exit_on_finish: jax.Array
+    active: jax.Array
 
 
 def eligible(plan: StepPlan, eos_ids: Collection[int]) -> bool:
@@ -141,6 +146,7 @@ def prepare(
         stop_ids=stop_ids,
         max_new=max_new,
         exit_on_finish=np.asarray(exit_on_finish),
+        active=np.arange(r) < len(plan.samples),
     )
 
 
@@ -168,6 +174,16 @@ def empty(max_rows: int, num_steps: int) -> DecodeLoopInputs:
     return prepare(
         StepPlan(), max_rows, num_steps, eos_ids=(), max_model_len=1, exit_on_finish=False
     )
+
+
+def _next_blocks_free(
+    state: allocator.BlockState, slot_ids: jax.Array, active: jax.Array
+) -> jax.Array:
+    """``bool[]``: every ``active`` row (``slot_ids i32[R]``) can append one token now."""
+    num_slots = state.cfg.max_seqs
+    target = jnp.where(active, slot_ids, num_slots)
+    counts = jnp.zeros((num_slots,), jnp.int32).at[target].set(1, mode="drop")
+    return jnp.all(allocator.can_append(state, counts)[slot_ids] | ~active)
 
 
 class _Carry(NamedTuple):
@@ -205,16 +221,15 @@ def run(
 
     Returns:
       ``(state, kv, row_ok bool[R], sampled, steps i32[R])``: ``row_ok`` row ``j`` ran its
-      first iteration; ``sampled`` holds ``[K, R, ...]`` arrays (iteration ``k``, sample
-      ``j``); ``steps[j]`` iterations row ``j`` ran (its tokens are ``sampled.tokens[:steps[j],
-      j]``).
+      first iteration (or was not to: ``loop.active``); ``sampled`` holds ``[K, R, ...]``
+      arrays (iteration ``k``, sample ``j``); ``steps[j]`` iterations row ``j`` ran (its
+      tokens are ``sampled.tokens[:steps[j], j]``).
     """
     loop: DecodeLoopInputs = inputs.decode_loop
     num_steps, r = loop.keys.shape[0], inputs.slot_ids.shape[0]
     t = inputs.token_ids.shape[0]
-    num_slots = state.cfg.max_seqs
     first = inputs.replace(decode_loop=None)
-    live = jnp.arange(r) < inputs.num_rows
+    live = (jnp.arange(r) < inputs.num_rows) & loop.active
 
     def one(c: _Carry) -> _Carry:
         step_inputs = first.replace(
@@ -244,9 +259,7 @@ def run(
         )
 
     def more(c: _Carry) -> jax.Array:
-        target = jnp.where(c.active, inputs.slot_ids, num_slots)
-        counts = jnp.zeros((num_slots,), jnp.int32).at[target].set(1, mode="drop")
-        fits = jnp.all(allocator.can_append(c.state, counts)[inputs.slot_ids] | ~c.active)
+        fits = _next_blocks_free(c.state, inputs.slot_ids, c.active)
         go_on = (c.k < num_steps) & jnp.any(c.active) & fits & ~(loop.exit_on_finish & c.stopped)
         return (c.k == 0) | go_on
 
@@ -270,4 +283,57 @@ def run(
         stopped=jnp.asarray(False),
     )
     end = jax.lax.while_loop(more, one, start)
-    return end.state, end.kv, end.first_ok, end.out, end.steps
+    # A row the loop was not asked to run (loop.active) was not refused.
+    return end.state, end.kv, end.first_ok | ~loop.active, end.out, end.steps
+
+
+@jax.jit
+def next_inputs(
+    inputs: Any,
+    state: allocator.BlockState,
+    tokens: jax.Array,
+    steps: jax.Array,
+    keys: jax.Array,
+    keep: jax.Array,
+) -> Any:
+    """The inputs of the loop after the one that ran on ``inputs``, built on the device
+    before that one is read (:func:`paxcache.overlap.loop_continuation`): what the scheduler
+    would plan once it read it, when nothing waits. A row goes on when the host still runs
+    its sequence, it ran that loop and stopped in none of its iterations; it feeds the last
+    token it sampled, at its length plus the iterations it ran, with the keys and token limit
+    that many tokens further on. When the blocks of one more token are not free for every
+    row going on (the scheduler would preempt), no row runs: the loop is one empty iteration
+    and the host plans the next step itself.
+
+    Args:
+      inputs: the loop's :class:`~paxcache.step.StepInputs` (``decode_loop`` set; on the
+        device).
+      state: the block state the loop returned.
+      tokens: ``i32[K, R]`` its samples; ``steps``: ``i32[R]`` iterations each row ran.
+      keys: ``u32[2K, R, 2]`` each row's keys from the loop's first sample on
+        (:func:`~paxcache.sampling.sequence_keys` before the loop is read).
+      keep: ``bool[R]`` rows whose sequence the host still runs.
+    """
+    loop = inputs.decode_loop
+    num_steps, r = tokens.shape
+    rows = jnp.arange(r)
+    last = tokens[jnp.maximum(steps - 1, 0), rows]
+    stopped = jnp.any(last[:, None] == loop.stop_ids, axis=-1) | (steps >= loop.max_new)
+    going = keep & loop.active & (steps > 0) & ~stopped
+    going &= _next_blocks_free(state, inputs.slot_ids, going)
+    n = min(inputs.token_ids.shape[0], r)  # decode rows are tokens: row j feeds token j
+    token_ids = inputs.token_ids.at[:n].set(jnp.where(going[:n], last[:n], inputs.token_ids[:n]))
+    kv_lens = inputs.kv_lens + jnp.where(going, steps, 0)
+    ahead = steps[None, :] + jnp.arange(num_steps)[:, None]  # [K, R]: the keys' offsets
+    return inputs.replace(
+        token_ids=token_ids,
+        kv_lens=kv_lens,
+        rope_lens=None if inputs.rope_lens is None else kv_lens,
+        grows=going,
+        decode_loop=loop.replace(
+            keys=keys[jnp.minimum(ahead, keys.shape[0] - 1), rows[None, :]],
+            max_new=jnp.maximum(loop.max_new - steps, 1),
+            exit_on_finish=jnp.asarray(False),
+            active=going,
+        ),
+    )

@@ -523,7 +523,8 @@ class Engine:
             inputs, failed = step_lib.prepare_inputs(plan, self._shapes)
             loop = decode_loop.for_plan(plan, self.scheduler, self._shapes)  # None: one step
             inputs = inputs.replace(decode_loop=loop)
-        if free_after is None and self._pipeline is not None:  # only a continuation reads it
+        # Only a single-step continuation reads it (a multi-step one checks on the device).
+        if free_after is None and self._pipeline is not None and inputs.decode_loop is None:
             need = self.scheduler.blocks_needed(plan.rows)
             free_after = self.block_manager.num_free_blocks - need
         state = self.block_manager.state if state is None else state
@@ -647,13 +648,16 @@ class Engine:
                 tb = time.perf_counter()
                 hb = compile_cache_lib.cache_hits()
                 state, kv, params, inputs = self._empty_step_args(*variant)
+                inputs = self._place_inputs(inputs)
                 with step_lib.tracing_for(self._on_trace):
-                    state, kv, out = self._jit_step(state, kv, params, self._place_inputs(inputs))
+                    state, kv, out = self._jit_step(state, kv, params, inputs)
                 self._kv = self._with_host_pool(kv)
                 if i == 0 and self._pipeline is not None:  # a plain step: i32[R] samples
                     overlap.warmup_gather(
                         out.sampled.tokens, self._shapes, self.scheduler.max_num_batched_tokens
                     )
+                if self._pipeline is not None and inputs.decode_loop is not None:
+                    overlap.warmup_loop_continuation(inputs, state, out)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
                 self.scheduler.postprocess(
@@ -759,8 +763,13 @@ class Engine:
                 checks["block_manager." + name.removeprefix("manager_")] = ok
             else:
                 checks["allocator." + name] = ok
-        flight = self._pipeline and self._pipeline.inflight  # its rows are a token ahead
-        ahead = {id(s) for s, _ in flight.plan.rows} if flight else set()
+        flight = self._pipeline and self._pipeline.inflight  # its rows' tokens are ahead
+        ahead: dict[int, int] = {}
+        if flight and flight.out.steps is not None:  # a multi-step decode: steps[j] tokens
+            steps = np.asarray(flight.out.steps)
+            ahead = {id(s): int(steps[j]) for s, j in flight.plan.samples}
+        elif flight:
+            ahead = {id(s): 1 for s, _ in flight.plan.rows}
         checks.update(self.scheduler.check_invariants(ahead))
         sched = self.scheduler
         live = sched.running + [s for unit in sched.queued for s in unit]

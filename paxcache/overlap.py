@@ -21,8 +21,13 @@ step, as the synchronous engine does, so both take the same number of calls:
 
 A step that cannot be continued (prefill rows that do not finish, admissions, preemption,
 constrained rows) is read before anything else is planned. With ``decode_steps > 1`` the
-decode-only steps run as multi-step decodes (:mod:`paxcache.decode_loop`) and nothing is
-continued: the two are alternatives, a host round trip per K tokens or one hidden per step.
+decode-only steps run as multi-step decodes (:mod:`paxcache.decode_loop`), and a multi-step
+decode is continued the same way (:func:`loop_continuation`) when nothing is queued and every
+running sequence is in it: the next loop's inputs are built on the device from the one in
+flight (:func:`paxcache.decode_loop.next_inputs`: each row that did not stop feeds its last
+sample, its length, keys and token limit as many tokens on as it ran), so the host's round
+trip per K tokens is hidden too. A row that stopped runs nothing; one whose sequence the host
+then finishes (a stop string) runs up to K wasted iterations, dropped when read.
 """
 
 from __future__ import annotations
@@ -34,11 +39,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxcache import decode_loop
 from paxcache.sampling import sequence_keys
 from paxcache.scheduler import Scheduler, StepPlan
 from paxcache.step import StepInputs, StepShapes, read_result
 
-__all__ = ["InFlight", "Pipeline", "StepFailed", "continuation", "gather_tokens", "read"]
+__all__ = [
+    "InFlight",
+    "Pipeline",
+    "StepFailed",
+    "continuation",
+    "gather_tokens",
+    "loop_continuation",
+    "read",
+    "warmup_loop_continuation",
+]
 
 
 class StepFailed(Exception):
@@ -61,6 +76,8 @@ class InFlight:
       out: its :class:`~paxcache.step.StepOutputs` (on the device).
       free_after: free device blocks after it, by the scheduler's arithmetic (None for a
         synchronous engine, which never continues a step).
+      continuable: False once the multi-step decode it continues was read and ran nothing
+        (its blocks were not free): it runs nothing either, and the scheduler plans after it.
     """
 
     plan: StepPlan
@@ -69,6 +86,7 @@ class InFlight:
     state: Any
     out: Any
     free_after: int | None
+    continuable: bool = True
 
 
 def read(flight: InFlight, state: Any) -> Any:
@@ -105,6 +123,49 @@ def warmup_gather(sampled_tokens: jax.Array, shapes: StepShapes, max_batched_tok
     for t in buckets:
         gather_tokens(sampled_tokens, np.zeros(t, np.int32)).block_until_ready()
     return len(buckets)
+
+
+def loop_continuation(
+    prev: InFlight, scheduler: Scheduler, state: Any
+) -> tuple[StepPlan, StepInputs] | None:
+    """The multi-step decode after ``prev`` (a multi-step decode) when it needs no host
+    decision, as ``(plan, inputs on the device)``; None when the scheduler must plan it after
+    reading ``prev``. It needs nothing queued (no admission, no swap-in) and every running
+    sequence in ``prev``; its inputs are built on the device from ``prev``'s outputs
+    (:func:`paxcache.decode_loop.next_inputs`: the rows that did not stop go on, ``state``'s
+    blocks permitting), its plan is ``prev``'s (a row whose sequence finished since runs
+    nothing or is dropped when read)."""
+    plan, inputs = prev.plan, prev.inputs
+    if inputs.decode_loop is None or prev.failed or scheduler.queued or not prev.continuable:
+        return None
+    keep = [not seq.is_finished for seq, _ in plan.samples]
+    going = {id(seq) for (seq, _), k in zip(plan.samples, keep, strict=True) if k}
+    if not going or len(going) != len(scheduler.running):
+        return None
+    if any(id(seq) not in going for seq in scheduler.running):
+        return None
+    loop = inputs.decode_loop
+    num_steps, r = loop.keys.shape[0], loop.active.shape[0]
+    keep_rows = np.zeros(r, bool)
+    keep_rows[: len(keep)] = keep
+    # Keys from each row's first sample in prev on: prev is unread, so ``num_generated`` is
+    # what it was when prev was planned.
+    keys = sequence_keys([seq for seq, _ in plan.samples], r, range(2 * num_steps))
+    nxt = decode_loop.next_inputs(
+        inputs, state, prev.out.sampled.tokens, prev.out.steps, keys, keep_rows
+    )
+    return StepPlan(rows=plan.rows, slots=plan.slots, samples=plan.samples), nxt
+
+
+def warmup_loop_continuation(inputs: StepInputs, state: Any, out: Any) -> None:
+    """Compiles :func:`paxcache.decode_loop.next_inputs` for a warm-up multi-step decode's
+    ``inputs`` and outputs (its placement is what serving passes)."""
+    loop = inputs.decode_loop
+    num_steps, r = loop.keys.shape[0], loop.active.shape[0]
+    keys = np.zeros((2 * num_steps, r, 2), np.uint32)
+    decode_loop.next_inputs(
+        inputs, state, out.sampled.tokens, out.steps, keys, np.zeros(r, bool)
+    ).token_ids.block_until_ready()
 
 
 def continuation(
@@ -250,6 +311,16 @@ class Pipeline:
             except StepFailed as e:  # it may have consumed prev's state: fail both
                 return touched + eng._recover(prev.plan, e)
             self.num_continued += 1
+        else:
+            base = prev.state if fresh else eng.block_manager.state
+            nxt_loop = loop_continuation(prev, eng.scheduler, base)
+            if nxt_loop is not None:
+                plan, inputs = nxt_loop
+                try:
+                    self.inflight = eng._dispatch(plan, inputs=inputs, state=base, free_after=None)
+                except StepFailed as e:  # it may have consumed prev's state: fail both
+                    return touched + eng._recover(prev.plan, e)
+                self.num_continued += 1
         if self.inflight is not None:
             newest = self.inflight.state
         else:  # nothing newer in flight: prev's output, or what the manager made of it since
@@ -261,6 +332,8 @@ class Pipeline:
             return touched + eng._recover(prev.plan, e)
         if newest is not prev.state:  # its free count is not prev's: read when asked
             result = dataclasses.replace(result, num_free_blocks=None)
+        if result.steps is not None and self.inflight is not None and not result.steps.any():
+            self.inflight.continuable = False  # built from a loop that ran nothing: the same
         # Rows of a continuation whose sequence finished (or was aborted) after it went out.
         self.num_wasted_rows += sum(1 for seq, _ in prev.plan.rows if seq.is_finished)
         return touched + eng.scheduler.postprocess(prev.plan, result)

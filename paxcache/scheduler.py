@@ -82,7 +82,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -732,11 +732,11 @@ class Scheduler:
 
     # -- checks ---------------------------------------------------------------------------
 
-    def check_invariants(self, ahead: Collection[int] = ()) -> dict[str, bool]:
+    def check_invariants(self, ahead: Mapping[int, int] | None = None) -> dict[str, bool]:
         """Named checks of the queues and of the accounting against the block manager (all
-        True when consistent; reads the block state back from the device). ``ahead``: ids
-        (``id(seq)``) of sequences with a token in a step in flight, which the block state
-        already holds and the accounting not yet (:mod:`paxcache.overlap`).
+        True when consistent; reads the block state back from the device). ``ahead``:
+        ``id(seq)`` -> tokens of it in a step in flight, which the block state already holds
+        and the accounting not yet (:mod:`paxcache.overlap`).
 
         Every live sequence in exactly one queue with the matching state; queues in age order
         and every running sequence older than every queued one; at most ``max_num_seqs``
@@ -745,7 +745,7 @@ class Scheduler:
         each sequence's allocation matches its slot's length, and ``num_computed <=
         num_allocated <= len(token_ids)``; every planned row got its blocks.
         """
-        bm = self.block_manager
+        bm, ahead = self.block_manager, ahead or {}
         cfg = bm.cfg
         st = (
             np.asarray(bm.state.seq_lens),
@@ -790,7 +790,7 @@ class Scheduler:
             and all(bool(swapped_flags[bm.slot(s)]) == (id(s) in swapped_ids) for s in holders)
         )
         checks["lengths_match"] = checks["slots_accounted"] and (
-            all(int(seq_lens[bm.slot(s)]) == s.num_allocated + (id(s) in ahead) for s in holders)
+            all(int(seq_lens[bm.slot(s)]) == s.num_allocated + ahead.get(id(s), 0) for s in holders)
             and all(s.num_computed <= s.num_allocated <= len(s.token_ids) for s in holders)
             and all(s.num_computed == s.num_allocated == 0 for s in waiting)
         )

@@ -30,7 +30,8 @@ next is planned), ``overlap`` (``async_scheduling=True``: the next decode step d
 before the current one is read; ``device_idle_us_per_step`` is then the host time between a
 read and the next dispatch, which the device spends on the step already queued), ``multistep``
 (``decode_steps=8``: a decode-only step runs up to 8 iterations in one program; it is timed
-for ``--steps / 8`` steps, the same tokens): each is measured when the engine takes its
+for ``--steps / 8`` steps, the same tokens), ``multistep_overlap`` (both, the accelerator
+default: the next 8-iteration loop is dispatched before the one in flight is read): each is measured when the engine takes its
 arguments, and listed as not built otherwise.
 ``tokens_per_s_over_sync`` is a row's tokens/s over the sync row of the same model and rows.
 
@@ -72,6 +73,7 @@ MODES = {
     "sync": {"async_scheduling": False, "decode_steps": 1},
     "overlap": {"async_scheduling": True, "decode_steps": 1},
     "multistep": {"async_scheduling": False, "decode_steps": 8},
+    "multistep_overlap": {"async_scheduling": True, "decode_steps": 8},
 }
 
 

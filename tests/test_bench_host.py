@@ -18,7 +18,7 @@ def test_every_mode_of_the_host_benchmark_is_built_by_this_engine(monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_host_under_test", bench)
     spec.loader.exec_module(bench)
-    assert set(bench.MODES) == {"sync", "overlap", "multistep"}
+    assert set(bench.MODES) == {"sync", "overlap", "multistep", "multistep_overlap"}
     assert all(bench.supported(mode) for mode in bench.MODES)
     monkeypatch.setitem(bench.MODES, "bogus", {"decode_step": 8})  # a misspelt option
     assert not bench.supported("bogus")

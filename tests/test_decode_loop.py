@@ -281,3 +281,35 @@ def test_server_streams_multi_step_chunks_as_the_single_step_engine_completes(mo
     assert "".join(t for t, _ in pieces) == text[: text.index(stop)]
     assert pieces[-1][1] == "stop"
     assert engine.stats()["num_multi_step_decodes"] > 0
+
+
+def test_an_overlapped_multi_step_decode_is_continued_on_the_device_with_the_same_tokens(model):
+    """Overlapped scheduling dispatches the next loop before reading the one in flight (its
+    inputs built on the device: decode_loop.next_inputs); a row that stopped there (a stop
+    id, its limit) runs nothing, one the host ends (a stop string) is dropped when read; the
+    tokens are the synchronous multi-step engine's, and of single steps."""
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(0, 256, 6))) for _ in range(5)]
+    free = {
+        f"r{i}": (p, SamplingParams(max_tokens=22, ignore_eos=True)) for i, p in enumerate(prompts)
+    }
+    plain, _ = _run(_engine(model, 1, num_blocks=64, async_scheduling=False), free)
+    text = [c for c in plain["r0"].outputs[0].text[6:] if c != "\ufffd"]
+    stop_id = plain["r1"].outputs[0].token_ids[9]  # sampled greedily at the 10th token
+    extras = [dict(stop=[text[0]]), dict(stop_token_ids=[stop_id]), dict(max_tokens=5), {}, {}]
+    requests = {}
+    for i, (prompt, extra) in enumerate(zip(prompts, extras, strict=True)):
+        sp = dict(max_tokens=22, temperature=0.8 if i == 4 else 0.0, seed=i, ignore_eos=True)
+        requests[f"r{i}"] = (prompt, SamplingParams(**{**sp, **extra, "n": 2 if i == 4 else 1}))
+    overlapped = _engine(model, 4, num_blocks=64)
+    got, _ = _run(overlapped, requests, check=True)
+    synchronous, _ = _run(_engine(model, 4, num_blocks=64, async_scheduling=False), requests)
+    single, _ = _run(_engine(model, 1, num_blocks=64, async_scheduling=False), requests)
+    want = _summary([synchronous[r] for r in sorted(requests)])
+    assert _summary([got[r] for r in sorted(requests)]) == want
+    assert _summary([single[r] for r in sorted(requests)]) == want
+    ends = [(got[r].outputs[0].finish_reason, got[r].outputs[0].stop_reason) for r in ("r0", "r1")]
+    assert ends == [("stop", text[0]), ("stop", stop_id)]
+    st_ = overlapped.stats()
+    assert st_["num_overlapped_steps"] > 0 and st_["num_wasted_rows"] > 0
+    assert st_["num_free_blocks"] == st_["num_total_blocks"]
