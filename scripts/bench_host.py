@@ -31,8 +31,8 @@ before the current one is read; ``device_idle_us_per_step`` is then the host tim
 read and the next dispatch, which the device spends on the step already queued), ``multistep``
 (``decode_steps=8``: a decode-only step runs up to 8 iterations in one program; it is timed
 for ``--steps / 8`` steps, the same tokens), ``multistep_overlap`` (both, the accelerator
-default: the next 8-iteration loop is dispatched before the one in flight is read): each is measured when the engine takes its
-arguments, and listed as not built otherwise.
+default: the next 8-iteration loop is dispatched before the one in flight is read): each is
+measured when the engine takes its arguments, and listed as not built otherwise.
 ``tokens_per_s_over_sync`` is a row's tokens/s over the sync row of the same model and rows.
 
     python scripts/bench_host.py [--quick] [--json bench/results/host_<date>.json]
