@@ -176,6 +176,12 @@ def empty(max_rows: int, num_steps: int) -> DecodeLoopInputs:
     )
 
 
+def _stops(loop: DecodeLoopInputs, tokens: jax.Array, steps: jax.Array) -> jax.Array:
+    """``bool[R]``: row ``j`` stops after sampling ``tokens[j]`` as its ``steps[j]``-th token
+    of the loop: a stop id, or its token limit."""
+    return jnp.any(tokens[:, None] == loop.stop_ids, axis=-1) | (steps >= loop.max_new)
+
+
 def _next_blocks_free(
     state: allocator.BlockState, slot_ids: jax.Array, active: jax.Array
 ) -> jax.Array:
@@ -241,7 +247,7 @@ def run(
         )
         state, kv, ran, sampled = iterate(c.state, c.kv, step_inputs, c.active)
         steps = c.steps + ran.astype(jnp.int32)
-        hit = jnp.any(sampled.tokens[:, None] == loop.stop_ids, axis=-1) | (steps >= loop.max_new)
+        hit = _stops(loop, sampled.tokens, steps)
         going = ran & ~hit
         n = min(t, r)  # decode rows are tokens: row j feeds token j
         tokens = c.tokens.at[:n].set(jnp.where(going[:n], sampled.tokens[:n], c.tokens[:n]))
@@ -318,7 +324,7 @@ def next_inputs(
     num_steps, r = tokens.shape
     rows = jnp.arange(r)
     last = tokens[jnp.maximum(steps - 1, 0), rows]
-    stopped = jnp.any(last[:, None] == loop.stop_ids, axis=-1) | (steps >= loop.max_new)
+    stopped = _stops(loop, last, steps)
     going = keep & loop.active & (steps > 0) & ~stopped
     going &= _next_blocks_free(state, inputs.slot_ids, going)
     n = min(inputs.token_ids.shape[0], r)  # decode rows are tokens: row j feeds token j
