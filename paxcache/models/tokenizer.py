@@ -2,9 +2,10 @@
 
 Both implement the ``Tokenizer`` protocol: ``encode`` (``add_special_tokens=True`` adds BOS
 the way HF ``tokenizer(text)`` does), ``decode``, ``bos_token_id``,
-``eos_token_id``, ``vocab_size`` and ``apply_chat_template``. ``IncrementalDecoder`` turns a
-growing list of ids into text deltas without ever emitting a broken UTF-8 character, in time
-linear in the output length.
+``eos_token_id``, ``vocab_size`` and ``apply_chat_template``; both also offer
+``byte_decoder(skip_special_tokens)`` (ids -> the bytes whose UTF-8 decoding is their text; an
+HF tokenizer only when its decoder is ``ByteLevel``), which lets ``IncrementalDecoder``
+(:mod:`paxcache.models.detokenizer`, re-exported here) decode each id's bytes once.
 
 Chat templates come from the checkpoint (``tokenizer_config.json``), so they are untrusted
 code: they are rendered in jinja2's ``ImmutableSandboxedEnvironment`` (as transformers does)
@@ -21,12 +22,23 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from paxcache.errors import CheckpointError, PaxcacheError
+from paxcache.models.detokenizer import MAX_HELD_TOKENS, IncrementalDecoder
+
+__all__ = [
+    "MAX_HELD_TOKENS",
+    "ByteTokenizer",
+    "ChatTemplateError",
+    "HFTokenizer",
+    "IncrementalDecoder",
+    "Tokenizer",
+    "load_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +50,6 @@ MAX_TEMPLATE_RANGE_ITEMS = 1 << 20
 
 MAX_TEMPLATE_SEQUENCE_LEN = 1 << 20
 """Longest string or list a template may build with ``*`` (and largest ``**`` result bits)."""
-
-MAX_HELD_TOKENS = 8
-"""``IncrementalDecoder`` holds back at most this many tokens waiting for a UTF-8 character to
-complete; past that it emits U+FFFD (a model emitting invalid UTF-8 forever stays linear)."""
 
 _MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
 
@@ -179,6 +187,25 @@ class ByteTokenizer:
             return bytes(ids)
         except (ValueError, TypeError):
             return bytes([i for i in map(int, ids) if 0 <= i < 256])
+
+    def byte_decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], bytes]:
+        """Ids -> the bytes whose UTF-8 decoding (``errors="replace"``) is their text, as
+        :meth:`decode` gives it: a special id is dropped, or spelled with
+        ``skip_special_tokens=False`` (its spelling starts a new character, so text around
+        it decodes as in :meth:`decode`'s separate runs); other ids >= 256 are dropped."""
+        if skip_special_tokens:
+            return self.decode_bytes
+        names = {i: name.encode("utf-8") for i, name in self._special_names.items()}
+
+        def spelled(ids: Sequence[int]) -> bytes:
+            try:
+                return bytes(ids)
+            except (ValueError, TypeError):
+                return b"".join(
+                    names.get(i, b"") if not 0 <= i < 256 else bytes((i,)) for i in map(int, ids)
+                )
+
+        return spelled
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text; invalid UTF-8 becomes U+FFFD. Special ids are dropped, or spelled
@@ -339,6 +366,7 @@ class HFTokenizer:
             if eos_token_id is not None:
                 self.eos_token = self._tok.id_to_token(eos_token_id)
         # Other special tokens a template may reference (as transformers passes them).
+        self._byte_tables: dict[bool, dict[int, bytes]] = {}  # byte_decoder's, built on use
         self._special_tokens = {
             name: _token_content(self.config.get(name)) or ""
             for name in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -364,6 +392,42 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def byte_decoder(
+        self, skip_special_tokens: bool = True
+    ) -> Callable[[Sequence[int]], bytes] | None:
+        """Ids -> the bytes whose UTF-8 decoding (``errors="replace"``) is :meth:`decode`'s
+        text; None unless the tokenizer.json's decoder is ``ByteLevel``.
+
+        ``tokenizers``' ``ByteLevel`` decoder maps each token's characters back to bytes
+        through GPT-2's byte alphabet (a token with a character outside it: its UTF-8, added
+        tokens included) and decodes the concatenation with replacement; a skipped special
+        token and an unknown id add nothing. The same as a table from id to bytes, built on
+        first use (once per ``skip_special_tokens``).
+        """
+        from tokenizers import decoders
+
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        table = self._byte_tables.get(skip_special_tokens)
+        if table is None:
+            byte_of = {c: b for b, c in enumerate(_byte_level_chars())}
+            specials = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+            table = {}
+            for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+                if skip_special_tokens and i in specials:
+                    continue
+                try:
+                    table[i] = bytes([byte_of[c] for c in token])
+                except KeyError:
+                    table[i] = token.encode("utf-8")
+            self._byte_tables[skip_special_tokens] = table
+        get = table.get
+
+        def to_bytes(ids: Sequence[int]) -> bytes:
+            return b"".join([get(i, b"") for i in ids])
+
+        return to_bytes
 
     def tokenizer_json(self) -> str:
         """The ``tokenizers`` library's JSON of this tokenizer (what grammar libraries read)."""
@@ -593,101 +657,6 @@ def render_chat_template(template: Any, source: str = "chat_template", **context
     except (TypeError, ValueError, LookupError, AttributeError) as e:
         raise _template_error(source, "failed to render", f"{type(e).__name__}: {e}") from None
     return "".join(parts)
-
-
-class IncrementalDecoder:
-    """Streams text from a growing id list without emitting broken UTF-8, in linear time.
-
-    Example:
-        >>> dec = IncrementalDecoder(tok)
-        >>> for tok_id in stream: print(dec.push(tok_id), end="")
-        >>> print(dec.flush())
-
-    Decodes only a short window of ids, never the whole list (as vLLM's incremental
-    detokenizer): ``ids[prefix:read]`` were emitted already, ``ids[read:]`` are new. Each push
-    decodes ``ids[prefix:read]`` and ``ids[prefix:]`` and emits the difference; the window
-    then slides to ``prefix = read, read = len(ids)``. Decoding from ``prefix`` (not from
-    ``read``) keeps context-dependent pieces right (e.g. SentencePiece's leading space). A
-    window whose text ends in U+FFFD (an incomplete multi-byte character) is held back, at
-    most ``MAX_HELD_TOKENS`` tokens, until more ids arrive or ``flush``.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # ids before this were emitted
-
-    def push(self, *ids: int) -> str:
-        """Adds ids; returns the newly completed text (maybe empty)."""
-        if len(ids) == 1:
-            self.ids.append(int(ids[0]))
-        else:
-            self.ids.extend(int(i) for i in ids)
-        return self._advance(final=False)
-
-    def push_chunk(self, ids: Sequence[int]) -> str:
-        """Adds ``ids``; returns what pushing them one by one would have returned in total
-        (every later call then returns what it would after those pushes).
-
-        Three decodes when that total can be told at once: nothing is held back now, ``ids``
-        are at most ``MAX_HELD_TOKENS`` (no push of theirs could be forced out early), the
-        window's text has no U+FFFD (no incomplete character was held or forced out along
-        the way) and the last id adds text (so one by one nothing would be held at the end
-        either). Otherwise it pushes them one by one (two decodes each), here, so the caller
-        never does.
-        """
-        ids = [int(i) for i in ids]
-        if not ids:
-            return ""
-        at_once = self._chunk_at_once(ids)
-        if at_once is not None:
-            return at_once
-        pieces = []
-        for i in ids:
-            self.ids.append(i)
-            pieces.append(self._advance(final=False))
-        return "".join(pieces)
-
-    def _chunk_at_once(self, ids: list[int]) -> str | None:
-        """:meth:`push_chunk`'s three-decode path; None, adding nothing, when it cannot tell."""
-        if self._read != len(self.ids) or len(ids) > MAX_HELD_TOKENS:
-            return None
-        window = self.ids[self._prefix :]
-        text = self._decode(window + ids)
-        if "\ufffd" in text:  # the common refusal first: one decode spent
-            return None
-        seen = self._decode(window)
-        if not text.startswith(seen):  # a decoder that rewrites earlier text: id by id
-            return None
-        if len(text) <= len(self._decode(window + ids[:-1])):
-            return None
-        self.ids.extend(ids)
-        self._prefix, self._read = self._read, len(self.ids)
-        return text[len(seen) :]
-
-    def flush(self) -> str:
-        """Returns any held-back text (incomplete characters as U+FFFD)."""
-        return self._advance(final=True)
-
-    def _advance(self, *, final: bool) -> str:
-        if self._read >= len(self.ids):
-            return ""
-        seen = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        held = len(self.ids) - self._read
-        incomplete = text.endswith("\ufffd") or len(text) <= len(seen)
-        if incomplete and not final and held < MAX_HELD_TOKENS:
-            return ""
-        # If the decoder ever rewrote the window's earlier text (byte-level and BPE decoders
-        # do not), the rewrite is not re-emitted: streamed text cannot be undone.
-        delta = text[len(seen) :]
-        self._prefix, self._read = self._read, len(self.ids)
-        return delta
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
 
 def load_tokenizer(path: str | os.PathLike[str], config: Any | None = None) -> Tokenizer:
