@@ -147,11 +147,11 @@ class FakeEngine:
                         )
                     text = self.tokenizer.decode(c.token_ids)
                     if tok in p.stop_token_ids:
-                        c.finish_reason = "stop"
+                        c.finish_reason, c.stop_reason = "stop", tok
                     for s in p.stop:
                         if s in text:
                             text = text[: text.index(s)]
-                            c.finish_reason = "stop"
+                            c.finish_reason, c.stop_reason = "stop", s
                     c.new_text = text[len(c.text) :]
                     c.text = text
                     if c.finish_reason is None and len(c.token_ids) >= p.max_tokens:

@@ -188,6 +188,7 @@ def test_stop_strings_and_logprobs(fake):
         model="fake-model", prompt="Hi", max_tokens=12, temperature=0, stop=[" w"], logprobs=2
     )
     assert r.choices[0].text == "lo" and r.choices[0].finish_reason == "stop"
+    assert r.model_dump()["choices"][0]["stop_reason"] == " w"  # vLLM's field
     lp = r.choices[0].logprobs
     assert lp.token_logprobs[0] == -0.25 and len(lp.top_logprobs[0]) == 2
     c = client.chat.completions.create(
@@ -200,6 +201,7 @@ def test_stop_strings_and_logprobs(fake):
     )
     entry = c.choices[0].logprobs.content[0]
     assert entry.logprob == -0.25 and len(entry.top_logprobs) == 1
+    assert c.model_dump()["choices"][0]["stop_reason"] is None  # ended by its length
 
 
 BAD_INPUTS = [
@@ -650,6 +652,7 @@ def test_real_seeded_sampling_n_logprobs_and_stop(real):
             model=model, prompt="import ", max_tokens=24, temperature=0, stop=[stop]
         ).choices[0]
         assert cut.finish_reason == "stop" and cut.text == greedy[: greedy.index(stop)]
+        assert cut.model_dump()["stop_reason"] == stop  # the engine's, through the server
 
 
 REAL_BAD_INPUTS = [

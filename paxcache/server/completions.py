@@ -176,6 +176,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(ending(comp.finish_reason)),
+                "stop_reason": comp.stop_reason if ending(comp.finish_reason) == "stop" else None,
             }
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
@@ -281,6 +282,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             "message": message,
             "logprobs": logprobs(comp.logprobs),
             "finish_reason": fr,
+            "stop_reason": comp.stop_reason if fr in ("stop", "tool_calls") else None,
         }
         for index, comp in outs[0].completions.items()
         for message, fr in [

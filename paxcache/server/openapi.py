@@ -96,6 +96,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FINISH_REASONS | None
+    stop_reason: int | str | None = Field(
+        default=None,
+        description="vLLM's: the stop token id or stop string that ended the choice (null "
+        "when it ended otherwise)",
+    )
     prompt_logprobs: list[dict[str, Any] | None] | None = Field(
         default=None, description="vLLM's extension (with `prompt_logprobs`)"
     )
@@ -149,6 +154,11 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None
     finish_reason: FINISH_REASONS | None
+    stop_reason: int | str | None = Field(
+        default=None,
+        description="vLLM's: the stop token id or stop string that ended the choice (null "
+        "when it ended otherwise)",
+    )
 
 
 class ChatCompletionResponse(BaseModel):

@@ -89,12 +89,14 @@ class CompletionProgress:
       token_ids: generated token ids.
       logprobs: per-token logprob entries, or None (the request asked for none).
       finish_reason: the completion's finish reason, once it finished.
+      stop_reason: vLLM's: the stop token id or stop string that ended it (None otherwise).
     """
 
     texts: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def merge(self, later: CompletionProgress, keep_text: bool = True) -> None:
         """Appends ``later`` (what came after ``self``): its token ids and finish reason, and
@@ -109,6 +111,7 @@ class CompletionProgress:
         self.token_ids.extend(later.token_ids)
         if later.finish_reason is not None:
             self.finish_reason = later.finish_reason
+            self.stop_reason = later.stop_reason
 
 
 class Progress:
@@ -140,7 +143,11 @@ class Progress:
         for c in out.outputs:
             self._completion(c.index).merge(
                 CompletionProgress(
-                    [c.text] if c.text else [], c.token_ids, c.logprobs, c.finish_reason
+                    [c.text] if c.text else [],
+                    c.token_ids,
+                    c.logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
                 )
             )
         self._update(

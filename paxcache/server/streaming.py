@@ -75,7 +75,11 @@ async def stream_events(
                     if delta or comp.logprobs or (fr is not None and idx not in reported):
                         if fr is not None:
                             reported.add(idx)
-                        yield sse(make_chunk(idx, delta, fr, comp.logprobs))
+                        chunk = make_chunk(idx, delta, fr, comp.logprobs)
+                        for choice in chunk["choices"]:  # vLLM's, on every streamed choice
+                            ended_by_stop = choice.get("finish_reason") in ("stop", "tool_calls")
+                            choice["stop_reason"] = comp.stop_reason if ended_by_stop else None
+                        yield sse(chunk)
                 fold(totals[tag], prog, keep_text=False)
                 err = request_error(totals[tag]) if prog.finished else None
                 if err is not None:
