@@ -1,16 +1,17 @@
 """Pieces shared by the Mosaic TPU paged-attention kernels (decode and ragged).
 
 * :class:`TableRows`: block-table rows fetched on demand. Tables stay in HBM
-  (``memory_space=ANY``) and one sequence's row ``i32[M]`` at a time is DMA'd into a two-slot
-  SMEM scratch, so a batch's tables (256 sequences x 32K tokens = 2 MiB at ``S = 16``) never
+  (``memory_space=ANY``) and one sequence's row ``i32[M]`` at a time is DMA'd into a two-slot,
+  flat SMEM scratch, so a batch's tables (256 sequences x 32K tokens = 2 MiB at ``S = 16``) never
   have to fit in SMEM (1 MiB on v5e/v6e, shared with the other scalars).
 * :class:`KVStream`: the DMAs that bring ``P`` KV pages of one layer, all ``K`` kv heads at
   once (one descriptor per page for K and one for V: ``pages.at[layer, :, block]`` is
   ``[K, S, D]``), into one slot of a double-buffered, page-major VMEM scratch
   ``[2, P, K, S, D]``; a slot is waited for ONCE per buffer, with a descriptor as large as
   all of its copies. Pages outside ``[first, end)`` are neither copied nor waited on (their
-  VMEM rows keep stale data, which the caller masks with ``where``); negative block ids are
-  clamped to 0 for addressing.
+  VMEM rows keep stale data, which the caller masks with ``where``). Block ids are used as
+  read: the kernels' wrappers clip the tables to ``[0, N)`` (negative = no block: 0), one
+  elementwise op per call instead of a clamp per page.
 * :func:`attend_step`: one flash-attention update of the ``(m, l, acc)`` VMEM state of every
   kv head (statistics lane-dense in the ragged kernel: :func:`state_scratch`), with bf16/f16
   operands fed to the MXU as they are (float32 accumulation), a ``where``-mask so NaN garbage
@@ -72,13 +73,26 @@ def vmem_limit_bytes(headroom: int, scratch_bytes: int) -> int:
     return int(min(max(scratch_bytes + headroom, 32 * mib), 60 * mib))
 
 
+#: Table columns a row is padded to: an HBM -> SMEM row copy moves a multiple of 512 B.
+TABLE_ROW_ALIGN = 128
+
+
+def table_row_len(max_blocks: int, pages: int) -> int:
+    """Entries per SMEM table row (:class:`TableRows`): ``M + P`` (a step's last page index
+    needs no clamp) rounded up to :data:`TABLE_ROW_ALIGN`."""
+    return -(-(max_blocks + pages) // TABLE_ROW_ALIGN) * TABLE_ROW_ALIGN
+
+
 @dataclasses.dataclass(frozen=True)
 class TableRows:
-    """One sequence's block-table row at a time, HBM -> SMEM (two slots).
+    """One sequence's block-table row at a time, HBM -> SMEM (two slots, flat).
 
     Attributes:
-      tables_hbm: ``i32[B, M]`` block tables left in HBM.
-      rows: ``i32[2, M]`` SMEM scratch.
+      tables_hbm: ``i32[B, M]`` block tables left in HBM, ``M`` a multiple of
+        :data:`TABLE_ROW_ALIGN` (the wrapper pads them).
+      rows: ``i32[2 * W]`` SMEM scratch, slot ``t``'s row at ``t * W``
+        (``W = table_row_len(M, P)``): a flat row is indexed with one add (a 2-D SMEM array
+        is tiled, and its index takes a shift, a mask and three adds).
       sems: DMA semaphores ``[2]``, one per slot.
     """
 
@@ -86,10 +100,14 @@ class TableRows:
     rows: Any
     sems: Any
 
+    @property
+    def row_len(self) -> int:
+        return self.rows.shape[0] // 2
+
     def _copy(self, seq: jax.Array, tslot: jax.Array):
-        return pltpu.make_async_copy(
-            self.tables_hbm.at[seq], self.rows.at[tslot], self.sems.at[tslot]
-        )
+        m = self.tables_hbm.shape[1]
+        dst = self.rows.at[pl.ds(pl.multiple_of(tslot * self.row_len, TABLE_ROW_ALIGN), m)]
+        return pltpu.make_async_copy(self.tables_hbm.at[seq], dst, self.sems.at[tslot])
 
     def start(self, seq: jax.Array, tslot: jax.Array) -> None:
         self._copy(seq, tslot).start()
@@ -106,7 +124,7 @@ class KVStream:
       k_hbm, v_hbm: ``[L, K, N, S, D]`` refs left in HBM (``memory_space=ANY``).
       k_buf, v_buf: ``[2, P, K, S, D]`` VMEM scratch (two slots for double buffering).
       sem: DMA semaphores ``[2]``, one per slot (the K and V copies of a slot share it).
-      table: ``i32[2, M]`` SMEM rows (see :class:`TableRows`).
+      table: :class:`TableRows` (flat SMEM rows of ``W >= M + P`` entries).
       layer: scalar selecting ``k_hbm.at[layer]``.
     """
 
@@ -115,16 +133,19 @@ class KVStream:
     k_buf: Any
     v_buf: Any
     sem: Any
-    table: Any
+    table: TableRows
     layer: jax.Array
 
     def start(self, tslot, first_page, end_page, slot) -> None:
-        """Start copying pages ``first_page + j`` (``j < P``) that are ``< end_page``."""
+        """Start copying pages ``first_page + j`` (``j < P``) that are ``< end_page``
+        (``end_page <= M``)."""
         n_pages = self.k_buf.shape[1]
-        max_blocks = self.table.shape[1]
+        row = tslot * self.table.row_len + first_page
+        n_valid = end_page - first_page  # copies j < n_valid run: one compare with a constant
         for j in range(n_pages):
-            page = first_page + j
-            block = jnp.maximum(self.table[tslot, jnp.minimum(page, max_blocks - 1)], 0)
+            # Table entries are in [0, N) (the kernels' wrappers clip the tables), so a block
+            # id is used as read; a skipped copy's read stays in the row (W >= M + P).
+            block = self.table.rows[row + j]
             kc = pltpu.make_async_copy(
                 self.k_hbm.at[self.layer, :, block], self.k_buf.at[slot, j], self.sem.at[slot]
             )
@@ -132,7 +153,7 @@ class KVStream:
                 self.v_hbm.at[self.layer, :, block], self.v_buf.at[slot, j], self.sem.at[slot]
             )
 
-            @pl.when(page < end_page)
+            @pl.when(n_valid > j)
             def _start(kc=kc, vc=vc):
                 kc.start()
                 vc.start()
@@ -307,14 +328,14 @@ def pipeline_scratch(
 ) -> list:  # fmt: skip
     """Every scratch buffer of an attention kernel, in the order its body receives them.
 
-    ``i32[2, M]`` SMEM table rows (:class:`TableRows`), the ``[2, P, K, S, D]`` K and V VMEM
-    double buffers (:class:`KVStream`), the ``(m, l, acc)`` softmax state of ``rows`` query
-    rows per kv head (:func:`state_scratch`), then the DMA semaphores ``[2]`` of the table
-    rows and of the KV slots.
+    ``i32[2 * W]`` SMEM table rows (:class:`TableRows`, ``W = table_row_len(M, P)``), the
+    ``[2, P, K, S, D]`` K and V VMEM double buffers (:class:`KVStream`), the ``(m, l, acc)``
+    softmax state of ``rows`` query rows per kv head (:func:`state_scratch`), then the DMA
+    semaphores ``[2]`` of the table rows and of the KV slots.
     """
     kv_shape = (2, pages, kv_heads, block_size, head_dim)
     return [
-        pltpu.SMEM((2, max_blocks), jnp.int32),
+        pltpu.SMEM((2 * table_row_len(max_blocks, pages),), jnp.int32),
         pltpu.VMEM(kv_shape, k_dtype),
         pltpu.VMEM(kv_shape, v_dtype),
         *state_scratch(kv_heads, rows, head_dim),

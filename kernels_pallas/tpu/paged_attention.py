@@ -16,12 +16,14 @@ the bundles per KiB of KV below the HBM time (the static schedule of libtpu's fi
   for V (``pages.at[layer, :, block]``, every kv head) into a two-slot, page-major VMEM
   scratch ``[2, P, K, S, D]``; step ``j + 1`` is started before step ``j`` is computed, and
   a step waits ONCE per buffer (a descriptor as large as all of its copies: DMA semaphores
-  count bytes). Bounds checks are off when compiled (every address is clamped in range).
+  count bytes). Bounds checks are off when compiled (every address is in range: the wrapper
+  clips the table to ``[0, N)``, one elementwise op per call, so a page's DMA takes its block
+  id as read, no clamp per page).
 * The heads are unrolled. A step whose keys are all visible (the steady state) runs with no
   mask at all; only the step holding the length (or the window's first key) masks logits and
   zeroes the value rows no query may see, so NaN garbage in unwritten slots cannot leak
   (keys need no such care: their logits are replaced by ``where``). A length-0 row copies
-  nothing and returns zeros; negative block ids are clamped to 0 for addressing, and table
+  nothing and returns zeros; negative block ids are clipped to 0 for addressing, and table
   entries past a length are never read.
 * Matmuls take the pages' dtype (bf16 on the MXU) with float32 accumulation and a float32
   online softmax.
@@ -161,26 +163,23 @@ def _decode_kernel(
     first_page = first_key // block_size
     n_steps = (jnp.maximum(end_page - first_page, 0) + n_pages - 1) // n_pages
 
-    def page_copies(page0, slot):
-        """The K and V copy of each page ``page0 + j`` (``j < P``) of this step."""
-        out = []
+    def start_step(page0, slot):
+        """Start the K and V copy of each page ``page0 + j`` (``j < P``) below ``end_page``."""
+        row = tslot * row_len + page0
+        n_valid = end_page - page0  # copies j < n_valid run: one compare with a constant each
         for j in range(n_pages):
             # page0 + j < end_page <= M for a copy that runs; the padding keeps the read of
-            # a skipped one (its value unused) inside the row.
-            block = jnp.maximum(table[tslot * row_len + page0 + j], 0)
+            # a skipped one (its value unused) inside the row. Entries are in [0, N) (the
+            # wrapper clips the table), so the block id is used as read.
+            block = table[row + j]
             kc = pltpu.make_async_copy(
                 k_hbm.at[layer, :, block], k_buf.at[slot, j], kv_sem.at[slot]
             )
             vc = pltpu.make_async_copy(
                 v_hbm.at[layer, :, block], v_buf.at[slot, j], kv_sem.at[slot]
             )
-            out.append((page0 + j, kc, vc))
-        return out
 
-    def start_step(page0, slot):
-        for page, kc, vc in page_copies(page0, slot):
-
-            @pl.when(page < end_page)
+            @pl.when(n_valid > j)
             def _start(kc=kc, vc=vc):
                 kc.start()
                 vc.start()
@@ -304,10 +303,12 @@ def paged_attention_tpu(
     p = pages_per_compute_block or decode_pages_per_step(
         s, block_tables.shape[1], kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
     )
-    block_tables = block_tables.astype(jnp.int32)
+    # Block ids clipped to [0, N) here, once per call (an elementwise op on the B x M table),
+    # so a page's DMA uses the id as read (negative = no block: 0, never copied past a length)
+    block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, k_pages.shape[2] - 1)
     if block_tables.shape[1] % _TABLE_ROW_ALIGN:  # a table-row DMA moves whole 512 B units
         pad = -block_tables.shape[1] % _TABLE_ROW_ALIGN
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)), constant_values=-1)
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # 0: in range, never copied
     m = block_tables.shape[1]
     cores = _CORES if b >= _CORES else 1
     per_core = -(-b // cores)

@@ -53,7 +53,8 @@ Design:
   (``kv_scales``, two SMEM scalars).
 * Matmuls take the pages' dtype (bf16 operands on the MXU) with float32 accumulation.
 * Masks use ``where`` on logits and values; unwritten slots (NaN in tests) never leak;
-  negative block ids are clamped to 0 for addressing.
+  negative block ids are clipped to 0 for addressing (the table is clipped to ``[0, N)``
+  before the call).
 
 Compiled for v5e and v6e in the tests (``tests/test_tpu_compile.py``): bf16 and f32, ``D`` in
 {64, 128, 256}, ``G`` 1..8 (3, 5, 6, 7 included), ``S`` 8..128, window, soft cap, stacked
@@ -74,6 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
+    TABLE_ROW_ALIGN,
     KVStream,
     TableRows,
     attend_step,
@@ -161,7 +163,7 @@ def _ragged_kernel(
     first_seq_ref,  # i32[1]: sequences below it are skipped (their rows return 0)
     # inputs
     q_ref,  # [K, TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
-    tables_hbm,  # i32[B, M] in HBM
+    tables_hbm,  # i32[B, M_pad] in HBM (clipped to [0, N), padded to TABLE_ROW_ALIGN)
     k_hbm,  # [L, K, N, S, D] in HBM
     v_hbm,
     *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, TQ * G, 1] (row r's
@@ -174,6 +176,7 @@ def _ragged_kernel(
     soft_cap: float | None,
     sliding_window: int | None,
     g: int,
+    num_blocks: int,
     interpret: bool,
 ):
     sinks_ref = refs[0] if has_sinks else None
@@ -182,7 +185,8 @@ def _ragged_kernel(
     v_scale = None if scales_ref is None else scales_ref[1]
     (
         o_ref,  # [K, TQ * G, D]
-        table,  # SMEM i32[2, M]: table rows of the current and the next sequence
+        table,  # SMEM i32[2 * W]: table rows of the current and the next sequence (flat,
+        #        W = table_row_len(M_pad, P) entries each: TableRows)
         k_buf,  # VMEM [2, P, K, S, D]
         v_buf,
         m_ref,  # VMEM f32[K, TQ * G, 128]: lane-dense (a row's value in every lane)
@@ -196,7 +200,7 @@ def _ragged_kernel(
     tq = rows // g
     _, n_pages, _, s, _ = k_buf.shape  # [2, P, K, S, D]
     keys = n_pages * s
-    max_blocks = table.shape[1]
+    max_blocks = num_blocks  # M, the table's width before padding
     r0 = qb * tq
     r1 = r0 + tq
     nseq = num_seqs_ref[0]
@@ -249,7 +253,7 @@ def _ragged_kernel(
         return lax.while_loop(empty, next_seq, sq)
 
     rows_dma = TableRows(tables_hbm, table, table_sem)
-    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, kv_sem, table, layer_ref[0])
+    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, kv_sem, rows_dma, layer_ref[0])
     state = (m_ref, l_ref, acc_ref)
 
     def start_pages(sq, i, tslot, slot):
@@ -475,7 +479,12 @@ def ragged_paged_attention_tpu(
     qg = jnp.transpose(qg, (1, 0, 2, 3)).reshape(kh, t_pad * g, d)
     q_spec = pl.BlockSpec((kh, tq * g, d), lambda qi, *_: (0, qi, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    inputs = [qg, block_tables.astype(jnp.int32), k_pages, v_pages]
+    # Block ids clipped to [0, N) once per call (negative = no block: 0), so a page's DMA
+    # takes its id as read (KVStream)
+    tables = jnp.clip(block_tables.astype(jnp.int32), 0, k_pages.shape[2] - 1)
+    if m % TABLE_ROW_ALIGN:  # a table-row DMA moves whole 512 B units
+        tables = jnp.pad(tables, ((0, 0), (0, -m % TABLE_ROW_ALIGN)))  # 0: never copied
+    inputs = [qg, tables, k_pages, v_pages]
     in_specs = [q_spec, any_spec, any_spec, any_spec]
     if sinks is not None:  # [K, TQ * G, 1], row r: head k * G + r % G; the same every block
         rows_sinks = jnp.tile(sinks.astype(jnp.float32).reshape(kh, 1, g), (1, tq, 1))
@@ -492,6 +501,7 @@ def ragged_paged_attention_tpu(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         g=g,
+        num_blocks=m,
         interpret=interpret,
     )
     scalars = (
@@ -514,7 +524,7 @@ def ragged_paged_attention_tpu(
                 pages=p,
                 block_size=s,
                 head_dim=d,
-                max_blocks=m,
+                max_blocks=tables.shape[1],
                 k_dtype=k_pages.dtype,
                 v_dtype=v_pages.dtype,
             ),
@@ -534,7 +544,7 @@ def ragged_paged_attention_tpu(
                 )
                 + (0 if sinks is None else 2 * kh * vmem_tile_bytes(tq * g, 1, 4)),
             ),
-            disable_bounds_checks=not interpret,  # every DMA address is clamped in range
+            disable_bounds_checks=not interpret,  # every DMA address is in range (clipped)
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_ragged_paged_attention",
