@@ -28,7 +28,9 @@ outermost loop of the kernel, so its trips are the grid size):
   pages up to the block's last row (``end_page - i * P``; no window). Kernels with a head
   loop (the nested loop with MXU ops) run it ``K`` trips; unrolled heads need none.
   Sequences below ``first_seq`` (a mixed batch's leading decodes, which the decode kernel
-  takes) have no work items; a program with no sequence of its own skips its work loop.
+  takes) have no work items, and their rows are moved out of the kernel's query blocks (the
+  wrapper rolls the queries up by ``cu_q_lens[first_seq]`` rows: the blocks start at the first
+  sequence of the kernel's own); a program with no sequence of its own skips its work loop.
 * ``paxcache_paged_decode_attention`` (``kernels_pallas.paged_attention``; also the TPU path of
   a decode-only ``ragged_paged_attention(max_q_len=1)``), grid ``(2, B/2)``, one program per
   sequence: the step loop (the MXU loop inside the grid loop) runs
@@ -161,7 +163,10 @@ def paxcache_ragged_cycles(
     cu = [0]
     for q in q_lens:
         cu.append(cu[-1] + q)
-    grid = _unit_loop(dump, _cdiv(cu[-1], tq))
+    programs = _cdiv(cu[-1], tq)  # the grid covers every row
+    shift = cu[min(first_seq, len(q_lens))]  # the skipped sequences' rows are moved out
+    cu = [c - shift for c in cu]
+    grid = _unit_loop(dump, programs)
     work = next(c for c in grid.children if c.mxu)
     head = _mxu_child(work)  # a head loop (older kernels) or unrolled heads (None)
     search = grid.children[0] if grid.children[0] is not work else None
@@ -172,7 +177,7 @@ def paxcache_ragged_cycles(
         return head_total if c is head else None  # skip_empty loops: 0 trips
 
     total = 0.0
-    for qb in range(_cdiv(cu[-1], tq)):
+    for qb in range(programs):
         r0, r1 = qb * tq, qb * tq + tq
         work_cost = 0.0
         busy = False

@@ -355,6 +355,17 @@ def test_tpu_mixed_batch_splits_leading_decodes_exactly():
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(rag[:n_dec]), 0.0)
     _check(rag[n_dec:], want[n_dec:], np.float32)
+    # query blocks smaller than the batch: the skipped rows are moved out of the blocks (they
+    # start at the first ragged sequence) and the output moved back
+    for tq in (2, 5):
+        rag = ragged_paged_attention_tpu(
+            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
+            case.cu_q_lens, case.num_seqs, n_dec, sm_scale=64**-0.5, sliding_window=10,
+            interpret=True, queries_per_block=tq,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(rag[:n_dec]), 0.0)
+        np.testing.assert_array_equal(np.asarray(rag[case.cu_q_lens[num_seqs] :]), 0.0)
+        _check(rag[n_dec:], want[n_dec:], np.float32)
 
 
 @pytest.mark.slow

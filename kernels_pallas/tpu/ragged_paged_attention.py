@@ -471,6 +471,18 @@ def ragged_paged_attention_tpu(
             f"a multiple of {_SUBLANES} or cover all {t} tokens"
         )
     t_pad = -(-t // tq) * tq
+    # Rows of the skipped sequences (s < first_seq: a mixed batch's leading decodes) are
+    # dropped and the rest moved up to row 0 (folded into the layout copy below), so the
+    # query blocks start where this kernel's first sequence does: a 512-token chunk behind
+    # 64 decode rows takes 4 blocks of 128 tokens, not 5 (two of them half empty, each
+    # walking the whole context). The output is moved back after the call.
+    shifted = not (isinstance(first_seq, int) and first_seq == 0)
+    if shifted:
+        first = jnp.minimum(jnp.asarray(first_seq, jnp.int32).reshape(()), cu_q_lens.shape[0] - 1)
+        first = jnp.minimum(first, jnp.asarray(num_seqs, jnp.int32).reshape(()))
+        shift = cu_q_lens.astype(jnp.int32)[first]
+        q = jnp.roll(q, -shift, axis=0)  # rows past T - shift: no sequence's (zeros out)
+        cu_q_lens = cu_q_lens.astype(jnp.int32) - shift
     # [T, H, D] -> [K, T_pad * G, D]: each kv head's query rows are one 2-D slab, so a block
     # is a plain [TQ * G, D] tile (no in-kernel reshape of the G axis).
     qg = q.reshape(t, kh, g, d)
@@ -550,4 +562,7 @@ def ragged_paged_attention_tpu(
         name="paxcache_ragged_paged_attention",
     )(*scalars, *inputs)
     out = jnp.transpose(out.reshape(kh, t_pad, g, d), (1, 0, 2, 3))
-    return out[:t].reshape(t, h, d)
+    out = out[:t].reshape(t, h, d)
+    if shifted:  # back in place; the skipped sequences' rows get the zero rows of the tail
+        out = jnp.roll(out, shift, axis=0)
+    return out
