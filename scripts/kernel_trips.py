@@ -91,25 +91,27 @@ def _search_trips(cu: Sequence[int], nseq: int, r0: int, lo: int = 0) -> int:
     return n
 
 
-def _step_regions(loop: Loop) -> tuple[list, list, list, list]:
+def _step_regions(loop: Loop, finishes: bool = True) -> tuple[list, list, list, list]:
     """A step loop's plain regions: ``(next step's DMAs, next sequence's DMAs, [unmasked,
     masked] bodies, once per sequence)``. The two bodies are ``pl.when(whole)`` /
-    ``pl.when(~whole)`` alternatives: the first two regions without DMAs when there are more
-    than two such (the masked one is the larger); other DMA-free regions finish a sequence."""
+    ``pl.when(~whole)`` alternatives: the first two regions without DMAs (the masked one is
+    the larger). ``finishes``: the loop also finishes sequences (the ragged kernel): bodies
+    only when there are more than two DMA-free regions, the others finish a sequence; the
+    decode kernel's step loop (``finishes=False``) has the two bodies and nothing else."""
     plain = [r for r in loop.regions if not r.loops]
     step = [r for r in plain if r.dma_start and not r.dma_wait]
     seq = [r for r in plain if r.dma_start and r.dma_wait]
     rest = [r for r in plain if not r.dma_start]
-    bodies = sorted(rest[:2], key=lambda r: r.span) if len(rest) > 2 else []
+    bodies = sorted(rest[:2], key=lambda r: r.span) if len(rest) > (2 if finishes else 1) else []
     once = [r for r in rest if r not in bodies]
     return step, seq, bodies, once
 
 
 def _step_weight(
     loop: Loop, first: bool, last: bool, whole: bool, width: int = 0, widths: Sequence[int] = (),
-    finish: tuple[bool, bool] | None = None,
+    finish: tuple[bool, bool] | None = None, finishes: bool = True,
 ) -> Callable:  # fmt: skip
-    step, seq, bodies, once = _step_regions(loop)
+    step, seq, bodies, once = _step_regions(loop, finishes)
     if finish is not None and len(once) == 1 and len(once[0].regions) == 3:
         # the finish region's stores (the whole block, or the sequence's rows) and the reset
         # for a next sequence
@@ -236,7 +238,7 @@ def paxcache_paged_cycles(dump: Dump, meta: dict, lengths: Sequence[int]) -> flo
         step_total = 0.0
         for i in range(n):
             whole = (i + 1) * p * s <= ctx
-            w = _step_weight(step, i == 0, i == n - 1, whole)
+            w = _step_weight(step, i == 0, i == n - 1, whole, finishes=False)
             nxt = min(p, pages - (i + 1) * p)  # the next step's pages, issued in this one
 
             def in_step(c: Loop, nxt: int = nxt) -> float | None:
