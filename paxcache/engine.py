@@ -763,13 +763,16 @@ class Engine:
                 checks["block_manager." + name.removeprefix("manager_")] = ok
             else:
                 checks["allocator." + name] = ok
-        flight = self._pipeline and self._pipeline.inflight  # its rows' tokens are ahead
-        ahead: dict[int, int] = {}
-        if flight and flight.out.steps is not None:  # a multi-step decode: steps[j] tokens
+        # A step in flight: the tokens its rows feed past their allocation are ahead (a
+        # prefill's allocation is made at admission; a multi-step decode feeds steps[j]).
+        flight = self._pipeline and self._pipeline.inflight
+        fed: list[tuple[Seq, int]] = []
+        if flight and flight.out.steps is not None:
             steps = np.asarray(flight.out.steps)
-            ahead = {id(s): int(steps[j]) for s, j in flight.plan.samples}
+            fed = [(s, int(steps[j])) for s, j in flight.plan.samples]
         elif flight:
-            ahead = {id(s): 1 for s, _ in flight.plan.rows}
+            fed = list(flight.plan.rows)
+        ahead = {id(s): max(0, s.num_computed + n - s.num_allocated) for s, n in fed}
         checks.update(self.scheduler.check_invariants(ahead))
         sched = self.scheduler
         live = sched.running + [s for unit in sched.queued for s in unit]

@@ -19,8 +19,15 @@ step, as the synchronous engine does, so both take the same number of calls:
    while N+1 runs; the block manager adopts the newest state. A request that finished in N
    (or was aborted) had a row in N+1 whose token is dropped: one wasted row at most.
 
-A step that cannot be continued (prefill rows that do not finish, admissions, preemption,
-constrained rows) is read before anything else is planned. With ``decode_steps > 1`` the
+4. A step that cannot be continued (prefill rows that do not finish, admissions, preemption,
+   constrained rows) is read first; then, once the scheduler has its tokens (the
+   scheduler's ``postprocess``: token-level stops, frees), the next step is planned and
+   dispatched at once, before the engine detokenizes the one read, finds its stop strings
+   and builds its outputs, which then run beside the new step on the device. Its plan is the
+   synchronous engine's but for two things the host learns later: requests added, and
+   sequences that reach a stop string or are aborted, after it went out (the first wait a
+   step; the second cost a wasted row, as in 3). The tokens are the same: each row's depend
+   on its own sequence only. With ``decode_steps > 1`` the
 decode-only steps run as multi-step decodes (:mod:`paxcache.decode_loop`), and a multi-step
 decode is continued the same way (:func:`loop_continuation`) when nothing is queued and every
 running sequence is in it: the next loop's inputs are built on the device from the one in
@@ -336,4 +343,26 @@ class Pipeline:
             self.inflight.continuable = False  # built from a loop that ran nothing: the same
         # Rows of a continuation whose sequence finished (or was aborted) after it went out.
         self.num_wasted_rows += sum(1 for seq, _ in prev.plan.rows if seq.is_finished)
-        return touched + eng.scheduler.postprocess(prev.plan, result)
+        touched += eng.scheduler.postprocess(prev.plan, result)
+        if self.inflight is None:  # plan the next step now: it runs while the host reports
+            touched += self._dispatch_next()
+        return touched
+
+    def _dispatch_next(self) -> list[Any]:
+        """Plans and dispatches the step after the one just read and post-processed, before
+        the engine detokenizes and reports it (step 4 of the module docstring); the block
+        manager adopts the new step's output state at once, so frees until it is read (stop
+        strings, aborts) apply to it. Returns the sequences touched now: the plan's failed
+        ones, or the requests a failed dispatch failed; a plan without rows (swaps only, or
+        nothing to run) is carried out at once."""
+        eng = self.engine
+        plan = eng.scheduler.schedule()
+        if not plan.rows:
+            return eng._run(plan)
+        try:
+            flight = eng._dispatch(plan)
+        except StepFailed as e:
+            return list(plan.failed) + eng._recover(plan, e)
+        eng.block_manager.adopt(flight.state)
+        self.inflight = flight
+        return list(plan.failed)

@@ -47,7 +47,11 @@ def test_overlapped_engine_gives_the_synchronous_tokens_under_tight_memory(
     over, steps = _run(eng, requests, abort_at, check=True)
     keep = sorted(set(requests) - ({abort_at[0]} if abort_at else set()))
     assert _summary([over[r] for r in keep]) == _summary([sync[r] for r in keep])
-    assert set(over) == set(requests) and steps == sync_steps  # one step read per call
+    # One step read per call. The next step goes out before the host finds the stop strings
+    # of the one it reads (or learns of an abort): each such completion may hold a wasted row
+    # and its blocks one step longer, which can delay the others by a step.
+    late = sum(sp.n for _, sp in requests.values() if sp.stop) + (2 if abort_at else 0)
+    assert set(over) == set(requests) and steps <= sync_steps + late
     st_ = eng.stats()
     assert st_["num_free_blocks"] == st_["num_total_blocks"]
     # A row is wasted only for a request that finished (or was aborted) while it was out.
