@@ -279,8 +279,9 @@ class Pipeline:
 
     def step(self) -> list[Any]:
         """One call: dispatches the next step when it is a continuation (else the scheduler
-        plans one first, when nothing is in flight), then reads and post-processes one step.
-        Returns the sequences touched, as the synchronous step does."""
+        plans one first, when nothing is in flight), then reads and post-processes one step;
+        with nothing in flight after it, plans and dispatches the next (:meth:`_dispatch_next`)
+        before returning. Returns the sequences touched, as the synchronous step does."""
         eng = self.engine
         touched: list[Any] = []
         flight = self.inflight
