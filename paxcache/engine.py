@@ -763,8 +763,8 @@ class Engine:
                 checks["block_manager." + name.removeprefix("manager_")] = ok
             else:
                 checks["allocator." + name] = ok
-        # A step in flight: the tokens its rows feed past their allocation are ahead (a
-        # prefill's allocation is made at admission; a multi-step decode feeds steps[j]).
+        # A step in flight: the tokens its rows feed (a multi-step decode's: steps[j]) past
+        # the allocation they had when it went out (``InFlight.slack``) are ahead.
         flight = self._pipeline and self._pipeline.inflight
         fed: list[tuple[Seq, int]] = []
         if flight and flight.out.steps is not None:
@@ -772,7 +772,8 @@ class Engine:
             fed = [(s, int(steps[j])) for s, j in flight.plan.samples]
         elif flight:
             fed = list(flight.plan.rows)
-        ahead = {id(s): max(0, s.num_computed + n - s.num_allocated) for s, n in fed}
+        slack = (flight and flight.slack) or {}
+        ahead = {id(s): max(0, n - slack.get(id(s), 0)) for s, n in fed}
         checks.update(self.scheduler.check_invariants(ahead))
         sched = self.scheduler
         live = sched.running + [s for unit in sched.queued for s in unit]

@@ -85,6 +85,10 @@ class InFlight:
         synchronous engine, which never continues a step).
       continuable: False once the multi-step decode it continues was read and ran nothing
         (its blocks were not free): it runs nothing either, and the scheduler plans after it.
+      slack: ``id(seq)`` -> tokens a row's sequence had allocated and not computed when it
+        went out (a prefill's allocation is made at admission), for a step planned by the
+        scheduler; None for a continuation, whose rows had none. What a row feeds past its
+        slack is what the block state holds ahead of the host's accounting.
     """
 
     plan: StepPlan
@@ -94,6 +98,7 @@ class InFlight:
     out: Any
     free_after: int | None
     continuable: bool = True
+    slack: dict[int, int] | None = None
 
 
 def read(flight: InFlight, state: Any) -> Any:
@@ -365,5 +370,6 @@ class Pipeline:
         except StepFailed as e:
             return list(plan.failed) + eng._recover(plan, e)
         eng.block_manager.adopt(flight.state)
+        flight.slack = {id(s): s.num_allocated - s.num_computed for s, _ in plan.rows}
         self.inflight = flight
         return list(plan.failed)
