@@ -2,7 +2,8 @@
 the host post-processes step N.
 
 The engine keeps at most one step in flight. Each :meth:`Pipeline.step` call reads exactly one
-step, as the synchronous engine does, so both take the same number of calls:
+step, as the synchronous engine does, so both take the same number of calls, but for a step
+or so for each stop string or abort the host learned after the next step went out (4):
 
 1. With nothing in flight, the scheduler plans step N and the engine dispatches it (swaps,
    inputs, the jitted step: JAX returns before the device finishes).
