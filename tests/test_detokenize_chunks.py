@@ -24,23 +24,15 @@ class _WindowOnly:
 
 
 def _bpe(path):
-    """A byte-level BPE tokenizer.json with special and plain added tokens (one of them a
+    """``test_security``'s byte-level BPE tokenizer.json plus plain added tokens (one of them a
     Latin-1 character the byte alphabet maps to a lone byte)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from test_security import _bpe_tokenizer
+    from tokenizers import AddedToken, Tokenizer
 
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tk.train_from_iterator(["héllo wörld ✓ €uro", "def add(a, b): return a + b"] * 20, trainer)
+    _bpe_tokenizer(path, None)
+    tk = Tokenizer.from_file(str(path / "tokenizer.json"))
     tk.add_tokens([AddedToken("é", special=False), AddedToken("<tool>", special=False)])
-    path.mkdir(parents=True, exist_ok=True)
     tk.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
     return HFTokenizer(path)
 
 
