@@ -83,6 +83,16 @@ def table_row_len(max_blocks: int, pages: int) -> int:
     return -(-(max_blocks + pages) // TABLE_ROW_ALIGN) * TABLE_ROW_ALIGN
 
 
+def dma_tables(block_tables: jax.Array, num_blocks: int) -> jax.Array:
+    """``i32[B, M_pad]``: block tables as the kernels' DMAs read them, once per call (one
+    elementwise op on the table instead of a clamp per page): ids clipped to ``[0, N)``
+    (negative = no block: 0, never copied past a length), columns padded with 0 to a multiple
+    of :data:`TABLE_ROW_ALIGN` (an HBM -> SMEM row copy moves whole 512 B units)."""
+    tables = jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)
+    pad = -tables.shape[1] % TABLE_ROW_ALIGN
+    return jnp.pad(tables, ((0, 0), (0, pad))) if pad else tables
+
+
 @dataclasses.dataclass(frozen=True)
 class TableRows:
     """One sequence's block-table row at a time, HBM -> SMEM (two slots, flat).

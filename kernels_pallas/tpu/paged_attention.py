@@ -50,9 +50,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
+    TABLE_ROW_ALIGN,
     attend_step,
+    dma_tables,
     finish,
     reset_state,
+    table_row_len,
     vmem_tile_bytes,
 )
 
@@ -64,8 +67,6 @@ _CORES = 2  # TensorCores of a megacore chip (v4, v5p)
 #: byte once and does little math per byte, so it wants big steps: fixed per-step costs (the
 #: wait, the state update, the loop) are paid once per ``P * S`` keys.
 DECODE_KV_VMEM_BUDGET = 16 * 1024 * 1024
-#: Table columns a row is padded to: an HBM -> SMEM row copy must move a multiple of 512 B.
-_TABLE_ROW_ALIGN = 128
 #: Keys per step the decode kernel aims for (capped by the budget and the table width).
 _DECODE_TARGET_KEYS = 2048
 
@@ -127,7 +128,7 @@ def _decode_kernel(
     class rows:  # noqa: N801 - the table-row DMAs of this kernel's flat SMEM rows
         @staticmethod
         def _copy(seq, slot):
-            dst = table.at[pl.ds(pl.multiple_of(slot * row_len, 128), max_blocks)]
+            dst = table.at[pl.ds(pl.multiple_of(slot * row_len, TABLE_ROW_ALIGN), max_blocks)]
             return pltpu.make_async_copy(tables_hbm.at[seq], dst, table_sem.at[slot])
 
         @staticmethod
@@ -303,12 +304,7 @@ def paged_attention_tpu(
     p = pages_per_compute_block or decode_pages_per_step(
         s, block_tables.shape[1], kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
     )
-    # Block ids clipped to [0, N) here, once per call (an elementwise op on the B x M table),
-    # so a page's DMA uses the id as read (negative = no block: 0, never copied past a length)
-    block_tables = jnp.clip(block_tables.astype(jnp.int32), 0, k_pages.shape[2] - 1)
-    if block_tables.shape[1] % _TABLE_ROW_ALIGN:  # a table-row DMA moves whole 512 B units
-        pad = -block_tables.shape[1] % _TABLE_ROW_ALIGN
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # 0: in range, never copied
+    block_tables = dma_tables(block_tables, k_pages.shape[2])  # ids used as read by the DMAs
     m = block_tables.shape[1]
     cores = _CORES if b >= _CORES else 1
     per_core = -(-b // cores)
@@ -347,7 +343,7 @@ def paged_attention_tpu(
             in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.SMEM((2 * _round_up(m + p, _TABLE_ROW_ALIGN),), jnp.int32),
+                pltpu.SMEM((2 * table_row_len(m, p),), jnp.int32),
                 pltpu.VMEM((2, p, kh, s, d), k_pages.dtype),
                 pltpu.VMEM((2, p, kh, s, d), v_pages.dtype),
                 pltpu.VMEM((kh, g, 1), jnp.float32),

@@ -36,8 +36,8 @@ Design:
   row to its last row's position.
 * A step where every row sees every key runs unmasked; any other (the diagonal, a
   sequence's edges) runs masked at the narrowest of a few compiled widths (a quarter, a half,
-  three quarters, the whole step: :func:`masked_step_widths`) that holds the pages its rows may see, so a
-  short block's diagonal step does not compute keys past its last row.
+  three quarters, the whole step: :func:`masked_step_widths`) that holds the pages its rows
+  may see, so a short block's diagonal step does not compute keys past its last row.
 * Logits stay unscaled: ``sm_scale`` rides in the exponent
   (:func:`~kernels_pallas.tpu._attention_common.attend_step`).
 * The float32 softmax state ``(m, l, acc)`` of every kv head lives in VMEM scratch, the
@@ -75,11 +75,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
-    TABLE_ROW_ALIGN,
     KVStream,
     TableRows,
     attend_step,
     default_pages_per_compute_block,
+    dma_tables,
     finish,
     pipeline_scratch,
     reset_state,
@@ -495,11 +495,7 @@ def ragged_paged_attention_tpu(
     qg = jnp.transpose(qg, (1, 0, 2, 3)).reshape(kh, t_pad * g, d)
     q_spec = pl.BlockSpec((kh, tq * g, d), lambda qi, *_: (0, qi, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    # Block ids clipped to [0, N) once per call (negative = no block: 0), so a page's DMA
-    # takes its id as read (KVStream)
-    tables = jnp.clip(block_tables.astype(jnp.int32), 0, k_pages.shape[2] - 1)
-    if m % TABLE_ROW_ALIGN:  # a table-row DMA moves whole 512 B units
-        tables = jnp.pad(tables, ((0, 0), (0, -m % TABLE_ROW_ALIGN)))  # 0: never copied
+    tables = dma_tables(block_tables, k_pages.shape[2])  # a page's DMA takes its id as read
     inputs = [qg, tables, k_pages, v_pages]
     in_specs = [q_spec, any_spec, any_spec, any_spec]
     if sinks is not None:  # [K, TQ * G, 1], row r: head k * G + r % G; the same every block
