@@ -16,39 +16,32 @@ def is_int_dtype(x: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.integer))
 
 
-def check_pages_pair(name: str, k_pages: Any, v_pages: Any) -> None:
-    """K and V pages: rank 4 ``[K, N, S, D]`` or 5 ``[L, K, N, S, D]``, same shape and dtype."""
-    if k_pages.ndim not in (4, 5):
+def check_pages(name: str, kv_pages: Any) -> None:
+    """Pages in the layout of :mod:`kernels_pallas.kv_layout`: rank 6 ``[L, N, S, C, P, Dp]``
+    with ``P`` the dtype's packing."""
+    from kernels_pallas.kv_layout import kv_packing
+
+    if kv_pages.ndim != 6:
         raise ValueError(
-            f"{name}: k_pages must have rank 4 [K, N, S, D] or 5 [L, K, N, S, D], "
-            f"got shape {k_pages.shape}"
+            f"{name}: kv_pages must have rank 6 [L, N, S, C, P, Dp], got shape {kv_pages.shape}"
         )
-    if k_pages.shape != v_pages.shape:
+    if kv_pages.shape[4] != kv_packing(kv_pages.dtype):
         raise ValueError(
-            f"{name}: k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}"
-        )
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(
-            f"{name}: k_pages and v_pages dtypes differ: {k_pages.dtype} vs {v_pages.dtype}"
+            f"{name}: kv_pages {kv_pages.shape} of {jnp.dtype(kv_pages.dtype).name} must pack "
+            f"P={kv_packing(kv_pages.dtype)} heads per 32-bit word (axis 4)"
         )
 
 
 def check_layer(name: str, pages: Any, layer: Any) -> None:
-    """``layer`` is required (and in range) for stacked rank-5 pages, and refused for rank 4."""
-    if pages.ndim == 5:
-        if layer is None:
-            raise ValueError(
-                f"{name}: pages of rank 5 [L, K, N, S, D] need layer= (int or i32 scalar)"
-            )
-        if isinstance(layer, (int, np.integer)):
-            if not 0 <= int(layer) < pages.shape[0]:
-                raise ValueError(
-                    f"{name}: layer={int(layer)} out of range for {pages.shape[0]} layers"
-                )
-        elif np.ndim(layer) != 0 or not is_int_dtype(layer):
-            raise ValueError(f"{name}: layer must be an integer scalar, got {layer!r}")
-    elif layer is not None:
-        raise ValueError(
-            f"{name}: layer= given but pages have rank 4 {pages.shape}; pass stacked "
-            "[L, K, N, S, D] pages to select a layer"
-        )
+    """``layer`` is in range for stacked ``[L, ...]`` pages (required when ``L > 1``)."""
+    if layer is None:
+        if pages.shape[0] == 1:
+            return
+        raise ValueError(f"{name}: stacked pages [L, ...] need layer= (int or i32 scalar)")
+    if isinstance(layer, (bool, np.bool_)):
+        raise ValueError(f"{name}: layer must be an integer, got {layer!r}")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= int(layer) < pages.shape[0]:
+            raise ValueError(f"{name}: layer={int(layer)} out of range for {pages.shape[0]} layers")
+    elif np.ndim(layer) != 0 or not is_int_dtype(layer):
+        raise ValueError(f"{name}: layer must be an integer scalar, got {layer!r}")

@@ -21,10 +21,10 @@ the KV ops):
 * ``"pallas_tpu"`` / ``"pallas_gpu"`` (Mosaic GPU) / ``"pallas_triton"``: force one kernel
   family (e.g. in interpret mode on CPU).
 
-Stacked caches: pages may be ``[L, K, N, S, D]`` (all layers, as the engine keeps them so a
-``lax.scan`` runs over layers) together with ``layer=`` (a Python int or a traced ``i32``
-scalar). The TPU kernels read ``pages.at[layer]`` straight from HBM, so no per-layer copy of
-the cache is made; the reference path indexes ``pages[layer]``.
+Pages are one stacked array ``kv_pages [L, N, S, C, P, Dp]`` (:mod:`kernels_pallas.kv_layout`:
+all layers, token-major, K and V of each head side by side) with ``layer=`` (a Python int or a
+traced ``i32`` scalar) and ``num_kv_heads=``. The kernels read ``kv_pages.at[layer]`` straight
+from HBM, so no per-layer copy of the cache is made; the XLA path gathers (layer, block) rows.
 
 Every argument problem raises ``ValueError`` naming it, before anything is traced.
 """
@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from kernels_pallas import _dispatch, reference
-from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
+from kernels_pallas._checks import IMPLS, check_layer, check_pages, is_int_dtype
 from kernels_pallas.cache import (
     PagedKVCache,
     check_cache,
@@ -71,8 +71,8 @@ logger = logging.getLogger(__name__)
 def _check_common(
     name: str,
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
+    num_kv_heads: Any,
     block_tables: jax.Array,
     *,
     sm_scale: float | None,
@@ -91,21 +91,27 @@ def _check_common(
         raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
     if q.ndim != 3:
         raise ValueError(f"{name}: q must have rank 3 [tokens, H, D], got shape {q.shape}")
-    check_pages_pair(name, k_pages, v_pages)
-    check_layer(name, k_pages, layer)
+    check_pages(name, kv_pages)
+    check_layer(name, kv_pages, layer)
     _, h, d = q.shape
-    kh, _, _, dk = k_pages.shape[-4:]
-    if kh == 0 or h % kh != 0:
+    kh, dk = num_kv_heads, kv_pages.shape[-1]
+    rows = kv_pages.shape[3] * kv_pages.shape[4]
+    if isinstance(kh, bool) or not isinstance(kh, (int, np.integer)) or not 0 < 2 * kh <= rows:
+        raise ValueError(
+            f"{name}: num_kv_heads={kh!r} does not fit pages of {rows} packed heads "
+            f"({kv_pages.shape})"
+        )
+    if h % kh != 0:
         raise ValueError(
             f"{name}: number of query heads H={h} is not divisible by number of kv heads K={kh}"
         )
     if d != dk:
         raise ValueError(f"{name}: head_dim mismatch: q has D={d}, pages have D={dk}")
-    if is_quantized_dtype(k_pages.dtype):
+    if is_quantized_dtype(kv_pages.dtype):
         if not jnp.issubdtype(q.dtype, jnp.floating):
             raise ValueError(f"{name}: q must be floating point, got {q.dtype}")
-    elif q.dtype != k_pages.dtype:
-        raise ValueError(f"{name}: dtype mismatch: q is {q.dtype}, pages are {k_pages.dtype}")
+    elif q.dtype != kv_pages.dtype:
+        raise ValueError(f"{name}: dtype mismatch: q is {q.dtype}, pages are {kv_pages.dtype}")
     if block_tables.ndim != 2:
         raise ValueError(
             f"{name}: block_tables must have rank 2 [B, M], got shape {block_tables.shape}"
@@ -178,10 +184,6 @@ def _has_gpu_module() -> bool:
     return True
 
 
-def _select_layer(pages: jax.Array, layer: jax.Array) -> jax.Array:
-    return pages if pages.ndim == 4 else pages[layer]
-
-
 def _layer_array(layer: Any) -> jax.Array:
     return jnp.asarray(0 if layer is None else layer, jnp.int32)
 
@@ -198,7 +200,7 @@ _SINKS_REASON = (
 )
 
 
-def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = None) -> None:
+def _check_forced_kernel(name: str, impl: str, kv_pages: jax.Array, sinks: Any = None) -> None:
     """A forced GPU kernel on 8-bit pages or with sinks is refused, interpret mode included.
 
     (The dispatch lets ``interpret=True`` through its geometry reasons, which only concern
@@ -209,7 +211,7 @@ def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = 
         return
     gpu = _dispatch.forced_family(impl, True, True) == "pallas_gpu"
     for refused, reason in (
-        (is_quantized_dtype(k_pages.dtype) and gpu, _QUANTIZED_REASON),
+        (is_quantized_dtype(kv_pages.dtype) and gpu, _QUANTIZED_REASON),
         (sinks is not None and gpu, _SINKS_REASON),
     ):
         if refused:
@@ -219,15 +221,17 @@ def _check_forced_kernel(name: str, impl: str, k_pages: jax.Array, sinks: Any = 
             )
 
 
-def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str | None, ...]:
+def _reasons(
+    q: jax.Array, kv_pages: jax.Array, kh: int, sinks: Any = None
+) -> tuple[str | None, ...]:
     """Why the TPU / Mosaic GPU / Triton kernels cannot take these operands (None: they can);
     the Triton kernel's for the targeted compute capability."""
-    kh, _, s, d = k_pages.shape[-4:]
+    s, d = kv_pages.shape[2], kv_pages.shape[-1]
     geometry = dict(head_dim=d, num_q_per_kv=q.shape[1] // kh, block_size=s)
     triton = _dispatch.triton_attention_unsupported_reason(
-        **geometry, dtype=k_pages.dtype, capability=_dispatch.cuda_capability()
+        **geometry, dtype=kv_pages.dtype, capability=_dispatch.cuda_capability()
     )
-    if is_quantized_dtype(k_pages.dtype):
+    if is_quantized_dtype(kv_pages.dtype):
         return None, _QUANTIZED_REASON, triton
     if sinks is not None:
         return None, _SINKS_REASON, triton
@@ -235,37 +239,34 @@ def _reasons(q: jax.Array, k_pages: jax.Array, sinks: Any = None) -> tuple[str |
     return None, gpu, triton
 
 
-_STATIC = ("sm_scale", "soft_cap", "sliding_window")
+_STATIC = ("num_kv_heads", "sm_scale", "soft_cap", "sliding_window")
 
 
-def _tpu_scales(k_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> jax.Array | None:
+def _tpu_scales(kv_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> jax.Array | None:
     """The TPU kernels' ``kv_scales`` (``f32[2]``): only for 8-bit pages."""
-    if not is_quantized_dtype(k_pages.dtype):
+    if not is_quantized_dtype(kv_pages.dtype):
         return None
     return jnp.stack([k_scale, v_scale]).astype(jnp.float32)
 
 
-def _scale_kw(k_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> dict:
+def _scale_kw(kv_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> dict:
     """The oracles' dequantization scales: only for 8-bit pages."""
-    if not is_quantized_dtype(k_pages.dtype):
+    if not is_quantized_dtype(kv_pages.dtype):
         return {}
     return dict(k_scale=k_scale, v_scale=v_scale)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _paged_reference(
-    q, k_pages, v_pages, lengths, block_tables, layer, k_scale, v_scale, sinks=None, **kw
-):
-    scales = _scale_kw(k_pages, k_scale, v_scale)
-    k_pages, v_pages = _select_layer(k_pages, layer), _select_layer(v_pages, layer)
+def _paged_reference(q, kv_pages, lengths, block_tables, layer, k_scale, v_scale, sinks=None, **kw):
+    scales = _scale_kw(kv_pages, k_scale, v_scale)
     return reference.paged_attention_reference(
-        q, k_pages, v_pages, lengths, block_tables, **scales, sinks=sinks, **kw
+        q, kv_pages[layer], lengths, block_tables, **scales, sinks=sinks, **kw
     )
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "gpu_tuned"))
 def _ragged_reference(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scale, v_scale,
+    q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, layer, k_scale, v_scale,
     gpu_tuned=False, sinks=None, **kw,
 ):  # fmt: skip
     # gpu_tuned: the CUDA fallback (large chunks, 16-bit operands; reference.XLA_GPU_CHUNK_BYTES).
@@ -275,15 +276,14 @@ def _ragged_reference(
     # slicing pages[layer] first would copy the layer's whole cache every call.
     return reference.ragged_paged_attention_xla(
         q,
-        k_pages,
-        v_pages,
+        kv_pages,
         kv_lens,
         block_tables,
         cu_q_lens,
         num_seqs,
         layer=layer,
         sinks=sinks,
-        **_scale_kw(k_pages, k_scale, v_scale),
+        **_scale_kw(kv_pages, k_scale, v_scale),
         **kw,
     )
 
@@ -308,27 +308,25 @@ def _has_triton_module() -> bool:
         return False
 
 
-def _triton_kw(k_pages, layer, ks, vs, sink: tuple, kw: dict, interpret: bool) -> dict:
+def _triton_kw(kv_pages, layer, ks, vs, sink: tuple, kw: dict, interpret: bool) -> dict:
     """Keyword arguments of the Triton kernels (``kernels_pallas.gpu.triton_attention``)."""
-    scales = dict(k_scale=ks, v_scale=vs) if is_quantized_dtype(k_pages.dtype) else {}
+    scales = dict(k_scale=ks, v_scale=vs) if is_quantized_dtype(kv_pages.dtype) else {}
     return dict(kw, layer=layer, sinks=_one(sink), interpret=interpret, **scales)
 
 
-def _call_gpu(fn_name: str, args: tuple, k_pages, v_pages, layer, kwargs: dict) -> jax.Array:
+def _call_gpu(fn_name: str, args: tuple, kv_pages, layer, kwargs: dict) -> jax.Array:
     fn = getattr(_gpu_module(), fn_name)
-    if k_pages.ndim == 5:  # the GPU kernels read pages.at[layer] themselves (no copy)
-        kwargs = dict(kwargs, layer=layer)
-    q, *rest = args
-    return fn(q, k_pages, v_pages, *rest, **kwargs)
+    q, *rest = args  # the GPU kernels read kv_pages.at[layer] themselves (no copy)
+    return fn(q, kv_pages, *rest, **dict(kwargs, layer=layer))
 
 
 def paged_attention_pages(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     lengths: jax.Array,
     block_tables: jax.Array,
     *,
+    num_kv_heads: int,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -343,17 +341,19 @@ def paged_attention_pages(
 
     Args:
       q: ``[B, H, D]`` queries; H must be a multiple of K (MHA, GQA, MQA).
-      k_pages, v_pages: ``[K, N, S, D]`` pages, or ``[L, K, N, S, D]`` with ``layer``.
-        Same dtype as ``q``.
+      kv_pages: ``[L, N, S, C, P, D]`` pages (:mod:`kernels_pallas.kv_layout`), the same
+        dtype as ``q`` (or 8-bit).
       lengths: ``i32[B]`` tokens in each sequence; 0 marks a padding row (output zeros).
       block_tables: ``i32[B, M]`` block ids; negative ids mean "no block".
+      num_kv_heads: K (an 8-bit cache with an odd K pads a dummy head, so C * P / 2 may not
+        be K).
       sm_scale: logit scale, default ``D ** -0.5``.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: if set, the query sees only the last ``sliding_window`` keys.
       impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu" |
         "pallas_triton"``.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
-      layer: layer index into stacked ``[L, ...]`` pages (int or traced i32 scalar).
+      layer: layer index (int or traced i32 scalar; optional when L = 1).
       k_scale, v_scale: the layer's dequantization scales (8-bit pages; ignored otherwise).
       sinks: optional ``f32[H]`` attention sinks, one logit per query head in the softmax
         denominator only (:func:`kernels_pallas.reference.paged_attention_reference`). The
@@ -372,8 +372,8 @@ def paged_attention_pages(
     kw = _check_common(
         name,
         q,
-        k_pages,
-        v_pages,
+        kv_pages,
+        num_kv_heads,
         block_tables,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
@@ -382,7 +382,8 @@ def paged_attention_pages(
         layer=layer,
     )
     sinks = _check_sinks(name, sinks, q.shape[1])
-    _check_forced_kernel(name, impl, k_pages, sinks)
+    _check_forced_kernel(name, impl, kv_pages, sinks)
+    kw["num_kv_heads"] = int(num_kv_heads)
     b = q.shape[0]
     _check_vector(name, "lengths", lengths, b, "B = q.shape[0]")
     if block_tables.shape[0] != b:
@@ -392,8 +393,7 @@ def paged_attention_pages(
         )
     args = (
         q,
-        k_pages,
-        v_pages,
+        kv_pages,
         jnp.asarray(lengths, jnp.int32),
         jnp.asarray(block_tables, jnp.int32),
         _layer_array(layer),
@@ -401,36 +401,36 @@ def paged_attention_pages(
         *(() if sinks is None else (sinks,)),
     )
 
-    def xla(q, k, v, lengths, tables, layer, ks, vs, *sink):
-        return _paged_reference(q, k, v, lengths, tables, layer, ks, vs, *sink, **kw)
+    def xla(q, kv, lengths, tables, layer, ks, vs, *sink):
+        return _paged_reference(q, kv, lengths, tables, layer, ks, vs, *sink, **kw)
 
-    def tpu(q, k, v, lengths, tables, layer, ks, vs, *sink):
+    def tpu(q, kv, lengths, tables, layer, ks, vs, *sink):
         from kernels_pallas.tpu.paged_attention import paged_attention_tpu
 
         return paged_attention_tpu(
-            q, k, v, lengths, tables, layer=layer, interpret=interpret, sinks=_one(sink),
-            kv_scales=_tpu_scales(k, ks, vs), **kw,
+            q, kv, lengths, tables, layer=layer, interpret=interpret, sinks=_one(sink),
+            kv_scales=_tpu_scales(kv, ks, vs), **kw,
         )  # fmt: skip
 
-    def gpu(q, k, v, lengths, tables, layer, ks, vs):
+    def gpu(q, kv, lengths, tables, layer, ks, vs):
         return _call_gpu(
-            "paged_attention_gpu", (q, lengths, tables), k, v, layer, dict(kw, interpret=interpret)
+            "paged_attention_gpu", (q, lengths, tables), kv, layer, dict(kw, interpret=interpret)
         )
 
-    def gpu_xla(q, k, v, lengths, tables, layer, ks, vs, *sink):
+    def gpu_xla(q, kv, lengths, tables, layer, ks, vs, *sink):
         # Row b is sequence b's one token: the chunked ragged path, not a dense gather of
         # every sequence's whole table (the CPU reference's form).
         cu, n = jnp.arange(q.shape[0] + 1, dtype=jnp.int32), jnp.int32(q.shape[0])
-        return _ragged_reference(q, k, v, lengths, tables, cu, n, layer, ks, vs, True, *sink, **kw)
+        return _ragged_reference(q, kv, lengths, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
-    def triton(q, k, v, lengths, tables, layer, ks, vs, *sink):
+    def triton(q, kv, lengths, tables, layer, ks, vs, *sink):
         from kernels_pallas.gpu.triton_attention import paged_attention_triton
 
         return paged_attention_triton(
-            q, k, v, lengths, tables, **_triton_kw(k, layer, ks, vs, sink, kw, interpret)
+            q, kv, lengths, tables, **_triton_kw(kv, layer, ks, vs, sink, kw, interpret)
         )
 
-    tpu_reason, gpu_reason, triton_reason = _reasons(q, k_pages, sinks)
+    tpu_reason, gpu_reason, triton_reason = _reasons(q, kv_pages, num_kv_heads, sinks)
     return _dispatch.run(
         name,
         impl,
@@ -450,13 +450,13 @@ def paged_attention_pages(
 
 def ragged_paged_attention_pages(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array | int,
     *,
+    num_kv_heads: int,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -478,13 +478,13 @@ def ragged_paged_attention_pages(
 
     Args:
       q: ``[T, H, D]`` token-packed queries.
-      k_pages, v_pages: ``[K, N, S, D]`` pages, or ``[L, K, N, S, D]`` with ``layer``.
+      kv_pages: ``[L, N, S, C, P, D]`` pages (:mod:`kernels_pallas.kv_layout`).
       kv_lens: ``i32[B]`` total tokens of each sequence (``kv_lens[s] >= q_len``).
       block_tables: ``i32[B, M]`` block ids; negative ids mean "no block".
       cu_q_lens: ``i32[B + 1]`` cumulative query lengths, ``cu_q_lens[0] == 0``.
       num_seqs: scalar (or shape ``(1,)``) number of sequences that count.
-      sm_scale, soft_cap, sliding_window, impl, interpret, layer, k_scale, v_scale, sinks: as
-        in :func:`paged_attention_pages`.
+      num_kv_heads, sm_scale, soft_cap, sliding_window, impl, interpret, layer, k_scale,
+        v_scale, sinks: as in :func:`paged_attention_pages`.
       max_q_len: optional static hint, a promise about the batch: no sequence has more than
         this many query rows. ``1`` (a decode-only batch: every sequence ``s < num_seqs``
         owns exactly row ``s``) runs the TPU decode kernel, which takes one query row group
@@ -501,8 +501,8 @@ def ragged_paged_attention_pages(
     kw = _check_common(
         name,
         q,
-        k_pages,
-        v_pages,
+        kv_pages,
+        num_kv_heads,
         block_tables,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
@@ -511,7 +511,8 @@ def ragged_paged_attention_pages(
         layer=layer,
     )
     sinks = _check_sinks(name, sinks, q.shape[1])
-    _check_forced_kernel(name, impl, k_pages, sinks)
+    _check_forced_kernel(name, impl, kv_pages, sinks)
+    kw["num_kv_heads"] = int(num_kv_heads)
     b = block_tables.shape[0]
     _check_vector(name, "kv_lens", kv_lens, b, "B = block_tables.shape[0]")
     _check_vector(name, "cu_q_lens", cu_q_lens, b + 1, "B + 1")
@@ -527,8 +528,7 @@ def ragged_paged_attention_pages(
         raise ValueError(f"{name}: max_q_len must be a positive int or None, got {max_q_len!r}")
     args = (
         q,
-        k_pages,
-        v_pages,
+        kv_pages,
         jnp.asarray(kv_lens, jnp.int32),
         jnp.asarray(block_tables, jnp.int32),
         jnp.asarray(cu_q_lens, jnp.int32),
@@ -538,36 +538,31 @@ def ragged_paged_attention_pages(
         *(() if sinks is None else (sinks,)),
     )
 
-    def xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
-        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, False, *sink, **kw)
+    def xla(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+        return _ragged_reference(q, kv, kv_lens, tables, cu, n, layer, ks, vs, False, *sink, **kw)
 
-    def gpu_xla(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
-        return _ragged_reference(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, True, *sink, **kw)
+    def gpu_xla(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+        return _ragged_reference(q, kv, kv_lens, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
-    def tpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
-        kw_tpu = dict(kw, sinks=_one(sink), kv_scales=_tpu_scales(k, ks, vs))
+    def tpu(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+        kw_tpu = dict(kw, sinks=_one(sink), kv_scales=_tpu_scales(kv, ks, vs))
         if max_q_len == 1:
-            return _decode_rows_tpu(q, k, v, kv_lens, tables, n, layer, interpret, kw_tpu)
-        return _mixed_rows_tpu(q, k, v, kv_lens, tables, cu, n, layer, interpret, kw_tpu)
+            return _decode_rows_tpu(q, kv, kv_lens, tables, n, layer, interpret, kw_tpu)
+        return _mixed_rows_tpu(q, kv, kv_lens, tables, cu, n, layer, interpret, kw_tpu)
 
-    def gpu(q, k, v, kv_lens, tables, cu, n, layer, ks, vs):
-        return _call_gpu(
-            "ragged_paged_attention_gpu",
-            (q, kv_lens, tables, cu, n),
-            k,
-            v,
-            layer,
-            dict(kw, interpret=interpret),
-        )
+    def gpu(q, kv, kv_lens, tables, cu, n, layer, ks, vs):
+        args = (q, kv_lens, tables, cu, n)
+        kw_gpu = dict(kw, interpret=interpret)
+        return _call_gpu("ragged_paged_attention_gpu", args, kv, layer, kw_gpu)
 
-    def triton(q, k, v, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+    def triton(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
         from kernels_pallas.gpu.triton_attention import ragged_paged_attention_triton
 
         return ragged_paged_attention_triton(
-            q, k, v, kv_lens, tables, cu, n, **_triton_kw(k, layer, ks, vs, sink, kw, interpret)
+            q, kv, kv_lens, tables, cu, n, **_triton_kw(kv, layer, ks, vs, sink, kw, interpret)
         )
 
-    tpu_reason, gpu_reason, triton_reason = _reasons(q, k_pages, sinks)
+    tpu_reason, gpu_reason, triton_reason = _reasons(q, kv_pages, num_kv_heads, sinks)
     return _dispatch.run(
         name,
         impl,
@@ -601,7 +596,7 @@ def leading_decode_seqs(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(one_row.astype(jnp.int32)), dtype=jnp.int32)
 
 
-def _mixed_rows_tpu(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, layer, interpret, kw):
+def _mixed_rows_tpu(q, kv_pages, kv_lens, tables, cu, num_seqs, layer, interpret, kw):
     """Any ragged batch on TPU: its leading one-row sequences on the decode kernel, the rest on
     the ragged kernel.
 
@@ -619,11 +614,11 @@ def _mixed_rows_tpu(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, layer, i
     device_kind = getattr(_dispatch.target_device(), "device_kind", None)
 
     def decode_part() -> jax.Array:
-        return _decode_rows_tpu(q, k_pages, v_pages, kv_lens, tables, n_dec, layer, interpret, kw)
+        return _decode_rows_tpu(q, kv_pages, kv_lens, tables, n_dec, layer, interpret, kw)
 
     def ragged_part() -> jax.Array:
         return ragged_paged_attention_tpu(
-            q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, n_dec, layer=layer,
+            q, kv_pages, kv_lens, tables, cu, num_seqs, n_dec, layer=layer,
             interpret=interpret, device_kind=device_kind, **kw,
         )  # fmt: skip
 
@@ -635,7 +630,7 @@ def _mixed_rows_tpu(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, layer, i
     return jnp.where((jnp.arange(t) < n_dec)[:, None, None], dec, rag)
 
 
-def _decode_rows_tpu(q, k_pages, v_pages, kv_lens, tables, num_seqs, layer, interpret, kw):
+def _decode_rows_tpu(q, kv_pages, kv_lens, tables, num_seqs, layer, interpret, kw):
     """A decode-only ragged batch on the TPU decode kernel: row ``s`` is sequence ``s``.
 
     Rows past ``num_seqs`` (and past the table's B rows) are padding and return zeros.
@@ -646,7 +641,7 @@ def _decode_rows_tpu(q, k_pages, v_pages, kv_lens, tables, num_seqs, layer, inte
     rows = min(t, b)
     lengths = jnp.where(jnp.arange(rows) < num_seqs, kv_lens[:rows], 0)
     out = paged_attention_tpu(
-        q[:rows], k_pages, v_pages, lengths, tables[:rows], layer=layer, interpret=interpret, **kw
+        q[:rows], kv_pages, lengths, tables[:rows], layer=layer, interpret=interpret, **kw
     )
     return out if rows == t else jnp.pad(out, ((0, t - rows), (0, 0), (0, 0)))
 
@@ -692,10 +687,10 @@ def paged_attention(
     q, sm_scale = _lane_padded_query(name, q, cache, sm_scale)
     out = paged_attention_pages(
         q,
-        cache.k,
-        cache.v,
+        cache.kv,
         lengths,
         block_tables,
+        num_kv_heads=cache.num_kv_heads,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -770,7 +765,7 @@ def ragged_paged_attention(
     check_cache(name, cache)
     layer = resolve_layer(name, cache, layer)
     sinks = _check_sinks(name, sinks, q.shape[1] if q.ndim == 3 else -1)
-    _check_forced_kernel(name, impl, cache.k, sinks)  # before the write: state unchanged
+    _check_forced_kernel(name, impl, cache.kv, sinks)  # before the write: state unchanged
     q, sm_scale = _lane_padded_query(name, q, cache, sm_scale)
     if new_kv is not None:
         if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 3:
@@ -779,12 +774,12 @@ def ragged_paged_attention(
         cache = write_kv(cache, k, v, slots, layer=layer, impl=impl, interpret=interpret)
     out = ragged_paged_attention_pages(
         q,
-        cache.k,
-        cache.v,
+        cache.kv,
         kv_lens,
         block_tables,
         cu_q_lens,
         num_seqs,
+        num_kv_heads=cache.num_kv_heads,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,

@@ -8,11 +8,14 @@ Sizes derive from here too: :func:`kv_cache_bytes_per_block` (sizing), :func:`kv
 (the partition specs that split it over kv heads), :func:`kv_cache_vmem_bytes` (what the TPU
 attention kernels' KV buffers take in VMEM).
 
-Layout (private to this package; a slot is ``block * S + offset`` in every layout): K and V
-are each one stacked array ``[L, K, N, S, Dp]`` (layers, kv heads, blocks, block size, stored
-head dim) in the cache dtype. ``Dp`` is the head dim ``D`` except on TPU, where a ``D`` that is
-not a multiple of 128 is stored padded to one (zero lanes; :func:`stored_head_dim`), as
-tpu-inference's RPA v3 stores it: XLA:TPU gives a ``[..., S, 64]`` array a transposed layout
+Layout (private to this package; a slot is ``block * S + offset``): one array
+``kv [L, N, S, C, P, Dp]``, token-major pages with K and V of every kv head of a token side by
+side, packed ``P`` heads to a 32-bit word (:mod:`kernels_pallas.kv_layout` defines it: one
+page of a layer is one contiguous DMA, one token's K/V one aligned row group; tpu-inference's
+RPA v3 keeps the same per-layer layout). ``Dp`` is the head dim ``D`` except on TPU, where a
+``D`` that is not a multiple of 128 is stored padded to one (zero lanes;
+:func:`stored_head_dim`), as tpu-inference's RPA v3 stores it: XLA:TPU gives a
+``[..., S, 64]`` array a transposed layout
 (no lane padding) that the Mosaic kernels cannot take, and then copies the whole cache into
 theirs and back around the kernels every step (2x the cache in temporaries, and the whole
 cache moved twice a step; gpt-oss-20b on v6e:2x2). Stored lane-dense, the cache costs what
@@ -21,7 +24,7 @@ pad queries and new K/V and slice outputs, so callers never see ``Dp``.
 
 Stacking the layers lets a model run them under ``lax.scan`` with the
 cache in the carry (layer ``i`` is written and read in place through ``layer=``), lets the
-engine donate two buffers instead of ``2L``, and moves a block in every layer with one
+engine donate one buffer instead of ``2L``, and moves a block in every layer with one
 gather/scatter or DMA.
 
 8-bit caches (``int8``, ``float8_e4m3fn``) hold ``round(x / scale)`` (int8, clipped to
@@ -29,7 +32,8 @@ gather/scatter or DMA.
 ``k_scale, v_scale: f32[L]``; reads dequantize to ``x_q * scale`` in float32. For
 ``float32`` / ``bfloat16`` / ``float16`` caches the scales are stored as 1.0 and unused.
 
-Shape letters: L layers, N blocks, S block size, K kv heads, D head dim, Dp stored head dim.
+Shape letters: L layers, N blocks, S block size, K kv heads, D head dim, Dp stored head dim,
+C packed rows per token (``ceil(2K / P)``), P heads per 32-bit word (4 bytes / itemsize).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+from kernels_pallas import kv_layout
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -83,49 +89,50 @@ class PagedKVCache:
     """Paged K/V of every layer (opaque: use the ops of :mod:`kernels_pallas`).
 
     Attributes:
-      k: ``[L, K, N, S, Dp]`` key pages, cache dtype.
-      v: ``[L, K, N, S, Dp]`` value pages, cache dtype.
+      kv: ``[L, N, S, C, P, Dp]`` pages, cache dtype (:mod:`kernels_pallas.kv_layout`).
       k_scale: ``f32[L]`` per-layer key scale (8-bit dtypes; 1.0 otherwise).
       v_scale: ``f32[L]`` per-layer value scale.
       lane_padded_from: static; ``D`` when the pages store it padded to ``Dp`` lanes
         (:func:`stored_head_dim`), None when ``Dp == D``.
+      kv_head_pad: static; dummy kv heads filling the last packed row (1 for an 8-bit cache
+        with an odd ``K``, else 0; :func:`kernels_pallas.kv_layout.kv_head_pad`).
     """
 
-    k: jax.Array
-    v: jax.Array
+    kv: jax.Array
     k_scale: jax.Array
     v_scale: jax.Array
     lane_padded_from: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    kv_head_pad: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
+        return self.kv.shape[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k.shape[1]
+        return kv_layout.num_kv_heads_of(self.kv, self.kv_head_pad)
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[1]
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[3]
+        return self.kv.shape[2]
 
     @property
     def head_dim(self) -> int:
         """D, the head dim the ops take and return."""
-        return self.lane_padded_from or self.k.shape[4]
+        return self.lane_padded_from or self.kv.shape[5]
 
     @property
     def stored_head_dim(self) -> int:
         """Dp, the lanes a page row stores (D, or D padded to a multiple of 128 on TPU)."""
-        return self.k.shape[4]
+        return self.kv.shape[5]
 
     @property
     def dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.k.dtype)
+        return jnp.dtype(self.kv.dtype)
 
     @property
     def quantized(self) -> bool:
@@ -135,12 +142,12 @@ class PagedKVCache:
     @property
     def memory_kind(self) -> str | None:
         """The pages' memory kind (``"device"``, ``"pinned_host"``; None when unknown)."""
-        return getattr(getattr(self.k, "sharding", None), "memory_kind", None)
+        return getattr(getattr(self.kv, "sharding", None), "memory_kind", None)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the pages (K and V, all layers)."""
-        return 2 * math.prod(self.k.shape) * self.dtype.itemsize
+        return math.prod(self.kv.shape) * self.dtype.itemsize
 
     def replace(self, **changes: Any) -> PagedKVCache:
         return dataclasses.replace(self, **changes)
@@ -224,10 +231,15 @@ def kv_cache_shape(
     )
     dt = _check_dtype(name, dtype)
     dp = stored_head_dim(head_dim, platform)
-    pages = jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_blocks, block_size, dp), dt)
+    shape = kv_layout.page_shape(num_layers, num_blocks, block_size, num_kv_heads, dp, dt)
     scale = jax.ShapeDtypeStruct((num_layers,), jnp.float32)
-    padded = head_dim if dp != head_dim else None
-    return PagedKVCache(k=pages, v=pages, k_scale=scale, v_scale=scale, lane_padded_from=padded)
+    return PagedKVCache(
+        kv=jax.ShapeDtypeStruct(shape, dt),
+        k_scale=scale,
+        v_scale=scale,
+        lane_padded_from=head_dim if dp != head_dim else None,
+        kv_head_pad=kv_layout.kv_head_pad(num_kv_heads, dt),
+    )
 
 
 def kv_cache_specs(
@@ -235,15 +247,20 @@ def kv_cache_specs(
 ) -> PagedKVCache:
     """Partition specs of a cache split over kv heads on mesh axis ``head_axis``.
 
-    A :class:`PagedKVCache` of ``PartitionSpec``s (pages split on their kv-head axis, scales
-    replicated), usable as ``shard_map`` in/out specs or to build ``NamedSharding``s; pass
-    the cache (or its :func:`kv_cache_shape`) as ``like`` where the specs must have its tree
-    structure (a lane-padded cache's static ``lane_padded_from``).
+    A :class:`PagedKVCache` of ``PartitionSpec``s (pages split on their packed-row axis
+    ``C``, which holds whole kv heads per device when each device's ``2K / devices`` combined
+    heads fill whole words: :func:`init_kv_cache` checks; scales replicated), usable as
+    ``shard_map`` in/out specs or to build ``NamedSharding``s; pass the cache (or its
+    :func:`kv_cache_shape`) as ``like`` where the specs must have its tree structure (its
+    static fields).
     """
-    pages = PartitionSpec(None, head_axis) if head_axis else PartitionSpec()
-    padded = None if like is None else like.lane_padded_from
+    pages = PartitionSpec(None, None, None, head_axis) if head_axis else PartitionSpec()
     return PagedKVCache(
-        k=pages, v=pages, k_scale=PartitionSpec(), v_scale=PartitionSpec(), lane_padded_from=padded
+        kv=pages,
+        k_scale=PartitionSpec(),
+        v_scale=PartitionSpec(),
+        lane_padded_from=None if like is None else like.lane_padded_from,
+        kv_head_pad=0 if like is None else like.kv_head_pad,
     )
 
 
@@ -256,11 +273,13 @@ def kv_cache_bytes_per_block(
     *,
     platform: str | None = None,
 ) -> int:
-    """Bytes of one block, K and V of every layer: ``2 * L * K * S * Dp * itemsize`` (``Dp``:
+    """Bytes of one block, K and V of every layer: ``L * S * C * P * Dp * itemsize``, i.e.
+    ``2 * L * K * S * Dp * itemsize`` plus an 8-bit odd ``K``'s dummy head (``Dp``:
     :func:`stored_head_dim` on ``platform``, default the one programs traced now are meant
     for)."""
     dp = stored_head_dim(head_dim, platform)
-    return 2 * num_layers * num_kv_heads * block_size * dp * jnp.dtype(dtype).itemsize
+    _, _, s, c, p, _ = kv_layout.page_shape(num_layers, 1, block_size, num_kv_heads, dp, dtype)
+    return num_layers * s * c * p * dp * jnp.dtype(dtype).itemsize
 
 
 def kv_cache_vmem_bytes(
@@ -284,7 +303,8 @@ def kv_cache_vmem_bytes(
         head_dim=head_dim,
         itemsize=itemsize,
     )
-    return 4 * pages * num_kv_heads * block_size * head_dim * itemsize
+    rows = kv_layout.combined_rows(num_kv_heads, dtype) * kv_layout.kv_packing(dtype)
+    return 2 * pages * block_size * rows * head_dim * itemsize  # two buffers of P pages
 
 
 def _scale_sharding(sharding: Sharding) -> Sharding:
@@ -319,10 +339,11 @@ def init_kv_cache(
         dtypes.
       fill_value: initial value of every page slot (in real units: quantized like a write);
         tests use NaN to prove nothing unwritten is read (int8 has no NaN: use e.g. 127).
-      sharding: placement of the page arrays (rank-5 sharding, e.g. a ``NamedSharding`` with
+      sharding: placement of the pages (rank-6 sharding, e.g. a ``NamedSharding`` with
         :func:`kv_cache_specs` pages spec, possibly with a host memory kind for a swap pool;
-        a host pool is built from host memory, never staged through the device). Default: the
-        first device.
+        a host pool is built from host memory, never staged through the device). Split over
+        kv heads, each device must get whole heads in whole 32-bit words (an 8-bit cache
+        needs an even number of kv heads per device). Default: the first device.
       platform: whose page layout to use (:func:`stored_head_dim`); default the sharding's
         devices' platform (tests pass ``"tpu"`` to run a TPU layout on the CPU).
 
@@ -331,7 +352,7 @@ def init_kv_cache(
 
     Raises:
       ValueError: a non-positive dimension, an unknown dtype, a bad scale, a NaN fill for an
-        int8 cache, or more slots than int32 addresses.
+        int8 cache, more slots than int32 addresses, or a head split the layout cannot take.
     """
     name = "init_kv_cache"
     _check_dims(
@@ -356,23 +377,51 @@ def init_kv_cache(
     if sharding is None:
         sharding = SingleDeviceSharding(jax.devices()[0])
     dp = stored_head_dim(head_dim, platform or _platform_of(sharding))
-    shape = (num_layers, num_kv_heads, num_blocks, block_size, dp)
-    fill = _fill_bits(fill_value, dt, ks, vs)
+    shape = kv_layout.page_shape(num_layers, num_blocks, block_size, num_kv_heads, dp, dt)
+    pad = kv_layout.kv_head_pad(num_kv_heads, dt)
+    _check_head_split(name, sharding, shape, num_kv_heads, pad)
+    fill = _fill_pattern(_fill_bits(fill_value, dt, ks, vs), shape, num_kv_heads, dt)
     if sharding.memory_kind in _HOST_KINDS:
         # Built from numpy on the host: a swap pool never has to fit in device memory.
-        k = jax.device_put(_full_host(shape, fill[0], dt), sharding)
-        v = jax.device_put(_full_host(shape, fill[1], dt), sharding)
+        kv = jax.device_put(np.ascontiguousarray(np.broadcast_to(fill, shape)), sharding)
     else:
-        k = jax.jit(lambda: _full(shape, fill[0], dt), out_shardings=sharding)()
-        v = jax.jit(lambda: _full(shape, fill[1], dt), out_shardings=sharding)()
+        kv = jax.jit(lambda: jnp.broadcast_to(jnp.asarray(fill), shape), out_shardings=sharding)()
     scale_sharding = _scale_sharding(sharding)
     return PagedKVCache(
-        k=k,
-        v=v,
+        kv=kv,
         k_scale=jax.device_put(ks, scale_sharding),
         v_scale=jax.device_put(vs, scale_sharding),
         lane_padded_from=head_dim if dp != head_dim else None,
+        kv_head_pad=pad,
     )
+
+
+def _check_head_split(
+    name: str, sharding: Sharding, shape: tuple, num_kv_heads: int, pad: int
+) -> None:
+    """A sharding that splits the packed-row axis ``C`` must give every device whole heads."""
+    if not isinstance(sharding, NamedSharding):
+        return
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    for axis, entry in enumerate(spec):
+        if entry is None or axis == 3:
+            continue
+        raise ValueError(
+            f"{name}: the pages may be split over kv heads only (axis 3 of [L, N, S, C, P, Dp]), "
+            f"got spec {sharding.spec}"
+        )
+    names = spec[3]
+    if names is None:
+        return
+    names = names if isinstance(names, tuple) else (names,)
+    devices = math.prod(sharding.mesh.shape[n] for n in names)
+    rows, packing = shape[3], shape[4]
+    if pad or rows % devices or (rows // devices * packing) % 2:
+        raise ValueError(
+            f"{name}: {num_kv_heads} kv heads of a {packing}-per-word cache cannot split over "
+            f"{devices} devices: each device needs whole kv heads filling whole 32-bit words "
+            "(8-bit caches: an even number of kv heads per device)"
+        )
 
 
 def _fill_bits(fill_value: float, dt: jnp.dtype, ks: jax.Array, vs: jax.Array) -> tuple:
@@ -386,19 +435,16 @@ def _fill_bits(fill_value: float, dt: jnp.dtype, ks: jax.Array, vs: jax.Array) -
     return kq, vq
 
 
-def _full(shape: tuple, fill: Any, dt: jnp.dtype) -> jax.Array:
-    """``shape`` filled with ``fill`` (a scalar, or one value per layer: ``[L]``)."""
-    if np.ndim(fill) == 0:
-        return jnp.full(shape, fill, dt)
-    return jnp.broadcast_to(jnp.asarray(fill, dt).reshape(-1, 1, 1, 1, 1), shape)
-
-
-def _full_host(shape: tuple, fill: Any, dt: jnp.dtype) -> np.ndarray:
-    if np.ndim(fill) == 0:
-        return np.full(shape, fill, dt)
-    return np.ascontiguousarray(
-        np.broadcast_to(np.asarray(fill, dt).reshape(-1, 1, 1, 1, 1), shape)
-    )
+def _fill_pattern(fill: tuple, shape: tuple, num_kv_heads: int, dt: jnp.dtype) -> np.ndarray:
+    """The stored fill as an array broadcastable to ``shape`` (``[L, 1, 1, C, P, 1]``): K's
+    fill on every head's K, V's on its V (per layer for 8-bit), zeros on a dummy head."""
+    num_layers, _, _, c, p, _ = shape
+    k_fill = np.broadcast_to(np.asarray(fill[0], dt).reshape(-1), (num_layers,))
+    v_fill = np.broadcast_to(np.asarray(fill[1], dt).reshape(-1), (num_layers,))
+    heads = np.zeros((num_layers, c * p), dt)
+    heads[:, 0 : 2 * num_kv_heads : 2] = k_fill[:, None]
+    heads[:, 1 : 2 * num_kv_heads : 2] = v_fill[:, None]
+    return heads.reshape(num_layers, 1, 1, c, p, 1)
 
 
 def set_kv_scales(cache: PagedKVCache, *, k_scale: Any = None, v_scale: Any = None) -> PagedKVCache:
@@ -544,12 +590,23 @@ def write_kv(
     check_cache(name, cache)
     layer = resolve_layer(name, cache, layer)
     _check_new_kv(name, cache, k, v)
+    kv = kv_ops.write_pages(
+        cache.kv,
+        merged_rows(cache, k, v, layer),
+        slot_mapping,
+        layer=layer,
+        impl=impl,
+        interpret=interpret,
+    )
+    return cache.replace(kv=kv)
+
+
+def merged_rows(cache: PagedKVCache, k: jax.Array, v: jax.Array, layer: Any) -> jax.Array:
+    """New ``k, v [T, K, D]`` as the cache stores them: quantized with the layer's scales,
+    lane-padded to ``Dp`` and merged to ``[T, C, P, Dp]`` rows."""
     kq = pad_lanes(quantize(k, cache.k_scale[layer], cache.dtype), cache.stored_head_dim)
     vq = pad_lanes(quantize(v, cache.v_scale[layer], cache.dtype), cache.stored_head_dim)
-    new_k, new_v = kv_ops.write_pages(
-        cache.k, cache.v, kq, vq, slot_mapping, layer=layer, impl=impl, interpret=interpret
-    )
-    return cache.replace(k=new_k, v=new_v)
+    return kv_layout.merge_kv(kq, vq)
 
 
 def read_kv(
@@ -597,12 +654,13 @@ def read_kv(
     safe = jnp.where(live, slots, 0)
     blk, off = safe // cache.block_size, safe % cache.block_size
 
-    def one(pages: jax.Array, scale: jax.Array) -> jax.Array:
-        x = pages[layer, :, blk, off][..., : cache.head_dim]  # [T, K, D]
-        x = dequantize(x, scale[layer], out_dtype)
+    k, v = kv_layout.split_kv(cache.kv[layer, blk, off], cache.num_kv_heads)  # [T, K, Dp]
+
+    def one(x: jax.Array, scale: jax.Array) -> jax.Array:
+        x = dequantize(x[..., : cache.head_dim], scale[layer], out_dtype)
         return jnp.where(live[:, None, None], x, jnp.zeros((), out_dtype))
 
-    return one(cache.k, cache.k_scale), one(cache.v, cache.v_scale)
+    return one(k, cache.k_scale), one(v, cache.v_scale)
 
 
 def copy_blocks(
@@ -629,10 +687,8 @@ def copy_blocks(
     from kernels_pallas import kv_ops
 
     check_cache("copy_blocks", cache)
-    new_k, new_v = kv_ops.copy_pages(
-        cache.k, cache.v, src, dst, impl=impl, interpret=interpret, xla_moves=xla_moves
-    )
-    return cache.replace(k=new_k, v=new_v)
+    kv = kv_ops.copy_pages(cache.kv, src, dst, impl=impl, interpret=interpret, xla_moves=xla_moves)
+    return cache.replace(kv=kv)
 
 
 def _check_swap_pair(name: str, src: Any, dst: Any) -> None:
@@ -640,11 +696,11 @@ def _check_swap_pair(name: str, src: Any, dst: Any) -> None:
     check_cache(name, dst)
     if src.dtype != dst.dtype:
         raise ValueError(f"{name}: dtype mismatch: src cache {src.dtype} vs dst {dst.dtype}")
-    a, b = src.k.shape, dst.k.shape
-    if a[:2] != b[:2] or a[3:] != b[3:]:
+    a, b = src.kv.shape, dst.kv.shape
+    if a[:1] != b[:1] or a[2:] != b[2:] or src.kv_head_pad != dst.kv_head_pad:
         raise ValueError(
-            f"{name}: the caches differ outside the block count: L, K, S, D = "
-            f"{(a[0], a[1], a[3], a[4])} vs {(b[0], b[1], b[3], b[4])}"
+            f"{name}: the caches differ outside the block count: L, K, S, Dp = "
+            f"{(a[0], src.num_kv_heads, a[2], a[5])} vs {(b[0], dst.num_kv_heads, b[2], b[5])}"
         )
     if src.quantized:
         # Stored 8-bit values move as they are: with other scales they would silently mean
@@ -695,9 +751,9 @@ def swap_blocks(
 
     name = "swap_blocks"
     _check_swap_pair(name, src_cache, dst_cache)
-    new_k, new_v = kv_ops.swap_pages(
-        (src_cache.k, src_cache.v),
-        (dst_cache.k, dst_cache.v),
+    (kv,) = kv_ops.swap_pages(
+        swap_operands(src_cache),
+        swap_operands(dst_cache),
         src_ids,
         dst_ids,
         impl=impl,
@@ -705,7 +761,7 @@ def swap_blocks(
         donate=donate,
         xla_moves=xla_moves,
     )
-    return dst_cache.replace(k=new_k, v=new_v)
+    return dst_cache.replace(kv=kv)
 
 
 def swap_program(
@@ -740,4 +796,4 @@ def swap_program(
 
 def swap_operands(cache: PagedKVCache) -> tuple[Any, Any]:
     """The arrays a :func:`swap_program` moves for ``cache`` (its pages, in program order)."""
-    return (cache.k, cache.v)
+    return (cache.kv,)

@@ -12,10 +12,12 @@ pages), with semantics defined by the oracles in :mod:`kernels_pallas.reference`
 * :func:`swap_pages`: move blocks between two page arrays that may live in different memory
   kinds (device HBM and ``pinned_host``), in either direction.
 
-Pages are ``[K, N, S, D]`` (one layer) or stacked ``[L, K, N, S, D]`` (the whole model, as
-:class:`paxcache.kv_cache.KVCache` keeps them). With stacked pages, :func:`write_kv` takes
-``layer=`` (Python int or traced ``i32`` scalar) and writes that layer in place;
-:func:`copy_blocks` copies the block in every layer at once (what copy-on-write needs).
+Pages are one array ``kv_pages [L, N, S, C, P, Dp]`` in the layout of
+:mod:`kernels_pallas.kv_layout` (token-major, K and V of each head side by side, layers
+stacked; the block axis is axis 1). :func:`write_pages` takes ``layer=`` (Python int or traced
+``i32`` scalar) and tokens already merged to ``[T, C, P, Dp]`` rows
+(:func:`kernels_pallas.kv_layout.merge_kv`), and writes each token's row in place;
+:func:`copy_pages` copies a block in every layer at once (what copy-on-write needs).
 
 In place: every op is a pure function returning the new pages. Under ``jax.jit`` with the
 pages donated (``donate_argnums``) the XLA path is an in-place scatter and the Pallas kernels
@@ -34,7 +36,7 @@ no GPU KV kernels: the XLA path, recorded as such, as for swap_blocks).
 Why no GPU kernels for write_kv / copy_blocks: on a GPU, XLA's scatter of donated pages is
 already one in-place kernel with a thread per element, so a Mosaic GPU kernel moving the same
 rows through SMEM with one TMA per token (or per block) cannot read or write fewer bytes and
-issues far fewer memory operations in flight. ``write_kv`` moves ``T x K x D`` elements a
+issues far fewer memory operations in flight. ``write_kv`` moves ``T x 2K x D`` elements a
 step (kilobytes to a few MB), next to an attention that reads the whole live KV; block copies
 happen only on copy-on-write. ``scripts/gpu_check.py`` times both XLA ops on the device
 against its copy bandwidth, which is what would justify a kernel if they ever fall short.
@@ -71,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import _dispatch, compat, reference
-from kernels_pallas._checks import IMPLS, check_layer, check_pages_pair, is_int_dtype
+from kernels_pallas._checks import IMPLS, check_layer, check_pages, is_int_dtype
 from kernels_pallas.buckets import next_power_of_two
 
 __all__ = [
@@ -225,20 +227,22 @@ def _compact_pairs(
     return s, d, jnp.sum(ok, dtype=jnp.int32)
 
 
+BLOCK_AXIS = 1
+"""The block axis of ``kv_pages [L, N, S, C, P, Dp]``."""
+
+
 def _take_blocks(pages: jax.Array, s: jax.Array) -> jax.Array:
-    """``pages[..., s, :, :]`` for in-range ``u32`` ids: ``[..., P, S, D]``."""
-    idx = (Ellipsis, s, slice(None), slice(None))
-    return pages.at[idx].get(mode="promise_in_bounds")
+    """``pages[:, s]`` for in-range ``u32`` ids: ``[L, P, S, C, P, Dp]``."""
+    return pages.at[:, s].get(mode="promise_in_bounds")
 
 
 def _set_blocks(
     pages: jax.Array, blocks: jax.Array, d: jax.Array, count: jax.Array, loops: bool
 ) -> jax.Array:
-    """``pages[..., d[i], :, :] = blocks[..., i, :, :]`` for the ``count`` live pairs."""
+    """``pages[:, d[i]] = blocks[:, i]`` for the ``count`` live pairs."""
     if not loops:
-        idx = (Ellipsis, d, slice(None), slice(None))
-        return pages.at[idx].set(blocks.astype(pages.dtype), mode="drop")
-    axis = pages.ndim - 3
+        return pages.at[:, d].set(blocks.astype(pages.dtype), mode="drop")
+    axis = BLOCK_AXIS
 
     def body(i, x):
         new = jax.lax.dynamic_slice_in_dim(blocks, i, 1, axis=axis).astype(x.dtype)
@@ -255,7 +259,7 @@ def _copy_loop(
     ``src=None`` copies within ``dst``, reading the loop carry itself: reading the original
     array instead would keep it alive next to the carry and force a full copy.
     """
-    axis = dst.ndim - 3
+    axis = BLOCK_AXIS
 
     def body(i, x):
         frm = x if src is None else src
@@ -266,7 +270,7 @@ def _copy_loop(
 
 
 def _copy_xla(pages: jax.Array, src: jax.Array, dst: jax.Array, loops: bool) -> jax.Array:
-    n = pages.shape[-3]
+    n = pages.shape[BLOCK_AXIS]
     s, d, count = _compact_pairs(src, dst, n, n)
     if not loops:
         return _set_blocks(pages, _take_blocks(pages, s), d, count, loops=False)
@@ -280,71 +284,58 @@ def _copy_xla(pages: jax.Array, src: jax.Array, dst: jax.Array, loops: bool) -> 
 
 
 def _write_xla(pages: jax.Array, new: jax.Array, slots: jax.Array, layer: Any) -> jax.Array:
-    """In-place-able scatter of ``new [T, K, D]`` into ``pages`` at flat slot indices."""
-    n, s, d = pages.shape[-3:]
-    kh = pages.shape[-4]
+    """In-place-able scatter of ``new [T, C, P, Dp]`` rows into ``pages`` at flat slots."""
+    num_layers, n, s, *row = pages.shape
     slots = jnp.where(slots < 0, n * s, slots)  # out of range -> dropped
-    new = new.astype(pages.dtype)
-    if pages.ndim == 4:
-        flat = pages.reshape(kh, n * s, d)
-        flat = flat.at[:, slots].set(jnp.swapaxes(new, 0, 1), mode="drop")
-    else:
-        flat = pages.reshape(pages.shape[0], kh, n * s, d)
-        # Advanced indices (layer, slots) split by a slice: the indexed shape is [T, K, D].
-        layer = jnp.asarray(layer, jnp.int32)
-        flat = flat.at[layer, :, slots].set(new, mode="drop")
+    flat = pages.reshape(num_layers, n * s, *row)
+    layer = jnp.asarray(layer, jnp.int32)
+    flat = flat.at[layer, slots].set(new.astype(pages.dtype), mode="drop")
     return flat.reshape(pages.shape)
 
 
 def write_pages(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    kv_pages: jax.Array,
+    kv_new: jax.Array,
     slot_mapping: jax.Array,
     *,
-    layer: int | jax.Array | None = None,
+    layer: int | jax.Array,
     impl: str = "auto",
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter T new tokens' K and V into their slots.
+) -> jax.Array:
+    """Scatter T new tokens' K/V rows into their slots of one layer.
 
     Args:
-      k_pages, v_pages: ``[K, N, S, D]``, or stacked ``[L, K, N, S, D]`` with ``layer``.
-      k, v: ``[T, K, D]`` in the pages' dtype (cast before calling).
+      kv_pages: ``[L, N, S, C, P, Dp]`` (:mod:`kernels_pallas.kv_layout`).
+      kv_new: ``[T, C, P, Dp]`` the tokens' merged K/V rows
+        (:func:`~kernels_pallas.kv_layout.merge_kv`), in the pages' dtype.
       slot_mapping: ``i32[T]``: ``block * S + offset``; negative = padding, skipped. Live
         slots must be distinct.
-      layer: layer to write in stacked pages (Python int or traced ``i32`` scalar).
+      layer: layer to write (Python int or traced ``i32`` scalar).
       impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"``.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns:
-      The updated ``(k_pages, v_pages)`` (in place when the inputs are donated under jit).
+      The updated ``kv_pages`` (in place when donated under jit).
 
     Raises:
       ValueError: bad ranks, shapes, dtypes, layer, impl, or (host values) out-of-range or
         duplicate slots.
     """
     name = "write_kv"
-    check_pages_pair(name, k_pages, v_pages)
-    check_layer(name, k_pages, layer)
-    kh, n, s, d = k_pages.shape[-4:]
-    if k.ndim != 3 or k.shape != v.shape:
+    check_pages(name, kv_pages)
+    check_layer(name, kv_pages, layer)
+    _, n, s, *row = kv_pages.shape
+    if kv_new.ndim != 4 or tuple(kv_new.shape[1:]) != tuple(row):
         raise ValueError(
-            f"{name}: k and v must both be [T, K, D] with the same shape, got {k.shape} and "
-            f"{v.shape}"
+            f"{name}: kv_new must be [T, C, P, Dp] = [T, {', '.join(map(str, row))}], got "
+            f"{kv_new.shape}"
         )
-    if k.shape[1:] != (kh, d):
+    if kv_new.dtype != kv_pages.dtype:
         raise ValueError(
-            f"{name}: k/v are [T, K, D] = {k.shape} but pages have K={kh}, D={d} "
-            f"(pages {k_pages.shape})"
-        )
-    if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
-        raise ValueError(
-            f"{name}: dtype mismatch: k/v are {k.dtype}/{v.dtype}, pages are {k_pages.dtype}; "
+            f"{name}: dtype mismatch: kv_new is {kv_new.dtype}, pages are {kv_pages.dtype}; "
             "cast the new K/V to the cache dtype first"
         )
-    t = _check_ids(name, "slot_mapping", slot_mapping, k.shape[0])
+    t = _check_ids(name, "slot_mapping", slot_mapping, kv_new.shape[0])
     _check_range(name, "slot_mapping", slot_mapping, n * s, "N * S")
     host = _host_value(slot_mapping)
     if host is not None:
@@ -353,19 +344,17 @@ def write_pages(
             raise ValueError(f"{name}: slot_mapping has duplicate live slots")
     _check_impl(name, impl)
     if t == 0:
-        return k_pages, v_pages
+        return kv_pages
     from kernels_pallas.tpu.kv_ops import write_kv_unsupported_reason
 
-    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    args = (k_pages, v_pages, k, v, jnp.asarray(slot_mapping, jnp.int32), layer_arr)
-    stacked = k_pages.ndim == 5
+    layer_arr = jnp.asarray(layer, jnp.int32)
+    args = (kv_pages, kv_new, jnp.asarray(slot_mapping, jnp.int32), layer_arr)
 
-    def xla(kp_, vp_, k_, v_, slots, lyr):
-        lyr = lyr if stacked else None
-        return _write_xla(kp_, k_, slots, lyr), _write_xla(vp_, v_, slots, lyr)
+    def xla(pages, new, slots, lyr):
+        return _write_xla(pages, new, slots, lyr)
 
-    def tpu(kp_, vp_, k_, v_, slots, lyr):
-        return _kernels("tpu").write_kv_tpu(kp_, vp_, k_, v_, slots, lyr, interpret=interpret)
+    def tpu(pages, new, slots, lyr):
+        return _kernels("tpu").write_kv_tpu(pages, new, slots, lyr, interpret=interpret)
 
     return _dispatch.run(
         name,
@@ -375,8 +364,8 @@ def write_pages(
         xla=xla,
         tpu=tpu,
         gpu=None,  # no Mosaic GPU KV kernels (module doc)
-        tpu_reason=write_kv_unsupported_reason(s, k_pages.dtype),
-        donate=(0, 1),
+        tpu_reason=write_kv_unsupported_reason(s, kv_pages.dtype),
+        donate=(0,),
     )
 
 
@@ -386,27 +375,26 @@ def write_pages(
 
 
 def copy_pages(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     src: jax.Array,
     dst: jax.Array,
     *,
     impl: str = "auto",
     interpret: bool = False,
     xla_moves: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
-    """Copy whole blocks ``src[i] -> dst[i]`` in K and V pages (every layer when stacked).
+) -> jax.Array:
+    """Copy whole blocks ``src[i] -> dst[i]`` in every layer.
 
     Args:
-      k_pages, v_pages: ``[K, N, S, D]`` or ``[L, K, N, S, D]``.
+      kv_pages: ``[L, N, S, C, P, Dp]``.
       src, dst: ``i32[P]`` block ids; a pair with a negative id is skipped. Destinations must
         be distinct and must not also be sources (copy-on-write targets fresh blocks); all
         reads see the pages as they were before the call.
-      impl, interpret: as in :func:`write_kv`.
+      impl, interpret: as in :func:`write_pages`.
       xla_moves: ``"auto" | "loop" | "scatter"``: how the XLA path copies (:data:`XLA_MOVES`).
 
     Returns:
-      The updated ``(k_pages, v_pages)``.
+      The updated ``kv_pages``.
 
     Raises:
       ValueError: bad ranks/shapes/dtypes, mismatched id lengths, (host values) ids out of
@@ -414,10 +402,10 @@ def copy_pages(
         ``impl`` / ``xla_moves``.
     """
     name = "copy_blocks"
-    check_pages_pair(name, k_pages, v_pages)
+    check_pages(name, kv_pages)
     p = _check_ids(name, "src", src, None)
     _check_ids(name, "dst", dst, p)
-    n = k_pages.shape[-3]
+    n = kv_pages.shape[BLOCK_AXIS]
     _check_range(name, "src", src, n, "num_blocks N")
     _check_range(name, "dst", dst, n, "num_blocks N")
     _check_distinct_dst(name, src, dst, dst_not_src=True)
@@ -426,14 +414,14 @@ def copy_pages(
     host_src, host_dst = _host_value(src), _host_value(dst)
     known = host_src is not None and host_dst is not None
     if p == 0 or (known and not np.any((host_src >= 0) & (host_dst >= 0))):
-        return k_pages, v_pages
-    args = (k_pages, v_pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+        return kv_pages
+    args = (kv_pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
 
-    def xla(kp_, vp_, s_, d_):
-        return _copy_xla(kp_, s_, d_, loops), _copy_xla(vp_, s_, d_, loops)
+    def xla(pages, s_, d_):
+        return _copy_xla(pages, s_, d_, loops)
 
-    def tpu(kp_, vp_, s_, d_):
-        return _kernels("tpu").copy_blocks_tpu(kp_, vp_, s_, d_, interpret=interpret)
+    def tpu(pages, s_, d_):
+        return _kernels("tpu").copy_blocks_tpu(pages, s_, d_, interpret=interpret)
 
     def copy(*operands):
         return _dispatch.run(
@@ -444,15 +432,15 @@ def copy_pages(
             xla=xla,
             tpu=tpu,
             gpu=None,  # no Mosaic GPU KV kernels (module doc)
-            donate=(0, 1),
+            donate=(0,),
         )
 
     if known:
         return copy(*args)
     # Traced ids (the step's copy-on-write pairs): the copy runs under a data-dependent cond,
     # so a step without a pair does no work over the pages (the kept branch aliases them).
-    any_pair = jnp.any((args[2] >= 0) & (args[3] >= 0))
-    return jax.lax.cond(any_pair, copy, lambda kp_, vp_, *_: (kp_, vp_), *args)
+    any_pair = jnp.any((args[1] >= 0) & (args[2] >= 0))
+    return jax.lax.cond(any_pair, copy, lambda pages, *_: pages, *args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,7 +473,7 @@ def _pad_ids(ids: Any, size: int) -> jax.Array:
 
 
 def _gather(srcs: tuple[jax.Array, ...], s: jax.Array) -> jax.Array:
-    """All sources' blocks stacked into one array ``[A, ..., P, S, D]`` (one transfer)."""
+    """All sources' blocks stacked into one array ``[A, L, P, S, C, P, Dp]`` (one transfer)."""
     return jnp.stack([_take_blocks(x, s) for x in srcs])
 
 
@@ -527,7 +515,8 @@ def _swap_program(
             from kernels_pallas.tpu.kv_ops import swap_blocks_tpu
 
             return swap_blocks_tpu(srcs, dsts, src_ids, dst_ids)
-        s, d, count = _compact_pairs(src_ids, dst_ids, srcs[0].shape[-3], dsts[0].shape[-3])
+        n_src, n_dst = srcs[0].shape[BLOCK_AXIS], dsts[0].shape[BLOCK_AXIS]
+        s, d, count = _compact_pairs(src_ids, dst_ids, n_src, n_dst)
         if direct:
             if src_host != dst_host:
                 srcs = jax.device_put(srcs, host if dst_host else jax.memory.Space.Device)
@@ -628,11 +617,11 @@ def swap_pages(
     donate: bool = True,
     xla_moves: str = "auto",
 ) -> jax.Array | tuple[jax.Array, ...]:
-    """Copy blocks ``src_pages[..., src_ids[i], :, :] -> dst_pages[..., dst_ids[i], :, :]``.
+    """Copy blocks ``src_pages[:, src_ids[i]] -> dst_pages[:, dst_ids[i]]``.
 
     The two sides may live in different memory kinds (device and ``pinned_host``); the result
-    keeps ``dst_pages``' sharding and memory kind. A tuple of page arrays (e.g. ``(k, v)``)
-    moves all of them in one program and one transfer.
+    keeps ``dst_pages``' sharding and memory kind. A tuple of page arrays moves all of them in
+    one program and one transfer.
 
     Called on concrete arrays (outside jit) it runs one cached jitted program per
     (shapes, memory kinds, pair bucket) with ``dst_pages`` donated (so the destination is
@@ -641,8 +630,8 @@ def swap_pages(
     jit's business). :func:`swap_program` returns that program (warm-up, AOT compilation).
 
     Args:
-      src_pages: ``[..., N_src, S, D]`` or a tuple of such arrays.
-      dst_pages: ``[..., N_dst, S, D]`` (same leading and trailing dims and dtype) or a tuple.
+      src_pages: ``[L, N_src, S, C, P, Dp]`` or a tuple of such arrays.
+      dst_pages: ``[L, N_dst, S, C, P, Dp]`` (same dims but N, same dtype) or a tuple.
       src_ids, dst_ids: ``i32[P]``; a pair with a negative id is skipped. Destinations must
         be distinct.
       impl: ``"auto"`` and ``"reference"``: the memory-kinds program (gather, one transfer,
@@ -675,11 +664,11 @@ def swap_pages(
             f"{len(srcs)} and {len(dsts)}"
         )
     for a, b in zip(srcs, dsts, strict=True):
-        if a.ndim < 3 or a.ndim != b.ndim:
+        if a.ndim != 6 or a.ndim != b.ndim:
             raise ValueError(
-                f"{name}: pages must be [..., N, S, D] of equal rank, got {a.shape} and {b.shape}"
+                f"{name}: pages must be [L, N, S, C, P, Dp], got {a.shape} and {b.shape}"
             )
-        if a.shape[:-3] != b.shape[:-3] or a.shape[-2:] != b.shape[-2:]:
+        if a.shape[:1] != b.shape[:1] or a.shape[2:] != b.shape[2:]:
             raise ValueError(
                 f"{name}: src and dst pages differ outside the block axis: {a.shape} vs {b.shape}"
             )
@@ -689,8 +678,8 @@ def swap_pages(
             raise ValueError(f"{name}: all page arrays on one side must have the same shape")
     p = _check_ids(name, "src_ids", src_ids, None)
     _check_ids(name, "dst_ids", dst_ids, p)
-    _check_range(name, "src_ids", src_ids, srcs[0].shape[-3], "source blocks")
-    _check_range(name, "dst_ids", dst_ids, dsts[0].shape[-3], "destination blocks")
+    _check_range(name, "src_ids", src_ids, srcs[0].shape[BLOCK_AXIS], "source blocks")
+    _check_range(name, "dst_ids", dst_ids, dsts[0].shape[BLOCK_AXIS], "destination blocks")
     _check_distinct_dst(name, src_ids, dst_ids, dst_not_src=False)
     _check_impl(name, impl)
     _resolve_moves(name, xla_moves, swap=True)

@@ -4,14 +4,17 @@ These functions define the semantics the Pallas kernels must meet; tests compare
 against them. They are written to be obviously correct first (plain gathers and a masked
 softmax in float32). ``ragged_paged_attention_xla`` is a fast, memory-light formulation of the
 same math (an online softmax over chunks of block columns, gathering straight from stacked
-``[L, K, N, S, D]`` pages) that ``impl="auto"`` runs on CPU.
+``[L, N, S, C, P, Dp]`` pages) that ``impl="auto"`` runs on CPU.
 
 Shape letters: B batch, T tokens, H query heads, K kv heads (G = H // K query heads per kv
-head), D head dim, N blocks, S block size, M max blocks per sequence.
+head), D head dim, N blocks, S block size, M max blocks per sequence, C packed rows and P
+heads per 32-bit word of the page layout (:mod:`kernels_pallas.kv_layout`).
 
 Conventions shared by all kernels:
 
-* KV pages are ``[K, N, S, D]``; the token at position ``p`` of a sequence lives in block
+* KV pages are one layer's ``[N, S, C, P, D]`` (attention oracles) or the stacked
+  ``[L, N, S, C, P, D]`` (the rest), K and V of each head side by side
+  (:mod:`kernels_pallas.kv_layout`); the token at position ``p`` of a sequence lives in block
   ``block_tables[seq, p // S]`` at offset ``p % S``; a slot index is ``block * S + offset``.
 * A negative block id means "no block"; it is never dereferenced (clamped to 0 for addressing
   and masked by length).
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.kv_layout import split_kv
 
 __all__ = [
     "paged_attention_reference",
@@ -42,6 +47,14 @@ _NEG_INF = float("-inf")
 def _as_arrays(*xs):
     """Accept NumPy (or list) inputs too: gathers with traced indices need JAX arrays."""
     return tuple(jnp.asarray(x) for x in xs)
+
+
+def _head_major(kv_pages: jax.Array, num_kv_heads: int | None) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``[N, S, C, P, D]`` pages as head-major ``(k, v)``, each ``[K, N, S, D]``
+    (``num_kv_heads`` default: every packed head is real, ``C * P / 2``)."""
+    kh = kv_pages.shape[-3] * kv_pages.shape[-2] // 2 if num_kv_heads is None else num_kv_heads
+    k, v = split_kv(kv_pages, kh)  # [N, S, K, D]
+    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)
 
 
 def _real(pages: jax.Array, scale: jax.Array | float | None) -> jax.Array:
@@ -87,11 +100,11 @@ def _sinks_kgd(sinks: jax.Array | None, k_heads: int, g: int) -> jax.Array | Non
 
 def paged_attention_reference(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     lengths: jax.Array,
     block_tables: jax.Array,
     *,
+    num_kv_heads: int | None = None,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -103,9 +116,10 @@ def paged_attention_reference(
 
     Args:
       q: ``[B, H, D]`` queries.
-      k_pages, v_pages: ``[K, N, S, D]`` pages.
+      kv_pages: ``[N, S, C, P, D]``, one layer's pages.
       lengths: ``i32[B]`` tokens in each sequence (0 = padding row, output zeros).
       block_tables: ``i32[B, M]`` block ids per sequence.
+      num_kv_heads: K (default ``C * P / 2``; pass it for a cache with a dummy head).
       sm_scale: logit scale, default ``D ** -0.5``.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: if set, only the last ``sliding_window`` keys are seen.
@@ -118,9 +132,8 @@ def paged_attention_reference(
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
     """
-    q, k_pages, v_pages, lengths, block_tables = _as_arrays(
-        q, k_pages, v_pages, lengths, block_tables
-    )
+    q, kv_pages, lengths, block_tables = _as_arrays(q, kv_pages, lengths, block_tables)
+    k_pages, v_pages = _head_major(kv_pages, num_kv_heads)
     b, h, d = q.shape
     k_heads, _, s, _ = k_pages.shape
     g = h // k_heads
@@ -176,13 +189,13 @@ def ragged_row_info(
 
 def ragged_paged_attention_reference(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array | int,
     *,
+    num_kv_heads: int | None = None,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -201,20 +214,21 @@ def ragged_paged_attention_reference(
 
     Args:
       q: ``[T, H, D]``.
-      k_pages, v_pages: ``[K, N, S, D]``.
+      kv_pages: ``[N, S, C, P, D]``, one layer's pages.
       kv_lens: ``i32[B]``.
       block_tables: ``i32[B, M]``.
       cu_q_lens: ``i32[B + 1]``.
       num_seqs: scalar ``i32``.
-      sm_scale, soft_cap, sliding_window, k_scale, v_scale, sinks: as in
+      num_kv_heads, sm_scale, soft_cap, sliding_window, k_scale, v_scale, sinks: as in
         :func:`paged_attention_reference`.
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
     """
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
+    q, kv_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
+        q, kv_pages, kv_lens, block_tables, cu_q_lens
     )
+    k_pages, v_pages = _head_major(kv_pages, num_kv_heads)
     t, h, d = q.shape
     k_heads, _, s, _ = k_pages.shape
     g = h // k_heads
@@ -259,13 +273,13 @@ def _chunk_blocks(
 
 def ragged_paged_attention_xla(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array | int,
     *,
+    num_kv_heads: int,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -291,9 +305,10 @@ def ragged_paged_attention_xla(
       q, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale, soft_cap, sliding_window,
         k_scale, v_scale, sinks: as in :func:`ragged_paged_attention_reference` (a sink
         starts each row's online softmax as its running max with weight 1).
-      k_pages, v_pages: ``[K, N, S, D]``, or stacked ``[L, K, N, S, D]`` with ``layer``: the
-        gathers index the stacked pages directly (no copy of the layer's pages is made).
-      layer: layer index (int or traced ``i32`` scalar) into stacked pages.
+      kv_pages: stacked ``[L, N, S, C, P, D]`` pages: the gathers index them directly (no
+        copy of the layer's pages is made); one gather brings a block's K and V.
+      num_kv_heads: K.
+      layer: layer index (int or traced ``i32`` scalar; default 0).
       chunk_bytes: the gathered K of one chunk (default :data:`XLA_CHUNK_BYTES`, sized for
         a CPU's caches; :data:`XLA_GPU_CHUNK_BYTES` on a GPU).
       native_operands: bf16 / f16 pages (not 8-bit) stay in their dtype: the query is
@@ -303,25 +318,23 @@ def ragged_paged_attention_xla(
     Returns:
       ``[T, H, D]`` in ``q.dtype``.
     """
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
+    q, kv_pages, kv_lens, block_tables, cu_q_lens = _as_arrays(
+        q, kv_pages, kv_lens, block_tables, cu_q_lens
     )
-    if k_pages.ndim == 4:
-        k_pages, v_pages = k_pages[None], v_pages[None]
-        layer = 0
-    elif layer is None:
-        raise ValueError("ragged_paged_attention_xla: stacked [L, K, N, S, D] pages need layer=")
-    layer = jnp.asarray(layer, jnp.int32)
+    if kv_pages.ndim != 6:
+        raise ValueError("ragged_paged_attention_xla: pages must be [L, N, S, C, P, D]")
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
     t, h, d = q.shape
-    _, k_heads, _, s, _ = k_pages.shape
+    s = kv_pages.shape[2]
+    k_heads = num_kv_heads
     g = h // k_heads
     m = block_tables.shape[1]
     native = (
         native_operands
         and k_scale is None
-        and jnp.dtype(k_pages.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and jnp.dtype(kv_pages.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     )
-    itemsize = jnp.dtype(k_pages.dtype).itemsize if native else 4
+    itemsize = jnp.dtype(kv_pages.dtype).itemsize if native else 4
     c = _chunk_blocks(t, k_heads, s, d, m, itemsize, chunk_bytes)
     num_chunks = -(-m // c)
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
@@ -331,7 +344,7 @@ def ragged_paged_attention_xla(
         tables = jnp.pad(tables, ((0, 0), (0, num_chunks * c - m)))
     qg = q.reshape(t, k_heads, g, d).astype(jnp.float32) * sm_scale
     if native:
-        qg = qg.astype(k_pages.dtype)
+        qg = qg.astype(kv_pages.dtype)
     lo = pos - (sliding_window if sliding_window is not None else (m * s + 1))  # exclusive
     first_col = jnp.maximum(lo + 1, 0) // s  # [T] first block column a row sees
     last_col = pos // s  # [T] last one
@@ -342,12 +355,12 @@ def ragged_paged_attention_xla(
         cols = i * c + jnp.arange(c, dtype=jnp.int32)  # [C]
         seen = (cols[None, :] >= first_col[:, None]) & (cols[None, :] <= last_col[:, None])
         blk = jnp.where(seen & valid[:, None], jax.lax.dynamic_slice_in_dim(tables, i * c, c, 1), 0)
-        # [T, C, K, S, D] -> [T, K, C*S, D]
-        kb, vb = k_pages[layer, :, blk], v_pages[layer, :, blk]
+        # [T, C, S, rows, P, D] -> K and V [T, C, S, K, D] -> [T, K, C*S, D]
+        kb, vb = split_kv(kv_pages[layer, blk], k_heads)
         if not native:
             kb, vb = _real(kb, k_scale), _real(vb, v_scale)
-        kb = jnp.swapaxes(kb, 1, 2).reshape(t, k_heads, c * s, d)
-        vb = jnp.swapaxes(vb, 1, 2).reshape(t, k_heads, c * s, d)
+        kb = jnp.moveaxis(kb, 3, 1).reshape(t, k_heads, c * s, d)
+        vb = jnp.moveaxis(vb, 3, 1).reshape(t, k_heads, c * s, d)
         kpos = i * c * s + offs[None, :]  # [1, C*S]
         mask = (kpos <= pos[:, None]) & (kpos > lo[:, None]) & valid[:, None]  # [T, C*S]
         vb = jnp.where(mask[:, None, :, None], vb, jnp.zeros((), vb.dtype))
@@ -385,72 +398,57 @@ def ragged_paged_attention_xla(
 
 
 def write_kv_reference(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_mapping: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter T tokens' K/V into their slots; slots < 0 are skipped.
+    kv_pages: jax.Array, kv_new: jax.Array, slot_mapping: jax.Array, layer: jax.Array | int = 0
+) -> jax.Array:
+    """Scatter T tokens' merged K/V rows into their slots of one layer; slots < 0 skipped.
 
     Args:
-      k_pages, v_pages: ``[K, N, S, D]``.
-      k, v: ``[T, K, D]``.
+      kv_pages: ``[L, N, S, C, P, D]``.
+      kv_new: ``[T, C, P, D]`` (:func:`kernels_pallas.kv_layout.merge_kv` of ``[T, K, D]``
+        K and V).
       slot_mapping: ``i32[T]``, ``block * S + offset`` or negative for padding.
+      layer: the layer written.
 
     Returns:
-      The updated ``(k_pages, v_pages)``.
+      The updated ``kv_pages``.
     """
-    kh, n, s, d = k_pages.shape
+    num_layers, n, s, *row = kv_pages.shape
     slots = jnp.where(slot_mapping < 0, n * s, slot_mapping)  # out of range -> dropped
-
-    def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pages.reshape(kh, n * s, d)
-        flat = flat.at[:, slots].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
-        return flat.reshape(kh, n, s, d)
-
-    return scatter(k_pages, k), scatter(v_pages, v)
+    flat = kv_pages.reshape(num_layers, n * s, *row)
+    flat = flat.at[layer, slots].set(kv_new.astype(kv_pages.dtype), mode="drop")
+    return flat.reshape(kv_pages.shape)
 
 
-def copy_blocks_reference(
-    k_pages: jax.Array, v_pages: jax.Array, src: jax.Array, dst: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Copy whole blocks ``src[i] -> dst[i]`` in both K and V pages; ``src[i] < 0`` skipped.
+def copy_blocks_reference(kv_pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copy whole blocks ``src[i] -> dst[i]`` in every layer; ``src[i] < 0`` skipped.
 
     All reads see the pages as they were before the call. Destinations must be distinct.
 
     Args:
-      k_pages, v_pages: ``[K, N, S, D]``, or any ``[..., N, S, D]`` such as stacked
-        ``[L, K, N, S, D]`` (the block is copied in every leading row, e.g. every layer).
+      kv_pages: ``[L, N, S, C, P, D]`` (block axis 1).
       src, dst: ``i32[P]``.
     """
-    n = k_pages.shape[-3]
+    n = kv_pages.shape[1]
     skip = (src < 0) | (dst < 0)
     d_idx = jnp.where(skip, n, dst)
     s_idx = jnp.maximum(src, 0)
-
-    def cp(pages: jax.Array) -> jax.Array:
-        idx = (Ellipsis, d_idx, slice(None), slice(None))
-        return pages.at[idx].set(jnp.take(pages, s_idx, axis=-3), mode="drop")
-
-    return cp(k_pages), cp(v_pages)
+    return kv_pages.at[:, d_idx].set(jnp.take(kv_pages, s_idx, axis=1), mode="drop")
 
 
 def swap_blocks_reference(
     src_pages: jax.Array, dst_pages: jax.Array, src_ids: jax.Array, dst_ids: jax.Array
 ) -> jax.Array:
-    """Copy blocks ``src_pages[..., src_ids[i], :, :] -> dst_pages[..., dst_ids[i], :, :]``.
+    """Copy blocks ``src_pages[:, src_ids[i]] -> dst_pages[:, dst_ids[i]]``.
 
     The math of a swap, with no regard to memory kinds; pairs with a negative id are skipped.
 
     Args:
-      src_pages: ``[..., N_src, S, D]`` (block axis third from last).
-      dst_pages: ``[..., N_dst, S, D]``.
+      src_pages: ``[L, N_src, S, C, P, D]`` (block axis 1).
+      dst_pages: ``[L, N_dst, S, C, P, D]``.
       src_ids, dst_ids: ``i32[P]``.
     """
-    n_dst = dst_pages.shape[-3]
+    n_dst = dst_pages.shape[1]
     skip = (src_ids < 0) | (dst_ids < 0)
     d_idx = jnp.where(skip, n_dst, dst_ids)
-    blocks = jnp.take(src_pages, jnp.maximum(src_ids, 0), axis=-3)
-    idx = (Ellipsis, d_idx, slice(None), slice(None))
-    return dst_pages.at[idx].set(blocks.astype(dst_pages.dtype), mode="drop")
+    blocks = jnp.take(src_pages, jnp.maximum(src_ids, 0), axis=1)
+    return dst_pages.at[:, d_idx].set(blocks.astype(dst_pages.dtype), mode="drop")
