@@ -240,7 +240,7 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None, ep: int = 1)
 def kv_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of the KV cache's pages: split over kv heads, as the kernels' layout says
     (:func:`kernels_pallas.kv_cache_specs`; its scales are replicated)."""
-    return NamedSharding(mesh, kp.kv_cache_specs(TP_AXIS).k)
+    return NamedSharding(mesh, kp.kv_cache_specs(TP_AXIS).kv)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.kv_layout import merge_kv, split_kv
 from kernels_pallas.reference import paged_attention_reference
 from paxcache import kv_cache
 from paxcache.kv_cache import KVCache
@@ -20,9 +21,21 @@ def _cache(dtype=jnp.float32, num_host_blocks=NH, fill_value=float("nan")) -> KV
     return KVCache.create(L, K, D, N, S, dtype, num_host_blocks, fill_value=fill_value)
 
 
+def _k(pages) -> jax.Array:
+    """A ``PagedKVCache``'s keys, head-major ``[L, K, N, S, D]`` (for indexing in tests)."""
+    return jnp.moveaxis(split_kv(pages.kv, pages.num_kv_heads)[0], 3, 1)
+
+
+def _v(pages) -> jax.Array:
+    """Its values, ``[L, K, N, S, D]``."""
+    return jnp.moveaxis(split_kv(pages.kv, pages.num_kv_heads)[1], 3, 1)
+
+
 def _with_pages(cache: KVCache, k, v) -> KVCache:
-    """The cache with its device pages replaced (tests that plant known data)."""
-    return cache.replace(device=cache.device.replace(k=k, v=v))
+    """The cache with its device pages replaced by head-major ``k, v [L, K, N, S, D]`` (tests
+    that plant known data)."""
+    kv = merge_kv(jnp.moveaxis(k, 1, 3), jnp.moveaxis(v, 1, 3))
+    return cache.replace(device=cache.device.replace(kv=kv))
 
 
 def _bits(x) -> np.ndarray:
@@ -32,13 +45,13 @@ def _bits(x) -> np.ndarray:
 
 def test_create_allocates_stacked_device_pages_and_pinned_host_pool():
     cache = _cache(jnp.bfloat16)
-    chex.assert_shape([cache.device.k, cache.device.v], (L, K, N, S, D))
-    chex.assert_shape([cache.host.k, cache.host.v], (L, K, NH, S, D))
-    assert cache.device.k.dtype == cache.host.k.dtype == jnp.bfloat16
-    assert cache.device.k.sharding.memory_kind == "device"
-    assert cache.host.k.sharding.memory_kind == "pinned_host"
-    assert cache.host.v.sharding.memory_kind == "pinned_host"
-    assert bool(jnp.isnan(cache.device.k.astype(jnp.float32)).all())
+    chex.assert_shape([_k(cache.device), _v(cache.device)], (L, K, N, S, D))
+    chex.assert_shape([_k(cache.host), _v(cache.host)], (L, K, NH, S, D))
+    assert cache.device.kv.dtype == cache.host.kv.dtype == jnp.bfloat16
+    assert cache.device.kv.sharding.memory_kind == "device"
+    assert cache.host.kv.sharding.memory_kind == "pinned_host"
+    assert cache.host.kv.sharding.memory_kind == "pinned_host"
+    assert bool(jnp.isnan(_k(cache.device).astype(jnp.float32)).all())
     assert (cache.num_layers, cache.num_kv_heads, cache.num_blocks) == (L, K, N)
     assert (cache.block_size, cache.head_dim, cache.num_host_blocks) == (S, D, NH)
     assert cache.bytes_per_block == 2 * L * K * S * D * 2
@@ -47,7 +60,7 @@ def test_create_allocates_stacked_device_pages_and_pinned_host_pool():
 def test_create_without_host_blocks_has_no_pool_and_refuses_swaps():
     cache = _cache(num_host_blocks=0, fill_value=0.0)
     assert cache.host is None and cache.num_host_blocks == 0
-    assert not bool(cache.device.k.any())
+    assert not bool(_k(cache.device).any())
     with pytest.raises(ValueError, match="no host pool"):
         kv_cache.swap_out(cache, np.array([0]), np.array([0]))
     with pytest.raises(ValueError, match="no host pool"):
@@ -73,8 +86,8 @@ def test_create_bad_dimensions_raise_value_error(kwargs, match):
 def test_cache_is_a_pytree_that_jit_donates_and_returns():
     cache = _cache(fill_value=0.0)
     leaves = jax.tree_util.tree_leaves(cache)
-    # device pages and host pool: K, V and their per-layer scales each
-    assert len(leaves) == len(jax.tree_util.tree_leaves(cache.device)) * 2 == 8
+    # device pages and host pool: the pages and their per-layer K and V scales each
+    assert len(leaves) == len(jax.tree_util.tree_leaves(cache.device)) * 2 == 6
     out = jax.jit(lambda c: c, donate_argnums=0)(cache)
     assert isinstance(out, KVCache)
 
@@ -101,54 +114,54 @@ def test_write_layer_under_scan_writes_each_layer_in_place():
             if slot < 0:
                 continue
             np.testing.assert_array_equal(
-                out.device.k[layer, :, slot // S, slot % S], new_k[layer, i]
+                _k(out.device)[layer, :, slot // S, slot % S], new_k[layer, i]
             )
             np.testing.assert_array_equal(
-                out.device.v[layer, :, slot // S, slot % S], new_v[layer, i]
+                _v(out.device)[layer, :, slot // S, slot % S], new_v[layer, i]
             )
-    written = int((~jnp.isnan(out.device.k)).sum())
+    written = int((~jnp.isnan(_k(out.device))).sum())
     assert written == L * 5 * K * D  # nothing else touched (the rest is still NaN)
 
 
 def test_apply_copies_copies_every_layer_and_skips_padding():
     cache = _cache(fill_value=0.0)
-    ramp = jnp.arange(np.prod(cache.device.k.shape), dtype=jnp.float32).reshape(
-        cache.device.k.shape
+    ramp = jnp.arange(np.prod(_k(cache.device).shape), dtype=jnp.float32).reshape(
+        _k(cache.device).shape
     )
     cache = _with_pages(cache, ramp, -ramp)
     src = jnp.array([2, 7, -1, -1], jnp.int32)
     dst = jnp.array([9, 3, -1, -1], jnp.int32)
     out = jax.jit(kv_cache.apply_copies)(cache, src, dst)
-    np.testing.assert_array_equal(out.device.k[:, :, 9], ramp[:, :, 2])
-    np.testing.assert_array_equal(out.device.v[:, :, 3], -ramp[:, :, 7])
+    np.testing.assert_array_equal(_k(out.device)[:, :, 9], ramp[:, :, 2])
+    np.testing.assert_array_equal(_v(out.device)[:, :, 3], -ramp[:, :, 7])
     untouched = [i for i in range(N) if i not in (9, 3)]
-    np.testing.assert_array_equal(out.device.k[:, :, untouched], ramp[:, :, untouched])
+    np.testing.assert_array_equal(_k(out.device)[:, :, untouched], ramp[:, :, untouched])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_swap_out_then_in_to_other_blocks_is_bit_exact(dtype):
     cache = _cache(dtype)
     rng = np.random.default_rng(1)
-    data = jnp.asarray(rng.standard_normal(cache.device.k.shape), dtype)
+    data = jnp.asarray(rng.standard_normal(_k(cache.device).shape), dtype)
     cache = _with_pages(cache, data, -data)
     plan_src = np.array([4, 11, 0, -1, -1, -1], np.int32)  # padded like an allocator plan
     plan_dst = np.array([6, 1, 3, -1, -1, -1], np.int32)
     cache = kv_cache.swap_out(cache, plan_src, plan_dst, num=3)
-    assert cache.host.k.sharding.memory_kind == "pinned_host"
-    assert cache.host.v.sharding.memory_kind == "pinned_host"
+    assert cache.host.kv.sharding.memory_kind == "pinned_host"
+    assert cache.host.kv.sharding.memory_kind == "pinned_host"
     for s_, d_ in [(4, 6), (11, 1), (0, 3)]:
-        assert (_bits(cache.host.k[:, :, d_]) == _bits(data[:, :, s_])).all()
-        assert (_bits(cache.host.v[:, :, d_]) == _bits(-data[:, :, s_])).all()
-    assert bool(jnp.isnan(cache.host.k[:, :, 0].astype(jnp.float32)).all())  # not in the plan
+        assert (_bits(_k(cache.host)[:, :, d_]) == _bits(data[:, :, s_])).all()
+        assert (_bits(_v(cache.host)[:, :, d_]) == _bits(-data[:, :, s_])).all()
+    assert bool(jnp.isnan(_k(cache.host)[:, :, 0].astype(jnp.float32)).all())  # not in the plan
 
     cache = _with_pages(
-        cache, jnp.full_like(cache.device.k, jnp.nan), jnp.full_like(cache.device.v, jnp.nan)
+        cache, jnp.full_like(_k(cache.device), jnp.nan), jnp.full_like(_v(cache.device), jnp.nan)
     )
     cache = kv_cache.swap_in(cache, jnp.array([6, 1, 3, -1]), jnp.array([13, 14, 15, -1]))
-    assert cache.device.k.sharding.memory_kind == "device"
+    assert cache.device.kv.sharding.memory_kind == "device"
     for s_, d_ in [(4, 13), (11, 14), (0, 15)]:
-        assert (_bits(cache.device.k[:, :, d_]) == _bits(data[:, :, s_])).all()
-        assert (_bits(cache.device.v[:, :, d_]) == _bits(-data[:, :, s_])).all()
+        assert (_bits(_k(cache.device)[:, :, d_]) == _bits(data[:, :, s_])).all()
+        assert (_bits(_v(cache.device)[:, :, d_]) == _bits(-data[:, :, s_])).all()
 
 
 def test_swap_plan_num_out_of_range_raises():
@@ -227,8 +240,7 @@ def _fill_sequence(cache: KVCache, table: np.ndarray, length: int, rng) -> KVCac
 @jax.jit
 def _decode_attention(cache: KVCache, q, lengths, tables) -> list[jax.Array]:
     return [
-        paged_attention_reference(q, cache.device.k[layer], cache.device.v[layer], lengths, tables)
-        for layer in range(L)
+        paged_attention_reference(q, cache.device.kv[layer], lengths, tables) for layer in range(L)
     ]
 
 
@@ -272,8 +284,8 @@ def test_allocator_swap_plans_move_the_sequence_and_attention_is_unchanged():
     assert (np.asarray(plan.src)[num:] == -1).all()
     cache = kv_cache.swap_out(cache, plan.src, plan.dst, plan.num)
     for d_blk, h_blk in zip(np.asarray(plan.src)[:num], np.asarray(plan.dst)[:num], strict=True):
-        assert (_bits(cache.host.k[:, :, h_blk]) == _bits(cache.device.k[:, :, d_blk])).all()
-        assert (_bits(cache.host.v[:, :, h_blk]) == _bits(cache.device.v[:, :, d_blk])).all()
+        assert (_bits(_k(cache.host)[:, :, h_blk]) == _bits(_k(cache.device)[:, :, d_blk])).all()
+        assert (_bits(_v(cache.host)[:, :, h_blk]) == _bits(_v(cache.device)[:, :, d_blk])).all()
 
     # Another sequence takes the freed device blocks and overwrites them.
     tokens = jnp.asarray(rng.integers(0, 100, cfg.max_blocks_per_seq * S), jnp.int32)
@@ -302,22 +314,22 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from paxcache import kv_cache
 mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-sh = NamedSharding(mesh, P(None, "tp"))
+sh = NamedSharding(mesh, P(None, None, None, "tp"))
 variants = [("direct", "loop"), ("loop", "loop"), ("scatter", "scatter")][: int(sys.argv[1])]
 for swap_moves, copy_moves in variants:
     c = kv_cache.KVCache.create(2, 4, 16, 8, 4, jnp.float32, num_host_blocks=6, sharding=sh)
-    assert c.host.k.sharding.spec == P(None, "tp"), c.host.k.sharding
+    assert c.host.kv.sharding.spec == P(None, None, None, "tp"), c.host.kv.sharding
     k = jnp.arange(3 * 4 * 16, dtype=jnp.float32).reshape(3, 4, 16)
     c = jax.jit(kv_cache.write_layer, donate_argnums=0)(c, 1, k, k, jnp.array([0, 5, 9]))
     c = kv_cache.apply_copies(c, np.array([1]), np.array([6]), xla_moves=copy_moves)
     c = kv_cache.swap_out(c, np.array([0, 2, 6]), np.array([5, 4, 0]), xla_moves=swap_moves)
-    assert c.host.k.sharding.memory_kind == "pinned_host"
-    assert c.host.k.sharding.spec == P(None, "tp")
-    assert np.asarray(c.host.k)[1, 2, 5, 0, 3] == k[0, 2, 3]
-    c = c.replace(device=c.device.replace(k=jnp.zeros_like(c.device.k)))
+    assert c.host.kv.sharding.memory_kind == "pinned_host"
+    assert c.host.kv.sharding.spec == P(None, None, None, "tp")
+    assert np.asarray(c.host.kv)[1, 5, 0, 4, 0, 3] == k[0, 2, 3]  # head 2 K: row 4
+    c = c.replace(device=c.device.replace(kv=jnp.zeros_like(c.device.kv)))
     c = kv_cache.swap_in(c, np.array([5, 0]), np.array([7, 3]), xla_moves=swap_moves)
-    assert c.device.k.sharding.spec == P(None, "tp")
-    assert np.asarray(c.device.k)[1, 3, 3, 1, 3] == k[1, 3, 3]
+    assert c.device.kv.sharding.spec == P(None, None, None, "tp")
+    assert np.asarray(c.device.kv)[1, 3, 1, 6, 0, 3] == k[1, 3, 3]  # head 3 K: row 6
 print("OK")
 """
 

@@ -26,6 +26,7 @@ from jax.sharding import SingleDeviceSharding
 
 import kernels_pallas as kp
 from kernels_pallas import reference
+from kernels_pallas.kv_layout import merge_kv
 
 L, N, S, K, H, D = 2, 16, 4, 2, 4, 8
 NAN = float("nan")
@@ -87,14 +88,11 @@ _write = jax.jit(kp.write_kv, static_argnames=("layer",))
 _ragged_naive = jax.jit(reference.ragged_paged_attention_reference)
 
 
-def _pages(cache: kp.PagedKVCache, layer: int) -> tuple[jax.Array, jax.Array]:
-    """One layer's dequantized pages ``[K, N, S, D]`` through ``read_kv`` (the oracle's view)."""
+def _pages(cache: kp.PagedKVCache, layer: int) -> jax.Array:
+    """One layer's dequantized pages ``[N, S, C, P, D]`` through ``read_kv`` (the oracle's
+    view, in the page layout of the read dtype)."""
     k, v = _read_all(cache, layer)
-
-    def pages(x):
-        return jnp.moveaxis(x.reshape(N, S, K, D), 2, 0)
-
-    return pages(k), pages(v)
+    return merge_kv(k.reshape(N, S, K, D), v.reshape(N, S, K, D))
 
 
 def _snapshot(cache: kp.PagedKVCache) -> list:
@@ -149,9 +147,9 @@ def _decode(cache, q, lens, tables, *, layer, **kw):
 
 
 def _decode_oracle(cache, q, lens, tables, *, layer):
-    k, v = _pages(cache, layer)
+    kv = _pages(cache, layer)
     dt = jnp.float32 if cache.quantized else cache.dtype
-    return _paged_oracle(q.astype(dt), k, v, jnp.asarray(lens), jnp.asarray(tables)).astype(q.dtype)
+    return _paged_oracle(q.astype(dt), kv, jnp.asarray(lens), jnp.asarray(tables)).astype(q.dtype)
 
 
 def _check(out, want, dtype):
@@ -217,10 +215,10 @@ def _ragged(cache, q, kv_lens, tables, cu, *, layer, **kw):
 
 
 def _ragged_oracle(cache, q, kv_lens, tables, cu, *, layer):
-    k, v = _pages(cache, layer)
+    kv = _pages(cache, layer)
     dt = jnp.float32 if cache.quantized else cache.dtype
     return _ragged_naive(
-        q.astype(dt), k, v, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu),
+        q.astype(dt), kv, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu),
         len(kv_lens),
     ).astype(q.dtype)  # fmt: skip
 
@@ -363,7 +361,7 @@ def test_write_then_read_round_trips_and_skips_negative_slots(dtype, seed, num_s
     k, v = _tokens(rng, t)
     cache = _new_cache(dtype)
     out = kp.write_kv(cache, _in_dtype(k, dtype), _in_dtype(v, dtype), slots, layer=1)
-    chex.assert_shape([out.k, out.v], cache.k.shape)
+    chex.assert_shape(out.kv, cache.kv.shape)
     got_k, got_v = kp.read_kv(out, slots, layer=1)
     chex.assert_shape([got_k, got_v], (t, K, D))
     live = slots >= 0
@@ -584,7 +582,7 @@ def test_swap_blocks_refuses_caches_that_do_not_match_including_8bit_scales():
         kp.swap_blocks(kp.set_kv_scales(a, k_scale=1.0), _new_cache(jnp.int8), [0], [0])
     b = kp.init_kv_cache(L, 2 * N, S, K, D, jnp.int8, k_scale=K_SCALE, v_scale=V_SCALE)
     out = kp.swap_blocks(a, b, [1], [N + 1])  # a different block count is fine
-    chex.assert_shape(out.k, b.k.shape)
+    chex.assert_shape(out.kv, b.kv.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -598,7 +596,7 @@ def _bad_calls(cache):
     q = jnp.zeros((1, H, D), jnp.float32)
     lens, tables = jnp.array([1], jnp.int32), jnp.zeros((1, 2), jnp.int32)
     cu = jnp.array([0, 1], jnp.int32)
-    pair = (cache.k, cache.v)
+    pair = (cache.kv, cache.kv)
     return [
         ("PagedKVCache", lambda: kp.write_kv(pair, x, x, slots, layer=0)),
         ("PagedKVCache", lambda: kp.read_kv(pair, slots, layer=0)),
