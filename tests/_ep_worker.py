@@ -97,7 +97,9 @@ def run(model: MoeForCausalLM, tp: int, ep: int) -> dict:
             "shard_shape": list(leaf.addressable_shards[0].data.shape),
         }
     rep["mesh"] = {k: int(v) for k, v in eng.mesh.shape.items()} if eng.mesh else {}
-    rep["kv_shard_shape"] = list(eng._kv.device.k.addressable_shards[0].data.shape)
+    rep["kv_shard_shape"] = list(eng._kv.device.kv.addressable_shards[0].data.shape)
+    shard = rep["kv_shard_shape"]
+    rep["kv_heads_per_device"] = shard[3] * shard[4] // 2  # [L, N, S, C, P, Dp]
     rep["prefix_hit_rate"] = eng.stats()["prefix_cache_hit_rate"]
     if eng.mesh is not None:
         t = eng.buckets[0]

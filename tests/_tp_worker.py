@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kernels_pallas as kpl  # noqa: E402
+from kernels_pallas.kv_layout import merge_kv, split_kv  # noqa: E402
 from paxcache import Engine, SamplingParams, sharding  # noqa: E402
 from paxcache.attention import build_metadata, paged_attention_op  # noqa: E402
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -69,9 +70,9 @@ def step_args(eng: Engine, t: int) -> tuple:
 def forbidden_shapes(eng: Engine) -> set[tuple[int, ...]]:
     """Shapes a gathered KV cache or weight would have: whole, per layer, per layer-slice."""
     shapes = set()
-    for x in (eng._kv.device.k, eng._kv.device.v):
-        shapes.add(tuple(x.shape))
-        shapes.add(tuple(x.shape[1:]))
+    x = eng._kv.device.kv
+    shapes.add(tuple(x.shape))
+    shapes.add(tuple(x.shape[1:]))
     for leaf in jax.tree.leaves(eng._params):
         if leaf.sharding.is_fully_replicated:
             continue
@@ -107,6 +108,12 @@ def specs_of(tree) -> dict:
     return out
 
 
+def kv_heads_per_device(pages: jax.Array) -> int:
+    """Kv heads in one device's shard of ``[L, N, S, C, P, Dp]`` pages (``C * P / 2``)."""
+    shard = pages.addressable_shards[0].data.shape
+    return shard[3] * shard[4] // 2
+
+
 def engine_report(model, tp: int, ps, **kw) -> tuple[Engine, dict]:
     t0 = time.perf_counter()
     eng = engine(model, tp, **kw)
@@ -114,14 +121,16 @@ def engine_report(model, tp: int, ps, **kw) -> tuple[Engine, dict]:
     kv, host = eng._kv.device, eng._kv.host
     rep = {
         "tokens": [o.outputs[0].token_ids for o in outs],
-        "kv_spec": str(kv.k.sharding.spec) if isinstance(kv.k.sharding, NamedSharding) else "",
-        "kv_shape": list(kv.k.shape),
-        "kv_shard_shape": list(kv.k.addressable_shards[0].data.shape),
-        "kv_devices": len(kv.k.sharding.device_set),
-        "host_spec": str(host.k.sharding.spec)
-        if host is not None and isinstance(host.k.sharding, NamedSharding)
+        "kv_spec": str(kv.kv.sharding.spec) if isinstance(kv.kv.sharding, NamedSharding) else "",
+        "kv_shape": list(kv.kv.shape),
+        "kv_shard_shape": list(kv.kv.addressable_shards[0].data.shape),
+        "kv_heads": kv.num_kv_heads,
+        "kv_heads_per_device": kv_heads_per_device(kv.kv),
+        "kv_devices": len(kv.kv.sharding.device_set),
+        "host_spec": str(host.kv.sharding.spec)
+        if host is not None and isinstance(host.kv.sharding, NamedSharding)
         else "",
-        "host_memory_kind": None if host is None else host.k.sharding.memory_kind,
+        "host_memory_kind": None if host is None else host.kv.sharding.memory_kind,
         "state_replicated": all(
             x.sharding.is_fully_replicated and len(x.sharding.device_set) == tp
             for x in jax.tree.leaves(eng.block_manager.state)
@@ -156,8 +165,10 @@ def attention_op_report(tp: int, kv_heads: int) -> dict:
     shd = sharding.kv_sharding(mesh)
 
     def cache(kp_, vp_) -> kpl.PagedKVCache:
+        """Head-major ``[L, K, N, S, D]`` K and V as a cache (the token-major layout)."""
         ones = jnp.ones(layers, jnp.float32)
-        return kpl.PagedKVCache(k=kp_, v=vp_, k_scale=ones, v_scale=ones)
+        kv = merge_kv(jnp.moveaxis(jnp.asarray(kp_), 1, 3), jnp.moveaxis(jnp.asarray(vp_), 1, 3))
+        return kpl.PagedKVCache(kv=kv, k_scale=ones, v_scale=ones)
 
     def op(q, k, v, kv, layer, use_mesh: bool):
         return paged_attention_op(q, k, v, kv, md, layer=layer, mesh=mesh if use_mesh else None)
@@ -165,15 +176,16 @@ def attention_op_report(tp: int, kv_heads: int) -> dict:
     run = jax.jit(op, static_argnames="use_mesh")
     layer = jnp.int32(1)
     ref_out, ref_kv = run(q, k, v, cache(jnp.asarray(base), jnp.asarray(base * 2)), layer, False)
-    ref_k = jnp.repeat(ref_kv.k, rep, axis=1)  # the replicated layout
-    kv = cache(jax.device_put(kp_full, shd), jax.device_put(vp_full, shd))
+    ref_k = jnp.repeat(split_kv(ref_kv.kv, kv_heads)[0], rep, axis=3)  # the replicated layout
+    kv = cache(kp_full, vp_full)
+    kv = kv.replace(kv=jax.device_put(kv.kv, shd))
     qs = jax.device_put(q, NamedSharding(mesh, P(None, "tp")))
     out, new_kv = run(qs, k, v, kv, layer, True)
-    new_k = new_kv.k
+    new_k = split_kv(new_kv.kv, kc)[0]
     return {
         "out_err": float(jnp.max(jnp.abs(out - ref_out))),
         "k_err": float(jnp.max(jnp.abs(new_k - ref_k))),
-        "pages_still_sharded": new_k.sharding.spec == P(None, "tp"),
+        "pages_still_sharded": new_kv.kv.sharding.spec == P(None, None, None, "tp"),
     }
 
 
@@ -231,7 +243,7 @@ def main() -> None:
         ps = sharding.broadcast_from_leader(ps if jax.process_index() == 0 else None)
         outs = eng.generate(ps, GREEDY)
         report["tokens"] = [o.outputs[0].token_ids for o in outs]
-        kv_devices = eng._kv.device.k.sharding.device_set
+        kv_devices = eng._kv.device.kv.sharding.device_set
         report["kv_spans_processes"] = len({d.process_index for d in kv_devices})
     elif suite == "k4":
         m4 = make_model(4)

@@ -47,7 +47,7 @@ def test_stored_head_dim_pads_to_128_lanes_on_tpu_only(head_dim, platform, store
     per_block = kp.kv_cache_bytes_per_block(3, 16, 2, head_dim, jnp.bfloat16, platform=platform)
     assert per_block == 2 * 3 * 2 * 16 * stored * 2
     shape = kp.kv_cache_shape(3, 10, 16, 2, head_dim, jnp.bfloat16, platform=platform)
-    assert shape.k.shape == (3, 2, 10, 16, stored) and shape.head_dim == head_dim
+    assert shape.kv.shape == (3, 10, 16, 2, 2, stored) and shape.head_dim == head_dim
     specs = kp.kv_cache_specs("tp", like=shape)
     assert jax.tree.structure(specs) == jax.tree.structure(shape)
 
@@ -55,7 +55,7 @@ def test_stored_head_dim_pads_to_128_lanes_on_tpu_only(head_dim, platform, store
 def test_a_lane_padded_cache_takes_and_returns_its_own_head_dim():
     rng = np.random.default_rng(0)
     plain, padded = _caches()
-    assert padded.k.shape[-1] == 128 and padded.head_dim == D and padded.stored_head_dim == 128
+    assert padded.kv.shape[-1] == 128 and padded.head_dim == D and padded.stored_head_dim == 128
     k, v = _kv(rng, 10)
     slots = jnp.asarray(rng.permutation(N * S)[:10], jnp.int32)
     padded = kp.write_kv(padded, k, v, slots, layer=1)
@@ -63,7 +63,7 @@ def test_a_lane_padded_cache_takes_and_returns_its_own_head_dim():
     chex.assert_trees_all_equal((rk, rv), (k, v))
     # The written rows' extra lanes are zeros (a query's zero lanes then add nothing).
     blk, off = np.asarray(slots) // S, np.asarray(slots) % S
-    np.testing.assert_array_equal(np.asarray(padded.k[1][:, blk, off, D:]), 0.0)
+    np.testing.assert_array_equal(np.asarray(padded.kv[1][blk, off][..., D:]), 0.0)
     with pytest.raises(ValueError, match="D=8"):
         kp.paged_attention(jnp.zeros((1, H, 128)), padded, jnp.ones(1, jnp.int32),
                            jnp.zeros((1, 2), jnp.int32), layer=0)  # fmt: skip

@@ -259,7 +259,7 @@ def _check_layouts(report: dict) -> None:
         x = 4 // ep
         assert rep["expert_gate"]["shard_shape"] == [2, x, 32, 16 // tp], key
         assert rep["expert_down"]["shard_shape"] == [2, x, 16 // tp, 32], key
-        assert rep["kv_shard_shape"][1] == 2 // tp, key  # kv heads split over tp only
+        assert rep["kv_heads_per_device"] == 2 // tp, key  # kv heads split over tp only
         assert rep["mesh"] == ({"ep": ep, "tp": tp} if ep > 1 else {"tp": tp}), key
 
 

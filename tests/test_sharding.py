@@ -145,23 +145,23 @@ def test_swap_preemption_under_tp2_keeps_tokens_and_frees_everything(tp_report):
     assert rep["tokens"] == tp_report["k2_tp1"]["tokens"]
     assert rep["stats"]["num_swaps"] > 0
     assert rep["stats"]["num_free_blocks"] == rep["stats"]["num_total_blocks"]
-    assert rep["host_spec"] == "P(None, 'tp')"
+    assert rep["host_spec"] == "P(None, None, None, 'tp')"
     assert rep["host_memory_kind"] in ("pinned_host", "unpinned_host")
 
 
 def test_kv_pages_are_split_over_kv_heads(tp_report):
     rep = tp_report["k2_tp2"]
-    assert rep["kv_spec"] == "P(None, 'tp')"
+    assert rep["kv_spec"] == "P(None, None, None, 'tp')"  # [L, N, S, C, P, Dp]: split on C
     assert rep["kv_devices"] == 2
-    assert rep["kv_shape"] == [2, 2, 32, 8, 8]
-    assert rep["kv_shard_shape"] == [2, 1, 32, 8, 8]  # one kv head per device
+    assert rep["kv_heads"] == 2 and rep["kv_shape"][:3] == [2, 32, 8]
+    assert rep["kv_heads_per_device"] == 1  # one kv head (its K and V) per device
 
 
 def test_tp_above_kv_heads_replicates_each_kv_head_once_per_device(tp_report):
     rep = tp_report["k2_tp4"]
-    assert rep["kv_spec"] == "P(None, 'tp')"
-    assert rep["kv_shape"] == [2, 4, 32, 8, 8]  # Kc = tp = 4 cache heads from K = 2
-    assert rep["kv_shard_shape"] == [2, 1, 32, 8, 8]
+    assert rep["kv_spec"] == "P(None, None, None, 'tp')"
+    assert rep["kv_heads"] == 4  # Kc = tp = 4 cache heads from K = 2
+    assert rep["kv_heads_per_device"] == 1
     assert rep["params"]["layers/k_proj"]["spec"] == "P()"
 
 
@@ -220,8 +220,8 @@ def test_four_kv_heads_tp_1_2_4_same_tokens_and_split_heads(tmp_path_factory):
     rep = _run_worker(tmp_path_factory, "k4")
     ref = rep["k4_tp1"]["tokens"]
     assert rep["k4_tp2"]["tokens"] == ref and rep["k4_tp4"]["tokens"] == ref
-    assert rep["k4_tp2"]["kv_shard_shape"] == [2, 2, 32, 8, 8]
-    assert rep["k4_tp4"]["kv_shard_shape"] == [2, 1, 32, 8, 8]
+    assert rep["k4_tp2"]["kv_heads_per_device"] == 2
+    assert rep["k4_tp4"]["kv_heads_per_device"] == 1
     assert rep["k4_tp4"]["params"]["layers/k_proj"]["spec"] == "P(None, None, 'tp')"
     for tp in (2, 4):
         assert rep[f"k4_tp{tp}"]["hlo"]["bad"] == []
