@@ -97,7 +97,7 @@ def main() -> None:
     host_sh = SingleDeviceSharding(dev, memory_kind=hkind)
     rng = np.random.default_rng(0)
     rows = []
-    state = {"k": cache.device.k, "v": cache.device.v, "hk": cache.host.k, "hv": cache.host.v}
+    state = {"kv": cache.device.kv, "hkv": cache.host.kv}
 
     for p in args.counts:
         src = rng.permutation(n)[:p].astype(np.int32)  # device blocks
@@ -105,16 +105,12 @@ def main() -> None:
         nbytes = p * per_block
 
         def swap_out(src=src, dst=dst, moves="auto"):
-            state["hk"], state["hv"] = kv_ops.swap_pages(
-                (state["k"], state["v"]), (state["hk"], state["hv"]), src, dst, xla_moves=moves
-            )
-            jax.block_until_ready((state["hk"], state["hv"]))
+            state["hkv"] = kv_ops.swap_pages(state["kv"], state["hkv"], src, dst, xla_moves=moves)
+            jax.block_until_ready(state["hkv"])
 
         def swap_in(src=src, dst=dst, moves="auto"):
-            state["k"], state["v"] = kv_ops.swap_pages(
-                (state["hk"], state["hv"]), (state["k"], state["v"]), dst, src, xla_moves=moves
-            )
-            jax.block_until_ready((state["k"], state["v"]))
+            state["kv"] = kv_ops.swap_pages(state["hkv"], state["kv"], dst, src, xla_moves=moves)
+            jax.block_until_ready(state["kv"])
 
         shape = (2, args.layers, args.kv_heads, p, args.block_size, args.head_dim)
         on_dev = jax.device_put(jnp.ones(shape, jnp.dtype(args.dtype)), dev_sh)
@@ -126,13 +122,13 @@ def main() -> None:
         def put_h2d(x=on_host):
             jax.device_put(x, dev_sh).block_until_ready()
 
-        copy_fn = jax.jit(lambda k, v, s, d: kv_ops.copy_pages(k, v, s, d), donate_argnums=(0, 1))
+        copy_fn = jax.jit(lambda kv, s, d: kv_ops.copy_pages(kv, s, d), donate_argnums=(0,))
         pairs = rng.permutation(n)[: 2 * p].reshape(2, p).astype(np.int32)
         cs_j, cd_j = jnp.asarray(pairs[0]), jnp.asarray(pairs[1])
 
         def copy(cs_j=cs_j, cd_j=cd_j, copy_fn=copy_fn):
-            state["k"], state["v"] = copy_fn(state["k"], state["v"], cs_j, cd_j)
-            jax.block_until_ready(state["k"])
+            state["kv"] = copy_fn(state["kv"], cs_j, cd_j)
+            jax.block_until_ready(state["kv"])
 
         t = {
             "swap_out": _time(swap_out, args.reps),

@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv = eng._kv.device
         row = {
             "tp": tp,
-            "kv_heads_in_cache": int(kv.k.shape[1]),
-            "kv_bytes_per_device": _shard_bytes(kv.k) + _shard_bytes(kv.v),
-            "kv_bytes_total": int(kv.k.nbytes + kv.v.nbytes),
+            "kv_heads_in_cache": int(kv.num_kv_heads),
+            "kv_bytes_per_device": _shard_bytes(kv.kv),
+            "kv_bytes_total": int(kv.kv.nbytes),
             "weight_bytes_per_device": sum(_shard_bytes(x) for x in jax.tree.leaves(eng._params)),
             "num_blocks": num_blocks,
             "output_tokens": out_tokens,
