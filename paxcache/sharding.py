@@ -14,7 +14,8 @@ hand-written communication):
   embedding table is replicated; an untied ``lm_head`` ``[E, V]`` is split over the
   vocabulary when ``tp`` divides ``V`` (logits are then gathered, ``[R, V]`` per step, a few
   KB, never a weight).
-* **KV cache.** Pages ``[L, Kc, N, S, D]`` are split over kv heads (``P(None, "tp")``). The
+* **KV cache.** Pages ``[L, N, S, C, P, D]`` (K and V of ``Kc`` heads side by side, packed
+  ``P`` to a word) are split over kv heads on axis C (``P(None, None, None, "tp")``). The
   paged attention op (``paxcache.attention.paged_attention_op(..., mesh=)``) runs the KV
   write and the ragged attention per shard under ``jax.shard_map``: each device writes and
   reads only its own heads, so the cache never moves between devices.

@@ -656,7 +656,7 @@ def step(
 
     Args:
       state: the allocator's block state (the rows' sequences already hold their slots).
-      kv: the KV cache, device pages only (``[L, K, N, S, D]``).
+      kv: the KV cache, device pages only (``[L, N, S, C, P, D]``).
       params: the model's parameters (``nnx.split(model)[1]``, maybe sharded).
       inputs: the step's :class:`StepInputs`.
       config: static :class:`StepConfig`.
