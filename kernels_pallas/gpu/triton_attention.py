@@ -24,7 +24,14 @@ XLA path with one warning if the backend disappears or fails to build (compile p
 
 Shape letters: B sequences, T query tokens, H query heads, K kv heads, G = H // K, D head dim,
 L layers, N blocks, S block size, M max blocks per sequence, W query tiles, I work items
-(tile x KV split), R rows of one query tile.
+(tile x KV split), R rows of one query tile, C packed rows and P heads per 32-bit word of the
+page layout.
+
+Pages are the stacked token-major ``kv_pages [L, N, S, C, P, D]`` of
+:mod:`kernels_pallas.kv_layout` (``layer`` picks one; ``num_kv_heads`` says K, which the shape
+does not when an 8-bit cache pads a dummy head): kv head ``h``'s K is combined head ``2h``, its
+V ``2h + 1``, and combined head ``c`` of a token sits at ``[..., c // P, c % P, :]``, so in the
+row-major pages a token's ``C * P`` combined heads are consecutive ``D``-element rows.
 
 Design (one Triton program)
 ---------------------------
@@ -35,10 +42,13 @@ Design (one Triton program)
   page is read once per GQA group; each live tile's key range is split into KV splits of
   whole 64-token steps by need (flash-decoding), within a static item budget.
 * **Grid** ``(I, K)``. A dead item (no steps) returns at once; the combine ignores it.
-* **KV steps.** A step is 64 keys, gathered token by token: key ``t`` lives at slot
-  ``block_tables[seq, t // S] * S + t % S`` of the layer's ``[N * S, D]`` view of the pages,
-  so any block size works (one gather per step; ids are clamped into ``[0, N)``, so a junk
-  table entry never addresses memory outside the cache).
+* **KV steps.** A step is 64 keys, gathered token by token straight from the token-major
+  pages (no relayout copy): key ``t`` lives at slot ``slot = block_tables[seq, t // S] * S +
+  t % S``, and its K / V are rows ``slot * C * P + 2h`` / ``+ 1`` of the layer's
+  ``[N * S * C * P, D]`` view of the pages (a free reshape), so a step is two strided
+  ``[64, D]`` row loads (row stride ``C * P * D`` within a page) and any block size works.
+  Block ids are clamped into ``[0, N)``, so a junk table entry never addresses memory outside
+  the cache.
 * **Math.** ``Q K^T`` (f32 accumulation; IEEE products for f32 queries, not Triton's
   default TF32), soft cap, causal / sliding-window / range mask with ``where`` (NaN cannot
   pass a select), online softmax in f32, ``O = alpha O + P V`` with ``P`` in the pages'
@@ -173,8 +183,9 @@ class _Cfg:
     d: int  # head dim
     s: int  # block size
     m: int  # max blocks per sequence
-    n: int  # blocks per layer and kv head
+    n: int  # blocks per layer
     kv_heads: int
+    heads_per_slot: int  # C * P: combined (K, V and dummy) heads of one token
     rows: int  # R: rows of a query tile (tokens_per_tile * G, rounded up to a power of two)
     dtype: jnp.dtype  # compute dtype: the queries'
     quantized: bool  # 8-bit pages (k_scale joins the softmax scale)
@@ -193,8 +204,7 @@ def _kernel(
     tables_ref,  # i32[B, M]: block ids
     scales_ref,  # f32[2]: the layer's (k_scale, v_scale); read for 8-bit pages only
     q_ref,  # [K, Rq, D]: each kv head's query rows, token-major (row = token * G + head)
-    k_ref,  # [L, K, N * S, D]: key slots of every layer
-    v_ref,  # [L, K, N * S, D]: value slots
+    kv_ref,  # [L, N * S * C * P, D]: the pages' head rows (row = slot * C * P + combined head)
     o_ref,  # f32[I, K, R, D]: each item's normalised partial output
     lse_ref,  # f32[I, K, R]: each item's log-sum-exp per row (-inf: no key)
     *,
@@ -236,8 +246,9 @@ def _kernel(
             keep = (kpos >= lo) & (kpos < hi) & (page < cfg.m)  # [64]
             blk = tables_ref[seq, jnp.clip(page, 0, cfg.m - 1)]  # [64]
             slot = jnp.clip(blk, 0, cfg.n - 1) * cfg.s + lax.rem(kpos, cfg.s)
-            k = k_ref[layer, kh, slot, :].astype(cfg.dtype)  # [64, D]
-            v = v_ref[layer, kh, slot, :].astype(cfg.dtype)  # [64, D]
+            row = slot * cfg.heads_per_slot + 2 * kh  # combined head 2h: K; 2h + 1: V
+            k = kv_ref[layer, row, :].astype(cfg.dtype)  # [64, D], row stride C * P * D
+            v = kv_ref[layer, row + 1, :].astype(cfg.dtype)  # [64, D]
             v = jnp.where(keep[:, None], v, jnp.zeros_like(v))  # unwritten slots may be NaN
 
             logits = lax.dot_general(
@@ -275,7 +286,7 @@ def _kernel(
         lse_ref[item, kh, :] = jnp.where(has, m_i + jnp.log(l_safe), _NEG_INF)
 
 
-def _run_kernel(items, tables, scales, q_rows, k_slots, v_slots, cfg: _Cfg):
+def _run_kernel(items, tables, scales, q_rows, kv_rows, cfg: _Cfg):
     """Launch the kernel. Returns partial ``o f32[I, K, R, D]`` and ``lse f32[I, K, R]``."""
     num_items = items.shape[0]
     out_shape = (
@@ -291,7 +302,7 @@ def _run_kernel(items, tables, scales, q_rows, k_slots, v_slots, cfg: _Cfg):
         ),
         interpret=cfg.interpret,
         name="paxcache_paged_attention_triton",
-    )(items, tables, scales, q_rows, k_slots, v_slots)
+    )(items, tables, scales, q_rows, kv_rows)
 
 
 def _q_rows(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
@@ -303,24 +314,33 @@ def _q_rows(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
     return jnp.pad(qg, ((0, 0), (0, rows), (0, 0)))
 
 
-def _slots(pages: jax.Array) -> jax.Array:
-    """``[K, N, S, D]`` or ``[L, K, N, S, D]`` -> ``[L, K, N * S, D]`` (a free reshape)."""
-    if pages.ndim == 4:
-        pages = pages[None]
-    layers, kh, n, s, d = pages.shape
-    return pages.reshape(layers, kh, n * s, d)
+def _head_rows(kv_pages: jax.Array) -> jax.Array:
+    """``[L, N, S, C, P, D] -> [L, N * S * C * P, D]``: every token's combined heads as rows
+    (a free reshape of the row-major pages: no copy)."""
+    layers, n, s, c, p, d = kv_pages.shape
+    return kv_pages.reshape(layers, n * s * c * p, d)
 
 
-def _make_cfg(q, k_pages, block_tables, rows, *, sm_scale, soft_cap, sliding_window,
-              interpret) -> _Cfg:  # fmt: skip
-    kv_heads, n, s, d = k_pages.shape[-4:]
+def _make_cfg(q, kv_pages, num_kv_heads, block_tables, rows, *, sm_scale, soft_cap,
+              sliding_window, interpret) -> _Cfg:  # fmt: skip
+    if kv_pages.ndim != 6:
+        raise ValueError(
+            f"Triton paged attention: kv_pages must be [L, N, S, C, P, D], got {kv_pages.shape}"
+        )
+    _, n, s, c, p, d = kv_pages.shape
+    kv_heads = int(num_kv_heads)
+    if not 0 < 2 * kv_heads <= c * p or q.shape[1] % kv_heads:
+        raise ValueError(
+            f"Triton paged attention: num_kv_heads={kv_heads} does not fit pages "
+            f"{kv_pages.shape} and {q.shape[1]} query heads"
+        )
     g = q.shape[1] // kv_heads
-    problem = unsupported_reason(head_dim=d, num_q_per_kv=g, block_size=s, dtype=k_pages.dtype)
+    problem = unsupported_reason(head_dim=d, num_q_per_kv=g, block_size=s, dtype=kv_pages.dtype)
     if problem is not None:
         raise ValueError(f"Triton paged attention: {problem}")
     return _Cfg(
-        g=g, d=d, s=s, m=block_tables.shape[1], n=n, kv_heads=kv_heads, rows=rows,
-        dtype=jnp.dtype(q.dtype), quantized=jnp.dtype(k_pages.dtype) in _EIGHT_BIT,
+        g=g, d=d, s=s, m=block_tables.shape[1], n=n, kv_heads=kv_heads, heads_per_slot=c * p,
+        rows=rows, dtype=jnp.dtype(q.dtype), quantized=jnp.dtype(kv_pages.dtype) in _EIGHT_BIT,
         sm_scale=float(sm_scale), soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window),
         interpret=bool(interpret),
@@ -345,17 +365,17 @@ def _sink_rows(sinks, kv_heads: int, g: int, rows: int):
 # Entry points
 # ---------------------------------------------------------------------------------------------
 
-_STATIC = ("sm_scale", "soft_cap", "sliding_window", "interpret", "num_splits")
+_STATIC = ("num_kv_heads", "sm_scale", "soft_cap", "sliding_window", "interpret", "num_splits")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention_triton(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     lengths: jax.Array,
     block_tables: jax.Array,
     *,
+    num_kv_heads: int,
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -372,17 +392,19 @@ def paged_attention_triton(
 
     Args:
       q: ``[B, H, D]`` queries.
-      k_pages, v_pages: ``[K, N, S, D]`` pages, or ``[L, K, N, S, D]`` with ``layer``; the
-        queries' dtype, or int8 / float8_e4m3fn with ``k_scale`` / ``v_scale``.
+      kv_pages: ``[L, N, S, C, P, D]`` stacked token-major pages
+        (:mod:`kernels_pallas.kv_layout`; ``layer`` picks one): the queries' dtype, or int8 /
+        float8_e4m3fn with ``k_scale`` / ``v_scale``.
       lengths: ``i32[B]``; 0 marks a padding row (output zeros).
       block_tables: ``i32[B, M]``; entries past a sequence's length are never used.
+      num_kv_heads: K (static; ``C * P / 2`` less a dummy head of an 8-bit cache).
       sm_scale: logit scale.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)`` if set.
       sliding_window: keys in ``(pos - window, pos]`` only, if set.
       interpret: run with Pallas' interpreter (CPU tests).
       num_splits: exactly this many KV splits per live sequence (at most its 64-key steps);
         default: splits by need (:func:`kernels_pallas.gpu.work.split_work`).
-      layer: layer index into stacked pages (read in the kernel, no copy).
+      layer: layer index into the stacked pages (read in the kernel, no copy; default 0).
       k_scale, v_scale: the layer's dequantization scales (8-bit pages).
       sinks: optional ``f32[H]`` sink logits (softmax denominator only).
 
@@ -390,11 +412,11 @@ def paged_attention_triton(
       ``[B, H, D]`` in ``q.dtype``.
     """
     b, h, d = q.shape
-    kv_heads = k_pages.shape[-4]
+    kv_heads = num_kv_heads
     g = h // kv_heads
     rows = max(_MIN_ROWS, _pow2(g))
     cfg = _make_cfg(
-        q, k_pages, block_tables, rows, sm_scale=sm_scale, soft_cap=soft_cap,
+        q, kv_pages, num_kv_heads, block_tables, rows, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret,
     )  # fmt: skip
     tiles = decode_work(lengths, sliding_window, 0 if layer is None else layer)
@@ -402,7 +424,7 @@ def paged_attention_triton(
     scales = _scales(k_scale, v_scale)
     o, lse = _run_kernel(
         items, block_tables.astype(jnp.int32), scales, _q_rows(q, kv_heads, rows),
-        _slots(k_pages), _slots(v_pages), cfg,
+        _head_rows(kv_pages), cfg,
     )  # fmt: skip
     out = combine(o, lse, item_tile, b, _sink_rows(sinks, kv_heads, g, rows))[:, :, :g]
     if cfg.quantized:
@@ -413,13 +435,13 @@ def paged_attention_triton(
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention_triton(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array | int,
     *,
+    num_kv_heads: int,
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -438,7 +460,7 @@ def ragged_paged_attention_triton(
       q: ``[T, H, D]``; sequence ``s < num_seqs`` owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``,
         the last ``q_len`` of its ``kv_lens[s]`` tokens. Rows past ``cu_q_lens[num_seqs]``
         are padding (output zeros).
-      k_pages, v_pages: as in :func:`paged_attention_triton`.
+      kv_pages, num_kv_heads: as in :func:`paged_attention_triton`.
       kv_lens: ``i32[B]``.
       block_tables: ``i32[B, M]``.
       cu_q_lens: ``i32[B + 1]``.
@@ -450,11 +472,11 @@ def ragged_paged_attention_triton(
       ``[T, H, D]`` in ``q.dtype``.
     """
     t, h, d = q.shape
-    kv_heads = k_pages.shape[-4]
+    kv_heads = num_kv_heads
     g = h // kv_heads
     rows = max(_RAGGED_ROWS if d <= 128 else _RAGGED_ROWS // 2, _pow2(g))
     cfg = _make_cfg(
-        q, k_pages, block_tables, rows, sm_scale=sm_scale, soft_cap=soft_cap,
+        q, kv_pages, num_kv_heads, block_tables, rows, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret,
     )  # fmt: skip
     tpt = cfg.tokens_per_tile
@@ -465,7 +487,7 @@ def ragged_paged_attention_triton(
     scales = _scales(k_scale, v_scale)
     o, lse = _run_kernel(
         items, block_tables.astype(jnp.int32), scales, _q_rows(q, kv_heads, rows),
-        _slots(k_pages), _slots(v_pages), cfg,
+        _head_rows(kv_pages), cfg,
     )  # fmt: skip
     out = combine(o, lse, item_tile, tiles.shape[0], _sink_rows(sinks, kv_heads, g, rows))
     out = out[:, :, : tpt * g].reshape(out.shape[0], kv_heads, tpt, g, d)
