@@ -6,8 +6,16 @@ decode rows, whole prefills, chunked prefills and prefix-cache hits;
 trivial tile list. Semantics are exactly those of the oracles in :mod:`kernels_pallas.reference`.
 
 Shape letters: B sequences, T query tokens, H query heads, K kv heads, G = H // K query heads
-per kv head, D head dim, N blocks, S block size, M max blocks per sequence, W query tiles,
-I work items (tile x KV split), R = 64 rows of one wgmma tile.
+per kv head, D head dim, L layers, N blocks, S block size, M max blocks per sequence, W query
+tiles, I work items (tile x KV split), R = 64 rows of one wgmma tile, C packed rows and P heads
+per 32-bit word of the page layout.
+
+Pages are the stacked token-major ``kv_pages [L, N, S, C, P, D]`` of
+:mod:`kernels_pallas.kv_layout` (``layer`` picks one; ``num_kv_heads`` says K): kv head ``h``'s
+K is combined head ``2h`` at ``[..., (2h) // P, (2h) % P, :]``, its V combined head ``2h + 1``;
+for the 16-bit pages the compiled kernel takes (P = 2) that is ``[..., h, 0, :]`` and
+``[..., h, 1, :]``. In one page of one layer, a head's K is a strided ``[S, D]`` matrix: S rows
+of D contiguous elements, ``C * P * D`` elements apart.
 
 Design (what one CUDA block does)
 ---------------------------------
@@ -25,16 +33,21 @@ Design (what one CUDA block does)
   padding tiles, unused budget) returns at once: no Q load, no output write; the combine
   ignores it.
 * **KV pipeline.** A KV step is ``64`` tokens: ``64 // S`` whole pages for ``S <= 64``, a
-  64-token slice of one page for ``S >= 64``. Each piece is one TMA copy
-  ``k_pages[kh, block_table[seq, j], off:off+64] -> smem`` (block id read from GMEM, clamped to
-  ``>= 0``). ``kv_stages`` (3, or 2 at D = 256) stages of K and V in 128B-swizzled SMEM,
-  each with an mbarrier the TMA arrives on, so the TMA of steps ``i+1 .. i+stages-1``
-  overlaps the math of step ``i``. A stage is refilled by the same warpgroup that read it,
-  after both wgmmas on it have completed (their accumulators were read, which waits for
-  them) and after the V scrub's generic-proxy writes were fenced (``commit_smem``), so
-  program order is the whole synchronization; no "consumed" barrier is needed as it is
-  where a separate producer warpgroup issues the copies (JAX's ``attention_mgpu``). Pieces
-  wholly outside the tile's key range are not fetched (a plain arrive keeps the count).
+  64-token slice of one page for ``S >= 64``. Each piece is one TMA copy for K and one for V
+  of a strided window ``kv_pages[layer, blk, off:off+64, c, j, :] -> smem`` (``blk`` read from
+  the block table in GMEM, clamped to ``>= 0``), straight from the token-major pages with no
+  relayout copy: the TMA descriptor carries the page row stride (``C * P * D * 2`` bytes, a
+  multiple of 16) and Mosaic GPU folds the indexed dims (layer, block, ``c``, ``j``) into one
+  coordinate next to the 128B-swizzle tiling's four (TMA's limit is 5 dims). Other heads' rows
+  are not read: a K piece is ``64`` runs of ``D * 2 >= 128`` contiguous bytes. ``kv_stages``
+  (3, or 2 at D = 256) stages of K and V in 128B-swizzled SMEM, each with an mbarrier the TMA
+  arrives on, so the TMA of steps ``i+1 .. i+stages-1`` overlaps the math of step ``i``. A
+  stage is refilled by the same warpgroup that read it, after both wgmmas on it have
+  completed (their accumulators were read, which waits for them) and after the V scrub's
+  generic-proxy writes were fenced (``commit_smem``), so program order is the whole
+  synchronization; no "consumed" barrier is needed as it is where a separate producer
+  warpgroup issues the copies (JAX's ``attention_mgpu``). Pieces wholly outside the tile's
+  key range are not fetched (a plain arrive keeps the count).
 * **Math.** ``S = Q K^T`` with ``wgmma`` (A = Q tile from SMEM, B = transposed K stage),
   optional soft cap, causal / sliding-window / length mask applied with ``where``, online
   softmax in float32 (``m``, ``l`` in the WGMMA row layout), ``O = alpha O + P V`` with
@@ -116,6 +129,7 @@ from kernels_pallas.gpu.work import (
     ragged_work,
     split_work,
 )
+from kernels_pallas.kv_layout import kv_row
 
 __all__ = [
     "paged_attention_gpu",
@@ -148,13 +162,13 @@ class _Cfg:
     s: int  # block size
     m: int  # max blocks per sequence
     kv_heads: int
+    packing: int  # P: combined heads per 32-bit word of the page layout
     slots: int  # pipeline stages
     out_rows: int  # rows of each item written back (G rounded up to 8 for decode, 64 ragged)
     dtype: jnp.dtype
     sm_scale: float
     soft_cap: float | None
     window: int | None
-    stacked: bool  # pages are [L, K, N, S, D]
     interpret: bool
     interpret_params: object = None  # an InterpretGPUParams, or None for the defaults
 
@@ -291,7 +305,7 @@ def _mma_pv_into(acc: jax.Array, p: jax.Array, v_stage, cfg: _Cfg) -> jax.Array:
     return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def _kernel(items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cfg):
+def _kernel(items_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref, cfg: _Cfg):
     """One (work item, kv head): online softmax over the item's KV steps of one query tile."""
     item = lax.axis_index("i")
     kh = lax.axis_index("k")
@@ -306,10 +320,8 @@ def _kernel(items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cf
     n_steps = items_ref[item, M_STEPS]
     bkv, s, piece = BLOCK_KV, cfg.s, cfg.piece
 
-    def pages_of(src_ref):
-        return src_ref.at[layer, kh] if cfg.stacked else src_ref.at[kh]
-
-    k_src, v_src = pages_of(k_ref), pages_of(v_ref)
+    k_c, k_j = _head_at(kh, False, cfg.packing)  # K of kv head kh: kv[..., k_c, k_j, :]
+    v_c, v_j = _head_at(kh, True, cfg.packing)
 
     def scoped(q_smem, k_smem, v_smem, o_smem, lse_smem, q_full, k_full, v_full):
         def issue_piece(step, c, slot):
@@ -322,9 +334,11 @@ def _kernel(items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cf
             dst = pl.ds(c * piece, piece)
 
             @pl.when(needed)
-            def _copy():
-                plgpu.copy_gmem_to_smem(k_src.at[blk, rows], k_smem.at[slot, dst], k_full.at[slot])
-                plgpu.copy_gmem_to_smem(v_src.at[blk, rows], v_smem.at[slot, dst], v_full.at[slot])
+            def _copy():  # strided [piece, D] windows: row stride C * P * D elements
+                k_src = kv_ref.at[layer, blk, rows, k_c, k_j]
+                v_src = kv_ref.at[layer, blk, rows, v_c, v_j]
+                plgpu.copy_gmem_to_smem(k_src, k_smem.at[slot, dst], k_full.at[slot])
+                plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot, dst], v_full.at[slot])
 
             @pl.when(~needed)
             def _skip():  # keep the barrier's arrival count at pieces_per_step
@@ -433,6 +447,16 @@ def _kernel(items_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, cfg: _Cf
     )
 
 
+def _head_at(kh, value: bool, packing: int):
+    """``(c, j)``: kv head ``kh``'s K / V is ``kv_pages[..., c, j, :]`` (combined head
+    ``2 * kh + value``); static arithmetic where the packing allows (P = 1, 2)."""
+    if packing == 1:
+        return 2 * kh + int(value), 0
+    if packing == 2:
+        return kh, int(value)
+    return kv_row(kh, value, packing)
+
+
 def _reduce_layout():
     return plgpu.Layout.WGMMA.reduce(1)
 
@@ -451,7 +475,7 @@ def _smem_transforms(dtype) -> tuple:
     return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
 
 
-def _run_kernel(items, tables, q_rows, k_pages, v_pages, cfg: _Cfg):
+def _run_kernel(items, tables, q_rows, kv_pages, cfg: _Cfg):
     """Launch the kernel. Returns partial ``o f32[I, K, R, D]`` and ``lse f32[I, K, 64]``."""
     num_items = items.shape[0]
     out_type = (
@@ -468,7 +492,7 @@ def _run_kernel(items, tables, q_rows, k_pages, v_pages, cfg: _Cfg):
         if cfg.interpret
         else compat.mosaic_gpu_compiler_params(approx_math=True),
     )
-    return fn(items, tables, q_rows, k_pages, v_pages)
+    return fn(items, tables, q_rows, kv_pages)
 
 
 def _interpret_params(given=None):
@@ -490,10 +514,10 @@ def _q_rows(q: jax.Array, kv_heads: int) -> jax.Array:
     return qg.reshape(kv_heads, rows, d)
 
 
-def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, interpret,
-              out_rows, kv_stages=None) -> _Cfg:  # fmt: skip
-    stacked = k_pages.ndim == 5
-    kv_heads, _, s, d = k_pages.shape[-4:]
+def _make_cfg(q, kv_pages, num_kv_heads, block_tables, *, sm_scale, soft_cap, sliding_window,
+              interpret, out_rows, kv_stages=None) -> _Cfg:  # fmt: skip
+    kv_heads = _check_pages(q, kv_pages, num_kv_heads)
+    _, _, s, _, p, d = kv_pages.shape
     g = q.shape[1] // kv_heads
     problem = _check_geometry(d, s, g)
     if problem is not None:
@@ -505,21 +529,37 @@ def _make_cfg(q, k_pages, block_tables, *, sm_scale, soft_cap, sliding_window, i
             f"kv_stages={stages} needs {need} bytes of shared memory (limit {SMEM_LIMIT})"
         )
     return _Cfg(
-        g=g, d=d, s=s, m=block_tables.shape[1], kv_heads=kv_heads, slots=stages,
+        g=g, d=d, s=s, m=block_tables.shape[1], kv_heads=kv_heads, packing=p, slots=stages,
         out_rows=out_rows, dtype=jnp.dtype(q.dtype), sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if sliding_window is None else int(sliding_window),
-        stacked=stacked, interpret=bool(interpret),
+        interpret=bool(interpret),
         interpret_params=None if isinstance(interpret, bool) else interpret,
     )  # fmt: skip
 
 
-def _use_fallback(k_pages: jax.Array, interpret: bool, name: str) -> bool:
-    if interpret or jnp.dtype(k_pages.dtype) in _COMPILED_DTYPES:
+def _check_pages(q: jax.Array, kv_pages: jax.Array, num_kv_heads: int) -> int:
+    """K, after checking that ``kv_pages [L, N, S, C, P, D]`` holds ``num_kv_heads`` heads."""
+    if kv_pages.ndim != 6:
+        raise ValueError(
+            f"Mosaic GPU paged attention: kv_pages must be [L, N, S, C, P, D], got {kv_pages.shape}"
+        )
+    kv_heads = int(num_kv_heads)
+    c, p = kv_pages.shape[3:5]
+    if not 0 < 2 * kv_heads <= c * p or q.shape[1] % kv_heads:
+        raise ValueError(
+            f"Mosaic GPU paged attention: num_kv_heads={kv_heads} does not fit pages "
+            f"{kv_pages.shape} and {q.shape[1]} query heads"
+        )
+    return kv_heads
+
+
+def _use_fallback(kv_pages: jax.Array, interpret: bool, name: str) -> bool:
+    if interpret or jnp.dtype(kv_pages.dtype) in _COMPILED_DTYPES:
         return False
     logger.warning(
         "%s: %s pages run on the exact XLA path (the Hopper kernel's wgmma takes bf16/f16)",
-        name, jnp.dtype(k_pages.dtype).name,
+        name, jnp.dtype(kv_pages.dtype).name,
     )  # fmt: skip
     return True
 
@@ -528,17 +568,20 @@ def _use_fallback(k_pages: jax.Array, interpret: bool, name: str) -> bool:
 # Entry points
 # ---------------------------------------------------------------------------------------------
 
-_STATIC = ("sm_scale", "soft_cap", "sliding_window", "interpret", "num_splits", "kv_stages")
+_STATIC = (
+    "num_kv_heads", "sm_scale", "soft_cap", "sliding_window", "interpret", "num_splits",
+    "kv_stages",
+)  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention_gpu(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     lengths: jax.Array,
     block_tables: jax.Array,
     *,
+    num_kv_heads: int,
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -553,9 +596,11 @@ def paged_attention_gpu(
 
     Args:
       q: ``[B, H, D]`` queries (token at position ``lengths[b] - 1``).
-      k_pages, v_pages: ``[K, N, S, D]`` pages, or ``[L, K, N, S, D]`` with ``layer``.
+      kv_pages: ``[L, N, S, C, P, D]`` stacked token-major pages
+        (:mod:`kernels_pallas.kv_layout`); ``layer`` picks one.
       lengths: ``i32[B]``; 0 marks a padding row (output zeros).
       block_tables: ``i32[B, M]``; negative ids are never dereferenced.
+      num_kv_heads: K (static; ``C * P / 2`` for the 16-bit pages the kernel takes).
       sm_scale: logit scale.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)`` if set.
       sliding_window: keys in ``(pos - window, pos]`` only, if set.
@@ -564,32 +609,33 @@ def paged_attention_gpu(
       num_splits: exactly this many KV splits per live sequence (at most its 64-token steps);
         default: splits by need (:func:`split_work`), enough to fill the GPU.
       kv_stages: K/V pipeline depth (SMEM stages); default :func:`default_kv_stages`.
-      layer: layer index into stacked ``[L, ...]`` pages (read in the kernel, no copy).
+      layer: layer index into the stacked pages (read in the kernel, no copy; default 0).
 
     Returns:
       ``[B, H, D]`` in ``q.dtype``.
     """
     layer = 0 if layer is None else layer
-    if _use_fallback(k_pages, interpret, "paged_attention_gpu"):
+    kv_heads = _check_pages(q, kv_pages, num_kv_heads)
+    if _use_fallback(kv_pages, interpret, "paged_attention_gpu"):
         # Decode is ragged attention with one row per sequence (memory-light XLA scan).
         b = q.shape[0]
         return reference.ragged_paged_attention_xla(
-            q, k_pages, v_pages, lengths, block_tables, jnp.arange(b + 1, dtype=jnp.int32), b,
-            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
+            q, kv_pages, lengths, block_tables, jnp.arange(b + 1, dtype=jnp.int32), b,
+            num_kv_heads=kv_heads, sm_scale=sm_scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, layer=layer,
         )  # fmt: skip
     b, h, d = q.shape
-    kv_heads = k_pages.shape[-4]
     g = h // kv_heads
     out_rows = -(-g // 8) * 8  # whole (8, 32) tiles of the swizzled f32 output stage
     cfg = _make_cfg(
-        q, k_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
+        q, kv_pages, kv_heads, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret, kv_stages=kv_stages,
         out_rows=out_rows,
     )  # fmt: skip
     tiles = decode_work(lengths, sliding_window, layer)
     items, item_tile = plan_items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
-    o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
+    o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, kv_pages, cfg)
     out = combine(o, lse, item_tile, b)[:, :, :g]  # [B, K, G, D]
     return out.reshape(b, h, d).astype(q.dtype)
 
@@ -597,13 +643,13 @@ def paged_attention_gpu(
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention_gpu(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array | int,
     *,
+    num_kv_heads: int,
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -620,7 +666,7 @@ def ragged_paged_attention_gpu(
       q: ``[T, H, D]``; sequence ``s < num_seqs`` owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``,
         the last ``q_len`` of its ``kv_lens[s]`` tokens. Rows past ``cu_q_lens[num_seqs]``
         are padding (output zeros).
-      k_pages, v_pages: ``[K, N, S, D]`` pages, or ``[L, K, N, S, D]`` with ``layer``.
+      kv_pages, num_kv_heads: as in :func:`paged_attention_gpu`.
       kv_lens: ``i32[B]``.
       block_tables: ``i32[B, M]``.
       cu_q_lens: ``i32[B + 1]``.
@@ -632,16 +678,16 @@ def ragged_paged_attention_gpu(
       ``[T, H, D]`` in ``q.dtype``.
     """
     layer = 0 if layer is None else layer
-    if _use_fallback(k_pages, interpret, "ragged_paged_attention_gpu"):
+    kv_heads = _check_pages(q, kv_pages, num_kv_heads)
+    if _use_fallback(kv_pages, interpret, "ragged_paged_attention_gpu"):
         return reference.ragged_paged_attention_xla(
-            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale=sm_scale,
-            soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
+            q, kv_pages, kv_lens, block_tables, cu_q_lens, num_seqs, num_kv_heads=kv_heads,
+            sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
         )  # fmt: skip
     t, h, d = q.shape
-    kv_heads = k_pages.shape[-4]
     g = h // kv_heads
     cfg = _make_cfg(
-        q, k_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
+        q, kv_pages, kv_heads, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, interpret=interpret, kv_stages=kv_stages,
         out_rows=_ROWS,
     )  # fmt: skip
@@ -651,7 +697,7 @@ def ragged_paged_attention_gpu(
     )
     items, item_tile = plan_items(tiles, kv_heads, num_splits, cfg.interpret)
     q_rows = _q_rows(q, kv_heads)
-    o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, k_pages, v_pages, cfg)
+    o, lse = _run_kernel(items, block_tables.astype(jnp.int32), q_rows, kv_pages, cfg)
     out = combine(o, lse, item_tile, tiles.shape[0])  # [W, K, 64, D]
     out = out.reshape(out.shape[0], kv_heads, tpt, g, d)
     out = out[tile_of_row, :, slot_of_row]  # [T, K, G, D]
