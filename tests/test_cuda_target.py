@@ -253,8 +253,8 @@ def test_the_gpu_tuned_xla_path_meets_the_oracle_with_bf16_operands():
     case = ragged_case(rng, q_lens, kv_lens, num_seqs, t, 4, 2, 32, 8, 4, jnp.bfloat16)
     for opts in ({}, dict(sliding_window=7, soft_cap=5.0)):
         out = reference.ragged_paged_attention_xla(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-            case.cu_q_lens, case.num_seqs, chunk_bytes=reference.XLA_GPU_CHUNK_BYTES,
+            case.q, case.kv_pages[None], case.kv_lens, case.block_tables, case.cu_q_lens,
+            case.num_seqs, num_kv_heads=case.k_heads, chunk_bytes=reference.XLA_GPU_CHUNK_BYTES,
             native_operands=True, **opts,
         )  # fmt: skip
         _check(out, _ragged_oracle(case, **opts), jnp.bfloat16)
@@ -271,13 +271,14 @@ def test_decode_rows_on_the_chunked_path_match_the_decode_oracle():
     b = case.q.shape[0]
     for opts in ({}, dict(sliding_window=5)):
         out = reference.ragged_paged_attention_xla(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-            jnp.arange(b + 1, dtype=jnp.int32), b, chunk_bytes=reference.XLA_GPU_CHUNK_BYTES,
-            native_operands=True, **opts,
+            case.q, case.kv_pages[None], case.kv_lens, case.block_tables,
+            jnp.arange(b + 1, dtype=jnp.int32), b, num_kv_heads=case.k_heads,
+            chunk_bytes=reference.XLA_GPU_CHUNK_BYTES, native_operands=True, **opts,
         )  # fmt: skip
         want = reference.paged_attention_reference(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, **opts
-        )
+            case.q, case.kv_pages, case.kv_lens, case.block_tables, num_kv_heads=case.k_heads,
+            **opts,
+        )  # fmt: skip
         _check(out, want, jnp.bfloat16)
 
 

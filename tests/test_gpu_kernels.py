@@ -1,7 +1,11 @@
-"""Mosaic GPU (Hopper) paged attention kernels against the oracles in kernels_pallas.reference.
+"""GPU paged attention kernels against the oracles in kernels_pallas.reference.
 
-On a GPU backend every case runs the compiled kernel; elsewhere it runs the same kernel body in
-Mosaic GPU's interpret mode. Unwritten page slots are NaN so any read past a length shows up.
+The Mosaic GPU (Hopper) kernels: on a GPU backend every case runs the compiled kernel; elsewhere
+it runs the same kernel body in Mosaic GPU's interpret mode. One Pallas Triton case checks that
+kernel's reads of the page layout (its own file is ``test_gpu_triton.py``). Pages are the stacked
+token-major ``kv_pages [L, N, S, C, P, D]`` (:mod:`kernels_pallas.kv_layout`); unwritten page
+slots are NaN so any read past a length shows up, and the other layers differ so a wrong layer
+shows up.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from hypothesis import given, settings
 from test_attention_kernels import as_cache
 
 import kernels_pallas as kp
-from kernels_pallas import compat, reference
+from kernels_pallas import compat, kv_layout, reference
 from kernels_pallas.gpu import attention as ga
+from kernels_pallas.gpu import triton_attention as ta
 from kernels_pallas.gpu import work
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -30,8 +35,10 @@ def _tol(dtype) -> dict:
     return dict(atol=t, rtol=t)
 
 
-def _pages_and_tables(rng, *, kv_heads, d, s, n, m, kv_lens, dtype, layers=0):
-    """Random distinct block tables (not identity), -1 past each sequence; NaN where unwritten."""
+def _pages_and_tables(rng, *, kv_heads, d, s, n, m, kv_lens, dtype, layers=1):
+    """Random distinct block tables (not identity), -1 past each sequence; stacked pages
+    ``[L, N, S, C, P, D]``, NaN where unwritten (in every layer; int8: values of about
+    ``40 * N(0, 1)`` and 127 where unwritten)."""
     b = len(kv_lens)
     tables = np.full((b, m), -1, np.int32)
     written = np.zeros((n, s), bool)
@@ -44,23 +51,40 @@ def _pages_and_tables(rng, *, kv_heads, d, s, n, m, kv_lens, dtype, layers=0):
         for j in range(nb):
             written[perm[nxt + j], : min(s, int(length) - j * s)] = True
         nxt += nb
-    shape = (kv_heads, n, s, d) if not layers else (layers, kv_heads, n, s, d)
+    shape = (layers, n, s, kv_heads, d)
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
-    k[..., ~written, :] = np.nan
-    v[..., ~written, :] = np.nan
-    return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables)
+    k[:, ~written] = np.nan
+    v[:, ~written] = np.nan
+    if jnp.dtype(dtype) == jnp.int8:
+        k, v = (np.where(np.isnan(x), 127, np.clip(np.round(x * 40), -127, 127)) for x in (k, v))
+    kv = kv_layout.merge_kv(jnp.asarray(k, dtype), jnp.asarray(v, dtype))
+    return kv, jnp.asarray(tables)
 
 
-def _decode_case(seed, *, g, kv_heads=2, d=64, s=16, m=6, lengths, dtype=jnp.float32, layers=0):
+def _decode_want(q, kv, kv_heads, lengths, tables, layer=0, **kw):
+    """The decode oracle on layer ``layer`` of stacked pages."""
+    return reference.paged_attention_reference(
+        q, kv[layer], lengths, tables, num_kv_heads=kv_heads, **kw
+    )
+
+
+def _ragged_want(q, kv, kv_heads, kv_lens, tables, cu, nseq, layer=0, **kw):
+    """The ragged oracle on layer ``layer`` of stacked pages."""
+    return reference.ragged_paged_attention_reference(
+        q, kv[layer], kv_lens, tables, cu, nseq, num_kv_heads=kv_heads, **kw
+    )
+
+
+def _decode_case(seed, *, g, kv_heads=2, d=64, s=16, m=6, lengths, dtype=jnp.float32, layers=1):
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, np.int32)
     n = max(8, int(sum(-(-int(x) // s) for x in lengths)) + 3)
-    k, v, tables = _pages_and_tables(
+    kv, tables = _pages_and_tables(
         rng, kv_heads=kv_heads, d=d, s=s, n=n, m=m, kv_lens=lengths, dtype=dtype, layers=layers
     )
     q = jnp.asarray(rng.standard_normal((len(lengths), kv_heads * g, d)), dtype)
-    return q, k, v, jnp.asarray(lengths), tables
+    return q, kv, jnp.asarray(lengths), tables
 
 
 def _ragged_case(seed, *, g, kv_heads=2, d=64, s=16, m=5, rows, pad_rows, num_pad_seqs=1,
@@ -73,11 +97,12 @@ def _ragged_case(seed, *, g, kv_heads=2, d=64, s=16, m=5, rows, pad_rows, num_pa
     t = int(cu[len(rows)]) + pad_rows
     cu = np.minimum(cu, t)  # padded sequences may claim rows past T: they do not count anyway
     n = int(sum(-(-int(x) // s) for x in kv_lens)) + 3
-    k, v, tables = _pages_and_tables(
+    kv, tables = _pages_and_tables(
         rng, kv_heads=kv_heads, d=d, s=s, n=n, m=m, kv_lens=kv_lens, dtype=dtype
     )
-    q = jnp.asarray(rng.standard_normal((t, kv_heads * g, d)), dtype)
-    return q, k, v, jnp.asarray(kv_lens), tables, jnp.asarray(cu), jnp.int32(len(rows))
+    q_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.int8 else dtype
+    q = jnp.asarray(rng.standard_normal((t, kv_heads * g, d)), q_dtype)
+    return q, kv, jnp.asarray(kv_lens), tables, jnp.asarray(cu), jnp.int32(len(rows))
 
 
 def _check(out, want, dtype):
@@ -92,33 +117,35 @@ def _check(out, want, dtype):
 # ---------------------------------------------------------------------------------------------
 
 DECODE_FAST = [
-    # g, d, s, dtype, soft_cap, window, num_splits
-    pytest.param(1, 128, 16, jnp.float32, None, None, 1, id="mha-d128-s16-f32-stacked-layer1"),
-    # D = 256: two-stage pipeline, output stored in four 64-column chunks
-    pytest.param(4, 256, 8, jnp.bfloat16, None, None, 2, id="gqa4-d256-s8-bf16-split2"),
-    pytest.param(8, 64, 32, jnp.float32, 30.0, None, 3, id="gqa8-d64-s32-f32-softcap-split3"),
+    # g, kv_heads, d, s, dtype, soft_cap, window, num_splits
+    pytest.param(1, 2, 128, 16, jnp.float32, None, None, 1, id="mha-d128-s16-f32-layer1"),
+    # D = 256: two-stage pipeline, output stored in four 64-column chunks; 3 kv heads (C = 3)
+    pytest.param(4, 3, 256, 8, jnp.bfloat16, None, None, 2, id="gqa4-k3-d256-s8-bf16-split2"),
+    pytest.param(8, 2, 64, 32, jnp.float32, 30.0, None, 3, id="gqa8-d64-s32-f32-softcap-split3"),
     # S = 128: a KV step is a 64-token slice of one page
-    pytest.param(4, 64, 128, jnp.float32, None, 20, 2, id="gqa4-d64-s128-f32-window-split2"),
+    pytest.param(4, 2, 64, 128, jnp.float32, None, 20, 2, id="gqa4-d64-s128-f32-window-split2"),
 ]
 
 
-@pytest.mark.parametrize("g,d,s,dtype,soft_cap,window,splits", DECODE_FAST)
-def test_decode_matches_oracle_despite_nan_pages(g, d, s, dtype, soft_cap, window, splits):
+@pytest.mark.parametrize("g,kv_heads,d,s,dtype,soft_cap,window,splits", DECODE_FAST)
+def test_decode_matches_oracle_despite_nan_pages(
+    g, kv_heads, d, s, dtype, soft_cap, window, splits
+):
     m = max(2, 128 // s)
     cap = m * s
     lengths = [1, 0, s, cap, 2 * s + 3][: 4 if s >= 64 else 5]
-    stacked = g == 1  # the MHA case also reads layer 1 of stacked [L, K, N, S, D] pages
-    q, k, v, lengths, tables = _decode_case(
-        0, g=g, d=d, s=s, m=m, lengths=lengths, dtype=dtype, layers=2 if stacked else 0
+    layers, layer = (2, 1) if g == 1 else (1, 0)  # the MHA case reads layer 1 of two
+    q, kv, lengths, tables = _decode_case(
+        0, g=g, kv_heads=kv_heads, d=d, s=s, m=m, lengths=lengths, dtype=dtype, layers=layers
     )
+    if layers > 1:  # the other layer differs: reading it would show
+        kv = kv.at[0].multiply(-2.0)
     kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap, sliding_window=window)
-    extra = dict(layer=jnp.int32(1)) if stacked else {}
     out = ga.paged_attention_gpu(
-        q, k, v, lengths, tables, interpret=INTERPRET, num_splits=splits, **kw, **extra
-    )
-    if stacked:
-        k, v = k[1], v[1]
-    want = reference.paged_attention_reference(q, k, v, lengths, tables, **kw)
+        q, kv, lengths, tables, num_kv_heads=kv_heads, interpret=INTERPRET, num_splits=splits,
+        layer=jnp.int32(layer), **kw,
+    )  # fmt: skip
+    want = _decode_want(q, kv, kv_heads, lengths, tables, layer, **kw)
     _check(out, want, dtype)
     np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)  # length 0 -> zeros
 
@@ -126,10 +153,10 @@ def test_decode_matches_oracle_despite_nan_pages(g, d, s, dtype, soft_cap, windo
 @pytest.mark.skipif(ON_GPU, reason="the race detector is part of the CPU interpreter")
 def test_pipeline_has_no_smem_races_when_stages_are_reused():
     """5 KV steps through 3 stages: every TMA write is ordered after the reads of the stage."""
-    q, k, v, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 70])
+    q, kv, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 70])
     try:
         out = ga.paged_attention_gpu(
-            q, k, v, lengths, tables, sm_scale=0.125, num_splits=1,
+            q, kv, lengths, tables, num_kv_heads=1, sm_scale=0.125, num_splits=1,
             interpret=compat.mosaic_gpu_interpret_params(detect_races=True),
         )  # fmt: skip
         jax.block_until_ready(out)
@@ -137,7 +164,7 @@ def test_pipeline_has_no_smem_races_when_stages_are_reused():
         races = compat.mosaic_gpu_races_found()
         compat.mosaic_gpu_reset_interpreter()
     assert not races
-    want = reference.paged_attention_reference(q, k, v, lengths, tables, sm_scale=0.125)
+    want = _decode_want(q, kv, 1, lengths, tables, sm_scale=0.125)
     _check(out, want, jnp.float32)
 
 
@@ -145,11 +172,13 @@ def test_few_live_sequences_get_split_by_need_and_dead_items_are_ignored():
     """Default splits: one live sequence of 5 KV steps takes 5 items of the budget (the other
     items, and the empty sequence, are dead: no Q load, no output write, ignored by the
     combine), and the result is the oracle's."""
-    q, k, v, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 0])
+    q, kv, lengths, tables = _decode_case(9, g=4, kv_heads=1, s=32, m=10, lengths=[300, 0])
     items, item_tile = work.plan_items(ga.decode_work(lengths, None), 1, None, True)
     np.testing.assert_array_equal(np.asarray(item_tile), [0, 0, 0, 0, 0, 2, 2, 2])
-    out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, interpret=INTERPRET)
-    want = reference.paged_attention_reference(q, k, v, lengths, tables, sm_scale=0.125)
+    out = ga.paged_attention_gpu(
+        q, kv, lengths, tables, num_kv_heads=1, sm_scale=0.125, interpret=INTERPRET
+    )
+    want = _decode_want(q, kv, 1, lengths, tables, sm_scale=0.125)
     _check(out, want, jnp.float32)
 
 
@@ -170,41 +199,62 @@ MIXED_ROWS = [(1, 37), (20, 20), (9, 48), (3, 19), (1, 1)]
     ],
 )
 def test_ragged_mixed_batch_matches_oracle(g, dtype, soft_cap, window, via_dispatch):
-    q, k, v, kv_lens, tables, cu, nseq = _ragged_case(
+    q, kv, kv_lens, tables, cu, nseq = _ragged_case(
         4, g=g, rows=MIXED_ROWS, pad_rows=3, dtype=dtype
     )
     kw = dict(sm_scale=0.125, soft_cap=soft_cap, sliding_window=window)
-    args = (q, k, v, kv_lens, tables, cu, nseq)
+    args = (q, kv, kv_lens, tables, cu, nseq)
     if via_dispatch:  # kernels_pallas.ragged_paged_attention(impl="pallas_gpu") -> this kernel
-        cache = as_cache(k, v)  # the public cache holding these (NaN-filled) pages
+        cache = as_cache(kv, 2)  # the public cache holding these (NaN-filled) pages
         out = kp.ragged_paged_attention(
-            q, cache, *args[3:], impl="pallas_gpu", interpret=INTERPRET, **kw
+            q, cache, *args[2:], impl="pallas_gpu", interpret=INTERPRET, **kw
         )
     else:
-        out = ga.ragged_paged_attention_gpu(*args, interpret=INTERPRET, num_splits=2, **kw)
-    want = reference.ragged_paged_attention_reference(*args, **kw)
+        out = ga.ragged_paged_attention_gpu(
+            *args, num_kv_heads=2, interpret=INTERPRET, num_splits=2, **kw
+        )
+    want = _ragged_want(q, kv, 2, *args[2:], **kw)
     _check(out, want, dtype)
     np.testing.assert_array_equal(np.asarray(out[int(cu[nseq]) :], np.float32), 0.0)
+
+
+def test_triton_reads_each_heads_k_and_v_from_8bit_pages_with_a_dummy_head():
+    """The Pallas Triton kernel (interpreted) on int8 pages of 3 kv heads: 4 heads a 32-bit
+    word, so ``C = 2`` rows hold K0 V0 K1 V1 | K2 V2 and a dummy head; layer 1 of 2; unwritten
+    slots and the other layer hold extreme values a wrong read would show."""
+    kh, kw = 3, dict(sm_scale=0.25, k_scale=0.03, v_scale=0.02)
+    q, kv, kv_lens, tables, cu, nseq = _ragged_case(
+        6, g=2, kv_heads=kh, d=16, s=8, m=7, rows=MIXED_ROWS, pad_rows=2, dtype=jnp.int8
+    )
+    kv = jnp.concatenate([jnp.full_like(kv, -127), kv])  # layer 0: junk
+    assert kv.shape[3:5] == (2, 4) and kv_layout.kv_head_pad(kh, kv.dtype) == 1
+    args = (q, kv, kv_lens, tables, cu, nseq)
+    out = ta.ragged_paged_attention_triton(*args, num_kv_heads=kh, layer=1, interpret=True, **kw)
+    _check(out, _ragged_want(q, kv, kh, *args[2:], layer=1, **kw), jnp.float32)
+    b = len(MIXED_ROWS)
+    out = ta.paged_attention_triton(
+        q[:b], kv, kv_lens[:b], tables[:b], num_kv_heads=kh, layer=jnp.int32(1), num_splits=2,
+        interpret=True, **kw,
+    )  # fmt: skip
+    _check(out, _decode_want(q[:b], kv, kh, kv_lens[:b], tables[:b], 1, **kw), jnp.float32)
 
 
 def test_f32_pages_outside_interpret_take_the_xla_path_reading_the_stacked_layer():
     """The compiled kernel's wgmma takes bf16/f16 only: f32 pages outside interpret mode run
     the exact XLA path (on any backend), which must read layer 1 of stacked pages, not 0."""
-    q, k, v, lengths, tables = _decode_case(3, g=2, lengths=[5, 19, 0], layers=3)
-    k = k.at[0].multiply(3.0)  # layers 0 and 2 differ from layer 1: a wrong layer shows
-    v = v.at[2].multiply(-1.0)
-    out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, layer=jnp.int32(1))
-    want = reference.paged_attention_reference(q, k[1], v[1], lengths, tables, sm_scale=0.125)
+    q, kv, lengths, tables = _decode_case(3, g=2, lengths=[5, 19, 0], layers=3)
+    kv = kv.at[0].multiply(3.0).at[2].multiply(-1.0)  # a wrong layer shows
+    out = ga.paged_attention_gpu(
+        q, kv, lengths, tables, num_kv_heads=2, sm_scale=0.125, layer=jnp.int32(1)
+    )
+    want = _decode_want(q, kv, 2, lengths, tables, 1, sm_scale=0.125)
     _check(out, want, jnp.float32)
 
-    q, k1, v1, kv_lens, tables, cu, nseq = _ragged_case(5, g=2, rows=MIXED_ROWS, pad_rows=2)
-    k = jnp.stack([3.0 * k1, k1, k1])
-    v = jnp.stack([v1, v1, -v1])
-    args = (q, k, v, kv_lens, tables, cu, nseq)
-    out = ga.ragged_paged_attention_gpu(*args, sm_scale=0.125, layer=1)
-    want = reference.ragged_paged_attention_reference(
-        q, k1, v1, kv_lens, tables, cu, nseq, sm_scale=0.125
-    )
+    q, kv1, kv_lens, tables, cu, nseq = _ragged_case(5, g=2, rows=MIXED_ROWS, pad_rows=2)
+    kv = jnp.concatenate([3.0 * kv1, kv1, -kv1])
+    args = (q, kv, kv_lens, tables, cu, nseq)
+    out = ga.ragged_paged_attention_gpu(*args, num_kv_heads=2, sm_scale=0.125, layer=1)
+    want = _ragged_want(*args[:2], 2, *args[2:], layer=1, sm_scale=0.125)
     _check(out, want, jnp.float32)
 
 
@@ -380,31 +430,33 @@ def test_unsupported_reason_names_each_hardware_limit():
 
 def test_float32_without_interpret_falls_back_to_the_exact_xla_path():
     """wgmma would read float32 as tf32; compiled float32 calls use the XLA scan instead."""
-    q, k, v, lengths, tables = _decode_case(1, g=4, s=8, m=12, lengths=[96, 0, 7])
-    out = ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=0.125, sliding_window=30)
-    want = reference.paged_attention_reference(
-        q, k, v, lengths, tables, sm_scale=0.125, sliding_window=30
-    )
-    _check(out, want, jnp.float32)
+    q, kv, lengths, tables = _decode_case(1, g=4, s=8, m=12, lengths=[96, 0, 7])
+    kw = dict(sm_scale=0.125, sliding_window=30)
+    out = ga.paged_attention_gpu(q, kv, lengths, tables, num_kv_heads=2, **kw)
+    _check(out, _decode_want(q, kv, 2, lengths, tables, **kw), jnp.float32)
 
 
 def test_kv_stages_over_the_shared_memory_limit_raise_value_error():
     assert ga.smem_bytes(256, jnp.bfloat16, ga.default_kv_stages(256)) <= ga.SMEM_LIMIT
     assert ga.smem_bytes(128, jnp.bfloat16, ga.default_kv_stages(128)) <= ga.SMEM_LIMIT
-    q, k, v, lengths, tables = _decode_case(8, g=1, d=256, s=8, m=2, lengths=[3])
-    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    q, kv, lengths, tables = _decode_case(8, g=1, d=256, s=8, m=2, lengths=[3], dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
-        ga.paged_attention_gpu(q, k, v, lengths, tables, sm_scale=1.0, kv_stages=3)
+        ga.paged_attention_gpu(q, kv, lengths, tables, num_kv_heads=2, sm_scale=1.0, kv_stages=3)
 
 
 def test_unsupported_geometry_raises_value_error_before_tracing():
-    q, k, v, lengths, tables = _decode_case(8, g=1, s=8, m=2, lengths=[3])
-    k12 = jnp.zeros((2, 8, 12, 64), jnp.float32)
+    q, kv, lengths, tables = _decode_case(8, g=1, s=8, m=2, lengths=[3])
+    kw = dict(sm_scale=1.0, interpret=True)
+    kv12 = jnp.zeros((1, 8, 12, 4, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="block_size=12"):
-        ga.paged_attention_gpu(q, k12, k12, lengths, tables, sm_scale=1.0, interpret=True)
+        ga.paged_attention_gpu(q, kv12, lengths, tables, num_kv_heads=2, **kw)
     q3 = jnp.zeros((1, 6, 64), jnp.float32)  # G = 3 does not divide 64
     with pytest.raises(ValueError, match="divide"):
-        ga.paged_attention_gpu(q3, k, v, lengths, tables, sm_scale=1.0, interpret=True)
+        ga.paged_attention_gpu(q3, kv, lengths, tables, num_kv_heads=2, **kw)
+    with pytest.raises(ValueError, match="num_kv_heads=3 does not fit"):  # 2 heads' K and V
+        ga.paged_attention_gpu(q3, kv, lengths, tables, num_kv_heads=3, **kw)
+    with pytest.raises(ValueError, match=r"\[L, N, S, C, P, D\]"):  # one layer: not stacked
+        ga.paged_attention_gpu(q, kv[0], lengths, tables, num_kv_heads=2, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,14 +475,15 @@ def test_unsupported_geometry_raises_value_error_before_tracing():
 def test_decode_wide_grid(s, dtype, g, d):
     m = max(2, 128 // s)
     lengths = [1, 0, s, m * s, min(m * s, 2 * s + 5)]
-    q, k, v, lengths, tables = _decode_case(
+    q, kv, lengths, tables = _decode_case(
         11, g=g, kv_heads=1, d=d, s=s, m=m, lengths=lengths, dtype=dtype
     )
     for soft_cap, window in [(None, None), (25.0, s + 3)]:
         kw = dict(sm_scale=d**-0.5, soft_cap=soft_cap, sliding_window=window)
-        out = ga.paged_attention_gpu(q, k, v, lengths, tables, interpret=INTERPRET, **kw)
-        want = reference.paged_attention_reference(q, k, v, lengths, tables, **kw)
-        _check(out, want, dtype)
+        out = ga.paged_attention_gpu(
+            q, kv, lengths, tables, num_kv_heads=1, interpret=INTERPRET, **kw
+        )
+        _check(out, _decode_want(q, kv, 1, lengths, tables, **kw), dtype)
 
 
 @pytest.mark.slow
@@ -439,12 +492,10 @@ def test_decode_wide_grid(s, dtype, g, d):
 @pytest.mark.parametrize("s", [8, 32])
 @pytest.mark.parametrize("window", [None, 7])
 def test_ragged_wide_grid(dtype, g, s, window):
-    q, k, v, kv_lens, tables, cu, nseq = _ragged_case(
+    q, kv, kv_lens, tables, cu, nseq = _ragged_case(
         12, g=g, s=s, m=-(-64 // s), rows=MIXED_ROWS + [(12, 64)], pad_rows=2, dtype=dtype
     )
     kw = dict(sm_scale=0.125, soft_cap=30.0, sliding_window=window)
-    out = ga.ragged_paged_attention_gpu(
-        q, k, v, kv_lens, tables, cu, nseq, interpret=INTERPRET, **kw
-    )
-    want = reference.ragged_paged_attention_reference(q, k, v, kv_lens, tables, cu, nseq, **kw)
-    _check(out, want, dtype)
+    args = (q, kv, kv_lens, tables, cu, nseq)
+    out = ga.ragged_paged_attention_gpu(*args, num_kv_heads=2, interpret=INTERPRET, **kw)
+    _check(out, _ragged_want(q, kv, 2, *args[2:], **kw), dtype)
