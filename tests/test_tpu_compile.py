@@ -242,7 +242,7 @@ def test_a_kernel_mosaic_rejects_falls_back_to_xla_with_one_warning(chip, monkey
 
     from kernels_pallas.tpu import paged_attention as mod
 
-    def too_big(q, k_pages, v_pages, lengths, block_tables, **kw):
+    def too_big(q, kv_pages, lengths, block_tables, **kw):
         def kernel(q_ref, o_ref, scratch):
             o_ref[...] = q_ref[...]
 

@@ -4,14 +4,20 @@
   (``memory_space=ANY``) and one sequence's row ``i32[M]`` at a time is DMA'd into a two-slot,
   flat SMEM scratch, so a batch's tables (256 sequences x 32K tokens = 2 MiB at ``S = 16``) never
   have to fit in SMEM (1 MiB on v5e/v6e, shared with the other scalars).
-* :class:`KVStream`: the DMAs that bring ``P`` KV pages of one layer, all ``K`` kv heads at
-  once (one descriptor per page for K and one for V: ``pages.at[layer, :, block]`` is
-  ``[K, S, D]``), into one slot of a double-buffered, page-major VMEM scratch
-  ``[2, P, K, S, D]``; a slot is waited for ONCE per buffer, with a descriptor as large as
-  all of its copies. Pages outside ``[first, end)`` are neither copied nor waited on (their
-  VMEM rows keep stale data, which the caller masks with ``where``). Block ids are used as
-  read: the kernels' wrappers clip the tables to ``[0, N)`` (negative = no block: 0), one
-  elementwise op per call instead of a clamp per page.
+* :class:`KVStream`: the DMAs that bring ``P`` KV pages of one layer into one slot of a
+  double-buffered VMEM scratch ``[2, P * S, R, W, Dp]`` (:func:`kv_buffer_shape`), one
+  descriptor per page for K and V of every kv head together (``kv_pages.at[layer, block]``,
+  ``[S, C, W, Dp]``, is contiguous: :mod:`kernels_pallas.kv_layout`); a slot is waited for
+  ONCE per step, with a descriptor as large as all of its copies. Pages outside ``[first,
+  end)`` are neither copied nor waited on (their VMEM rows keep stale data, which the caller
+  masks with ``where``). Block ids are used as read: the kernels' wrappers clip the tables to
+  ``[0, N)`` (negative = no block: 0), one elementwise op per call instead of a clamp per page.
+* :func:`load_kv_head`: one kv head's K and V ``[keys, Dp]`` out of a slot: the slot seen as
+  32-bit words ``[P * S * R, Dp]``, the head's word row loaded every ``R`` rows (a strided
+  sublane load), and for packed dtypes its K and V taken out of the word by shifts and a
+  truncation (bf16: K the low half, V the high half). ``R`` is ``C``, or ``C + 1`` where a
+  stride of ``C`` words would put the rows of one strided load in the same VMEM banks
+  (:func:`kv_row_stride`; the extra row is never written nor read).
 * :func:`attend_step`: one flash-attention update of the ``(m, l, acc)`` VMEM state of every
   kv head (statistics lane-dense in the ragged kernel: :func:`state_scratch`), with bf16/f16
   operands fed to the MXU as they are (float32 accumulation), a ``where``-mask so NaN garbage
@@ -54,13 +60,52 @@ def vmem_tile_bytes(rows: int, cols: int, itemsize: int) -> int:
     return -(-rows // sub) * sub * -(-cols // 128) * 128 * itemsize
 
 
+def kv_row_stride(combined_rows: int) -> int:
+    """``R``, 32-bit word rows per token in a KV VMEM buffer: ``C``, or ``C + 1`` when a
+    strided load of every ``C``-th row would hit one of 32 VMEM banks twice within 24 rows
+    (the padding tpu-inference's RPA v3 applies to the same loads)."""
+    banks = {(i * combined_rows) % 32 for i in range(24)}
+    return combined_rows + 1 if len(banks) < 24 else combined_rows
+
+
+def kv_buffer_shape(
+    pages: int, block_size: int, combined_rows: int, packing: int, head_dim: int
+) -> tuple[int, ...]:
+    """The KV double buffer ``[2, P * S, R, W, Dp]`` (``R = kv_row_stride(C)``, ``W`` the
+    packing): two slots of ``P`` pages, token-major, a token's ``C`` rows of words (and the
+    unused padding row, if any) together."""
+    return (2, pages * block_size, kv_row_stride(combined_rows), packing, head_dim)
+
+
+def kv_buffer_bytes(pages: int, block_size: int, combined_rows: int, head_dim: int) -> int:
+    """VMEM of :func:`kv_buffer_shape`'s buffer: every row is a 32-bit word per lane (the
+    packed dtypes' ``[W, Dp]`` tile is one word row), ``Dp`` padded to 128 lanes."""
+    lanes = -(-head_dim // 128) * 128
+    return 2 * pages * block_size * kv_row_stride(combined_rows) * 4 * lanes
+
+
+def kv_page_bytes(block_size: int, combined_rows: int, head_dim: int) -> int:
+    """Bytes of one page of one layer, K and V of every head (``S * C`` word rows): what a
+    step's buffers are budgeted by (the padding row, if any, is left out of the budget so
+    the step sizes stay those of the K / V layout at the same bytes)."""
+    return block_size * combined_rows * 4 * (-(-head_dim // 128) * 128)
+
+
+def combined_rows_of(kv_heads: int, itemsize: int) -> int:
+    """``C`` of ``kv_heads`` heads of ``itemsize``-byte elements
+    (:func:`kernels_pallas.kv_layout.combined_rows`)."""
+    packing = max(1, 4 // itemsize)
+    return -(-2 * kv_heads // packing)
+
+
 def default_pages_per_compute_block(
     block_size: int, max_blocks: int, target_tokens: int, *, kv_heads: int, head_dim: int,
     itemsize: int,
 ) -> int:  # fmt: skip
     """Pages per compute step: about ``target_tokens`` keys, at most ``max_blocks`` pages,
-    and small enough that the four ``[P, K, S, D]`` KV buffers fit :data:`KV_VMEM_BUDGET`."""
-    per_page = 4 * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)
+    and small enough that two slots of pages fit :data:`KV_VMEM_BUDGET` (``head_dim`` the
+    stored ``Dp``)."""
+    per_page = 2 * kv_page_bytes(block_size, combined_rows_of(kv_heads, itemsize), head_dim)
     p = min(max_blocks, max(1, target_tokens // block_size), KV_VMEM_BUDGET // per_page)
     return int(max(1, p))
 
@@ -128,20 +173,18 @@ class TableRows:
 
 @dataclasses.dataclass(frozen=True)
 class KVStream:
-    """DMAs of up to ``P`` pages (all kv heads) of one layer from HBM into a VMEM slot.
+    """DMAs of up to ``P`` pages (K and V of every kv head) of one layer into a VMEM slot.
 
     Attributes:
-      k_hbm, v_hbm: ``[L, K, N, S, D]`` refs left in HBM (``memory_space=ANY``).
-      k_buf, v_buf: ``[2, P, K, S, D]`` VMEM scratch (two slots for double buffering).
-      sem: DMA semaphores ``[2]``, one per slot (the K and V copies of a slot share it).
+      kv_hbm: ``[L, N, S, C, W, Dp]`` ref left in HBM (``memory_space=ANY``).
+      kv_buf: ``[2, P * S, R, W, Dp]`` VMEM scratch (:func:`kv_buffer_shape`; two slots).
+      sem: DMA semaphores ``[2]``, one per slot.
       table: :class:`TableRows` (flat SMEM rows of ``W >= M + P`` entries).
-      layer: scalar selecting ``k_hbm.at[layer]``.
+      layer: scalar selecting ``kv_hbm.at[layer]``.
     """
 
-    k_hbm: Any
-    v_hbm: Any
-    k_buf: Any
-    v_buf: Any
+    kv_hbm: Any
+    kv_buf: Any
     sem: Any
     table: TableRows
     layer: jax.Array
@@ -149,39 +192,111 @@ class KVStream:
     def start(self, tslot, first_page, end_page, slot) -> None:
         """Start copying pages ``first_page + j`` (``j < P``) that are ``< end_page``
         (``end_page <= M``)."""
-        n_pages = self.k_buf.shape[1]
+        s = self.kv_hbm.shape[2]
+        n_pages = self.kv_buf.shape[1] // s
         row = tslot * self.table.row_len + first_page
         n_valid = end_page - first_page  # copies j < n_valid run: one compare with a constant
         for j in range(n_pages):
             # Table entries are in [0, N) (the kernels' wrappers clip the tables), so a block
             # id is used as read; a skipped copy's read stays in the row (W >= M + P).
             block = self.table.rows[row + j]
-            kc = pltpu.make_async_copy(
-                self.k_hbm.at[self.layer, :, block], self.k_buf.at[slot, j], self.sem.at[slot]
-            )
-            vc = pltpu.make_async_copy(
-                self.v_hbm.at[self.layer, :, block], self.v_buf.at[slot, j], self.sem.at[slot]
-            )
+            copy = page_copy(self.kv_hbm, self.kv_buf, self.layer, block, slot, j, self.sem)
 
             @pl.when(n_valid > j)
-            def _start(kc=kc, vc=vc):
-                kc.start()
-                vc.start()
+            def _start(copy=copy):
+                copy.start()
 
     def wait(self, tslot, first_page, end_page, slot) -> None:
-        """Wait for every copy :meth:`start` issued with the same arguments: one wait per
-        buffer, for the bytes of all of them (a DMA semaphore counts bytes)."""
+        """Wait for every copy :meth:`start` issued with the same arguments: one wait for the
+        bytes of all of them (a DMA semaphore counts bytes)."""
         del tslot
-        n = jnp.clip(end_page - first_page, 0, self.k_buf.shape[1])
-        for buf in (self.k_buf, self.v_buf):
-            whole = buf.at[slot, pl.ds(0, n)]
-            pltpu.make_async_copy(whole, whole, self.sem.at[slot]).wait()
+        s = self.kv_hbm.shape[2]
+        n = jnp.clip(end_page - first_page, 0, self.kv_buf.shape[1] // s)
+        wait_pages(self.kv_buf, self.kv_hbm.shape[3], slot, n * s, self.sem)
+
+
+def _slot_rows(kv_buf: Any, combined_rows: int) -> Any:
+    """The rows a slot's copies write: all of ``kv_buf``'s, or its first ``C`` of ``R``."""
+    if kv_buf.shape[2] == combined_rows:
+        return kv_buf
+    return kv_buf.at[:, :, pl.ds(0, combined_rows)]
+
+
+def page_copy(kv_hbm, kv_buf, layer, block, slot, j: int, sem):
+    """The DMA of page ``block`` of ``layer`` (``[S, C, W, Dp]``, contiguous) into page
+    ``j`` of a slot of ``kv_buf`` ``[2, P * S, R, W, Dp]``: one descriptor, K and V of every
+    kv head."""
+    s, c = kv_hbm.shape[2], kv_hbm.shape[3]
+    dst = _slot_rows(kv_buf, c).at[slot, pl.ds(j * s, s)]
+    return pltpu.make_async_copy(kv_hbm.at[layer, block], dst, sem.at[slot])
+
+
+def wait_pages(kv_buf, combined_rows: int, slot, tokens, sem) -> None:
+    """One wait for every page copy of a slot: a descriptor as large as ``tokens`` tokens'
+    rows (the copies' bytes together; a DMA semaphore counts bytes)."""
+    whole = _slot_rows(kv_buf, combined_rows).at[slot, pl.ds(0, tokens)]
+    pltpu.make_async_copy(whole, whole, sem.at[slot]).wait()
+
+
+def _strided_rows(words: Any, start: int, n: int, stride: int) -> jax.Array:
+    """Rows ``start, start + stride, ...`` (``n`` of them) of a ``u32[rows, Dp]`` ref: one
+    strided sublane load per 128 lanes (a ``Dp = 256`` ref is seen as ``[2 * rows, 128]``)."""
+    rows, lanes = words.shape
+    folds = lanes // 128 if lanes % 128 == 0 else 1
+    if folds == 1:
+        return words[pl.ds(start, n, stride=stride)] if stride > 1 else words[pl.ds(start, n)]
+    flat = words.reshape(rows * folds, 128)
+    parts = [flat[pl.ds(start * folds + f, n, stride=stride * folds)] for f in range(folds)]
+    return jnp.concatenate(parts, axis=1)
+
+
+def _word_rows(kv_buf: Any, slot: jax.Array, row: int, keys: int, interpret: bool) -> jax.Array:
+    """Word row ``row`` of the first ``keys`` tokens of a slot, ``u32[keys, Dp]`` (``f32``
+    for 4-byte pages): compiled, one strided load per 128 lanes of the slot seen as 32-bit
+    words ``[P * S * R, Dp]``; in interpret mode (which does not take reshaped refs) the same
+    words from the loaded ``[keys, R, W, Dp]`` slot, element ``j`` of a word in its ``j``-th
+    lowest bits (the TPU's packing of ``[W, 128]`` tiles)."""
+    _, tokens, stride, pack, dp = kv_buf.shape
+    if interpret:
+        x = kv_buf[slot, pl.ds(0, keys), row]  # [keys, W, Dp]
+        if pack == 1:
+            return x[:, 0]
+        return lax.bitcast_convert_type(jnp.swapaxes(x, 1, 2), jnp.uint32)
+    words = kv_buf if pack == 1 else kv_buf.bitcast(jnp.uint32)
+    words = words.at[slot].reshape(tokens * stride, dp)
+    return _strided_rows(words, row, keys, stride)
+
+
+def load_kv_head(
+    kv_buf: Any, slot: jax.Array, head: int, keys: int, interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """Kv head ``head``'s K and V ``[keys, Dp]`` (the pages' dtype) from the first ``keys``
+    tokens of slot ``slot`` of ``kv_buf`` ``[2, P * S, R, W, Dp]``.
+
+    Combined head ``2 * head`` (K) and ``2 * head + 1`` (V) sit in word row ``(2 * head) //
+    W`` of each token (:func:`kernels_pallas.kv_layout.kv_row`): for ``W = 1`` (4-byte dtypes)
+    two rows, each loaded every ``R`` rows; for ``W = 2, 4`` one row, K at bit ``b * ((2 *
+    head) % W)`` and V the next ``b`` bits (``b = 32 / W``), moved down and truncated.
+    """
+    pack = kv_buf.shape[3]
+    if pack == 1:
+        k = _word_rows(kv_buf, slot, 2 * head, keys, interpret)
+        v = _word_rows(kv_buf, slot, 2 * head + 1, keys, interpret)
+        return k, v
+    row = _word_rows(kv_buf, slot, (2 * head) // pack, keys, interpret)
+    bits = 32 // pack
+    narrow = jnp.dtype(f"uint{bits}")
+    shift = bits * ((2 * head) % pack)
+    k = (row >> shift) if shift else row
+    v = k >> bits
+    k = lax.bitcast_convert_type(k.astype(narrow), kv_buf.dtype)
+    v = lax.bitcast_convert_type(v.astype(narrow), kv_buf.dtype)
+    return k, v
 
 
 def attend_step(
     q_ref: Any,
-    k_buf: Any,
-    v_buf: Any,
+    kv_buf: Any,
     slot: jax.Array,
     state: tuple[Any, Any, Any],
     mask: jax.Array | None,
@@ -189,54 +304,56 @@ def attend_step(
     *,
     sm_scale: float,
     soft_cap: float | None,
-    n_pages: int | None = None,
+    keys: int | None = None,
     k_scale: jax.Array | None = None,
+    interpret: bool = False,
 ) -> None:
-    """One flash-attention step of R query rows against ``C = P * S`` keys, every kv head.
+    """One flash-attention step of R query rows against ``T`` keys, every kv head.
 
     Args:
       q_ref: ``[K, R, D]`` queries (VMEM, input dtype: bf16 stays bf16 on the MXU).
-      k_buf, v_buf: ``[2, P, K, S, D]`` VMEM; slot ``slot`` holds this step's pages. Keys not
-        in ``mask`` may hold anything (NaN included).
+      kv_buf: ``[2, P * S, R, W, Dp]`` VMEM (:func:`kv_buffer_shape`); slot ``slot`` holds
+        this step's pages, token-major. Keys not in ``mask`` may hold anything (NaN
+        included).
       slot: which buffer slot.
       state: ``(m f32[K, R, L], l f32[K, R, L], acc f32[K, R, D])`` VMEM refs, updated; the
         statistics one lane (``L = 1``, the decode kernel) or lane-dense (``L = 128``, each
         row's value in every lane, :func:`state_scratch`).
-      mask: ``bool[R, C]``, which (row, key) pairs count; None: every pair (no masking).
-      key_ok: ``bool[C, 1]``, keys that count for at least one row: other value rows are
+      mask: ``bool[R, T]``, which (row, key) pairs count; None: every pair (no masking).
+      key_ok: ``bool[T, 1]``, keys that count for at least one row: other value rows are
         zeroed so NaN garbage cannot pass through ``p @ v`` (keys need no such care: their
         logits are replaced by ``where``); None with ``mask=None``.
       sm_scale: logit scale (applied to the float32 logits).
       soft_cap: optional logit soft cap.
-      n_pages: attend to the slot's first ``n_pages`` pages only (static; default all ``P``):
-        ``C = n_pages * S``, and ``mask`` / ``key_ok`` cover those keys.
+      keys: attend to the slot's first ``keys`` tokens only (static; default all ``P * S``):
+        ``T = keys``, and ``mask`` / ``key_ok`` cover those keys.
       k_scale: 8-bit pages: the layer's K scale (a traced f32 scalar). Pages of another
         dtype than the queries' (8-bit ones) are converted to it after their DMA, and the K
         scale joins ``sm_scale`` (the V scale is applied by :func:`finish`).
+      interpret: TPU interpret mode (:func:`load_kv_head` reads the slot without reshaped
+        refs).
 
-    The heads are unrolled (a Python loop), so one head's P.V can overlap the next head's
-    Q.K^T in the schedule.
+    Each head's K and V are taken out of the slot by :func:`load_kv_head`. The heads are
+    unrolled (a Python loop), so one head's P.V can overlap the next head's Q.K^T in the
+    schedule.
     """
     m_ref, l_ref, acc_ref = state
-    _, slot_pages, kh, s, d = k_buf.shape  # [2, P, K, S, D]
-    n_pages = n_pages or slot_pages
-    keys = n_pages * s
+    kh, _, d = q_ref.shape
+    keys = keys or kv_buf.shape[1]
     for h in range(kh):
-        k = k_buf[slot, :n_pages, h]  # [P, S, D]
-        v = v_buf[slot, :n_pages, h]
+        k, v = load_kv_head(kv_buf, slot, h, keys, interpret)  # [T, Dp] each
         if k.dtype != q_ref.dtype:  # 8-bit pages: to the queries' dtype (scales applied later)
             k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
-        k, v = k.reshape(keys, d), v.reshape(keys, d)  # [C, D]
         if key_ok is not None:
             v = jnp.where(key_ok, v, jnp.zeros_like(v))
         logits = lax.dot_general(
             q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [R, C]
+        )  # [R, T]
         m_prev = m_ref[h]  # [R, 1] or lane-dense [R, 128], scaled units
         scale = sm_scale if k_scale is None else sm_scale * k_scale
         if soft_cap is None and sm_scale > 0:
             # The scale rides in the exponent: exp(scale * x - m) = 2^(x * scale * log2(e) -
-            # m * log2(e)). The max of unscaled logits is scaled on [R, 1], so no [R, C] pass
+            # m * log2(e)). The max of unscaled logits is scaled on [R, 1], so no [R, T] pass
             # multiplies (and stores) scaled logits.
             if mask is not None:  # a fill that stays finite once scaled
                 fill = (
@@ -334,20 +451,19 @@ def state_scratch(kv_heads: int, rows: int, head_dim: int) -> list:
 
 def pipeline_scratch(
     *, kv_heads: int, rows: int, pages: int, block_size: int, head_dim: int, max_blocks: int,
-    k_dtype: Any, v_dtype: Any,
+    combined_rows: int, packing: int, kv_dtype: Any,
 ) -> list:  # fmt: skip
     """Every scratch buffer of an attention kernel, in the order its body receives them.
 
     ``i32[2 * W]`` SMEM table rows (:class:`TableRows`, ``W = table_row_len(M, P)``), the
-    ``[2, P, K, S, D]`` K and V VMEM double buffers (:class:`KVStream`), the ``(m, l, acc)``
+    ``[2, P * S, R, W, Dp]`` KV VMEM double buffer (:class:`KVStream`), the ``(m, l, acc)``
     softmax state of ``rows`` query rows per kv head (:func:`state_scratch`), then the DMA
     semaphores ``[2]`` of the table rows and of the KV slots.
     """
-    kv_shape = (2, pages, kv_heads, block_size, head_dim)
+    shape = kv_buffer_shape(pages, block_size, combined_rows, packing, head_dim)
     return [
         pltpu.SMEM((2 * table_row_len(max_blocks, pages),), jnp.int32),
-        pltpu.VMEM(kv_shape, k_dtype),
-        pltpu.VMEM(kv_shape, v_dtype),
+        pltpu.VMEM(shape, kv_dtype),
         *state_scratch(kv_heads, rows, head_dim),
         pltpu.SemaphoreType.DMA((2,)),
         pltpu.SemaphoreType.DMA((2,)),
@@ -355,10 +471,10 @@ def pipeline_scratch(
 
 
 def scratch_bytes(
-    *, kv_heads: int, rows: int, pages: int, block_size: int, head_dim: int, itemsize: int
+    *, kv_heads: int, rows: int, pages: int, block_size: int, head_dim: int, combined_rows: int
 ) -> int:
     """VMEM of :func:`pipeline_scratch`'s buffers (padded to tiles)."""
-    kv = 4 * pages * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)
+    kv = kv_buffer_bytes(pages, block_size, combined_rows, head_dim)
     stats = 2 * kv_heads * vmem_tile_bytes(rows, STAT_LANES, 4)
     acc = kv_heads * vmem_tile_bytes(rows, head_dim, 4)
     return kv + stats + acc

@@ -12,13 +12,19 @@ the bundles per KiB of KV below the HBM time (the static schedule of libtpu's fi
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``lengths i32[B]``. Block tables stay in HBM;
   each program DMAs the *next* sequence's table row into SMEM while it computes
   (:class:`~kernels_pallas.tpu._attention_common.TableRows`), so tables of any size work.
-* KV pages stay in HBM (``memory_space=ANY``). A step issues one DMA per page for K and one
-  for V (``pages.at[layer, :, block]``, every kv head) into a two-slot, page-major VMEM
-  scratch ``[2, P, K, S, D]``; step ``j + 1`` is started before step ``j`` is computed, and
-  a step waits ONCE per buffer (a descriptor as large as all of its copies: DMA semaphores
-  count bytes). Bounds checks are off when compiled (every address is in range: the wrapper
-  clips the table to ``[0, N)``, one elementwise op per call, so a page's DMA takes its block
-  id as read, no clamp per page).
+* KV pages stay in HBM (``memory_space=ANY``) in the token-major layout ``kv_pages [L, N, S,
+  C, W, Dp]`` (:mod:`kernels_pallas.kv_layout`: K and V of every kv head of a token side by
+  side, packed ``W`` to a 32-bit word). A step issues ONE DMA per page
+  (``kv_pages.at[layer, block]``, ``[S, C, W, Dp]``, contiguous: K and V of every kv head)
+  into a two-slot VMEM scratch ``[2, P * S, R, W, Dp]``
+  (:func:`~kernels_pallas.tpu._attention_common.kv_buffer_shape`); step ``j + 1`` is started
+  before step ``j`` is computed, and a step waits ONCE (a descriptor as large as all of its
+  copies: DMA semaphores count bytes). In VMEM each kv head's K and V ``[P * S, Dp]`` are
+  taken out of the slot seen as 32-bit words: a strided sublane load of the head's word row
+  of every token, then (bf16, 8-bit) shifts and a truncation
+  (:func:`~kernels_pallas.tpu._attention_common.load_kv_head`). Bounds checks are off when
+  compiled (every address is in range: the wrapper clips the table to ``[0, N)``, one
+  elementwise op per call, so a page's DMA takes its block id as read, no clamp per page).
 * The heads are unrolled. A step whose keys are all visible (the steady state) runs with no
   mask at all; only the step holding the length (or the window's first key) masks logits and
   zeroes the value rows no query may see, so NaN garbage in unwritten slots cannot leak
@@ -52,18 +58,23 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels_pallas.tpu._attention_common import (
     TABLE_ROW_ALIGN,
     attend_step,
+    combined_rows_of,
     dma_tables,
     finish,
+    kv_buffer_bytes,
+    kv_buffer_shape,
+    kv_page_bytes,
+    page_copy,
     reset_state,
     table_row_len,
-    vmem_tile_bytes,
+    wait_pages,
 )
 
 __all__ = ["DECODE_KV_VMEM_BUDGET", "decode_pages_per_step", "paged_attention_tpu"]
 
 _CORES = 2  # TensorCores of a megacore chip (v4, v5p)
 
-#: VMEM for the decode kernel's KV double buffers (K and V, two slots). Decode reads each KV
+#: VMEM for the decode kernel's KV double buffer (two slots of pages). Decode reads each KV
 #: byte once and does little math per byte, so it wants big steps: fixed per-step costs (the
 #: wait, the state update, the loop) are paid once per ``P * S`` keys.
 DECODE_KV_VMEM_BUDGET = 16 * 1024 * 1024
@@ -74,8 +85,10 @@ _DECODE_TARGET_KEYS = 2048
 def decode_pages_per_step(
     block_size: int, max_blocks: int, *, kv_heads: int, head_dim: int, itemsize: int
 ) -> int:
-    """``P``: pages per decode step, ~``_DECODE_TARGET_KEYS`` keys within the VMEM budget."""
-    per_page = 4 * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)  # K, V; 2 slots
+    """``P``: pages per decode step, ~``_DECODE_TARGET_KEYS`` keys within the VMEM budget
+    (``head_dim`` the stored ``Dp``)."""
+    c = combined_rows_of(kv_heads, itemsize)
+    per_page = 2 * kv_page_bytes(block_size, c, head_dim)  # two slots
     p = min(max_blocks, max(1, _DECODE_TARGET_KEYS // block_size))
     return int(max(1, min(p, DECODE_KV_VMEM_BUDGET // per_page)))
 
@@ -87,8 +100,7 @@ def _decode_kernel(
     # inputs
     q_ref,  # [K, G, D] block of q [B_pad, K, G, D]
     tables_hbm,  # i32[B, M] in HBM
-    k_hbm,  # [L, K, N, S, D] in HBM
-    v_hbm,  # [L, K, N, S, D] in HBM
+    kv_hbm,  # [L, N, S, C, W, Dp] in HBM
     *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, G, 1] (head k * G + g's
     #         sink logit); with has_scales, the input scales_ref: SMEM f32[2] (the layer's K
     #         and V scales of 8-bit pages); then the output and the scratch, as unpacked below
@@ -99,6 +111,7 @@ def _decode_kernel(
     sliding_window: int | None,
     num_seqs: int,
     per_core: int,
+    interpret: bool,
 ):
     sinks_ref = refs[0] if has_sinks else None
     scales_ref = refs[int(has_sinks)] if has_scales else None
@@ -108,19 +121,20 @@ def _decode_kernel(
         o_ref,  # [K, G, D]
         table,  # SMEM i32[2 * (M + P)]: table rows of this and the next sequence, flat, each
         #        padded with P entries so a step's last page index needs no clamp
-        k_buf,  # VMEM [2, P, K, S, D]: two slots of P pages, page-major (the pages' dtype)
-        v_buf,  # VMEM [2, P, K, S, D]
+        kv_buf,  # VMEM [2, P * S, R, W, Dp]: two slots of P pages, token-major (pages' dtype)
         m_ref,  # VMEM f32[K, G, 1]
         l_ref,  # VMEM f32[K, G, 1]
         acc_ref,  # VMEM f32[K, G, D]
         table_sem,  # DMA[2]
-        kv_sem,  # DMA[2]: one per slot, for the K and the V copies of that slot
+        kv_sem,  # DMA[2]: one per slot, for the page copies of that slot
     ) = refs[int(has_sinks) + int(has_scales) :]
     seq_in_core = pl.program_id(1)
     seq = pl.program_id(0) * per_core + seq_in_core
     _, g, _ = q_ref.shape
-    _, n_pages, _, block_size, _ = k_buf.shape
-    keys = n_pages * block_size
+    block_size = kv_hbm.shape[2]
+    combined_rows = kv_hbm.shape[3]
+    keys = kv_buf.shape[1]
+    n_pages = keys // block_size
     max_blocks = tables_hbm.shape[1]
     row_len = table.shape[0] // 2  # M + P, rounded up to the 128-entry SMEM tile
     layer = layer_ref[0]
@@ -165,7 +179,7 @@ def _decode_kernel(
     n_steps = (jnp.maximum(end_page - first_page, 0) + n_pages - 1) // n_pages
 
     def start_step(page0, slot):
-        """Start the K and V copy of each page ``page0 + j`` (``j < P``) below ``end_page``."""
+        """Start the copy of each page ``page0 + j`` (``j < P``) below ``end_page``."""
         row = tslot * row_len + page0
         n_valid = end_page - page0  # copies j < n_valid run: one compare with a constant each
         for j in range(n_pages):
@@ -173,25 +187,17 @@ def _decode_kernel(
             # a skipped one (its value unused) inside the row. Entries are in [0, N) (the
             # wrapper clips the table), so the block id is used as read.
             block = table[row + j]
-            kc = pltpu.make_async_copy(
-                k_hbm.at[layer, :, block], k_buf.at[slot, j], kv_sem.at[slot]
-            )
-            vc = pltpu.make_async_copy(
-                v_hbm.at[layer, :, block], v_buf.at[slot, j], kv_sem.at[slot]
-            )
+            copy = page_copy(kv_hbm, kv_buf, layer, block, slot, j, kv_sem)
 
             @pl.when(n_valid > j)
-            def _start(kc=kc, vc=vc):
-                kc.start()
-                vc.start()
+            def _start(copy=copy):
+                copy.start()
 
     def wait_step(page0, slot):
-        # One wait per buffer: a descriptor as large as every copy of the slot together (a
-        # DMA semaphore counts bytes), instead of one wait per page.
+        # One wait: a descriptor as large as every copy of the slot together (a DMA semaphore
+        # counts bytes), instead of one wait per page.
         n = jnp.clip(end_page - page0, 0, n_pages)
-        for buf in (k_buf, v_buf):
-            whole = buf.at[slot, pl.ds(0, n)]
-            pltpu.make_async_copy(whole, whole, kv_sem.at[slot]).wait()
+        wait_pages(kv_buf, combined_rows, slot, n * block_size, kv_sem)
 
     state = (m_ref, l_ref, acc_ref)
     reset_state(state, None if sinks_ref is None else sinks_ref[...])
@@ -214,8 +220,8 @@ def _decode_kernel(
         base = page0 * block_size
         whole = (base + keys <= length) & (base >= first_key)
         attend = functools.partial(
-            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
-            k_scale=k_scale,
+            attend_step, q_ref, kv_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
+            k_scale=k_scale, interpret=interpret,
         )  # fmt: skip
 
         @pl.when(whole)
@@ -241,9 +247,9 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _vmem_limit(pages: int, kv_heads: int, block_size: int, head_dim: int, itemsize: int) -> int:
-    """Scoped VMEM for the decode kernel: its KV buffers plus 8 MiB for everything else."""
-    kv = 4 * pages * kv_heads * vmem_tile_bytes(block_size, head_dim, itemsize)
+def _vmem_limit(pages: int, block_size: int, combined_rows: int, head_dim: int) -> int:
+    """Scoped VMEM for the decode kernel: its KV buffer plus 8 MiB for everything else."""
+    kv = kv_buffer_bytes(pages, block_size, combined_rows, head_dim)
     return int(kv + 8 * 1024 * 1024)
 
 
@@ -255,15 +261,16 @@ def _vmem_limit(pages: int, kv_heads: int, block_size: int, head_dim: int, items
         "sliding_window",
         "interpret",
         "pages_per_compute_block",
+        "num_kv_heads",
     ),
 )
 def paged_attention_tpu(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     lengths: jax.Array,
     block_tables: jax.Array,
     *,
+    num_kv_heads: int,
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -276,14 +283,16 @@ def paged_attention_tpu(
     """Paged decode attention on TPU (arguments already validated by the public wrapper).
 
     Args:
-      q: ``[B, H, D]``.
-      k_pages, v_pages: ``[K, N, S, D]``, or ``[L, K, N, S, D]`` with ``layer``.
+      q: ``[B, H, Dp]`` (head dim padded as the pages store it).
+      kv_pages: ``[L, N, S, C, W, Dp]`` (:mod:`kernels_pallas.kv_layout`).
       lengths: ``i32[B]``; 0 = padding row (zeros out).
       block_tables: ``i32[B, M]``; negative = no block.
+      num_kv_heads: ``K`` (the pages hold ``C * W / 2`` heads, a dummy one included for an
+        odd ``K`` in an 8-bit cache).
       sm_scale: logit scale (a float; the wrapper resolves the default).
       soft_cap: optional logit soft cap.
       sliding_window: optional window (the query sees keys ``> length - 1 - window``).
-      layer: layer of stacked pages (int or traced i32 scalar); ignored for rank-4 pages.
+      layer: the layer of ``kv_pages`` (int or traced i32 scalar; None: 0).
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``), e.g. on CPU.
       pages_per_compute_block: pages per DMA/compute step ``P`` (default
         :func:`decode_pages_per_step`: ~2048 keys within ``DECODE_KV_VMEM_BUDGET``).
@@ -294,17 +303,19 @@ def paged_attention_tpu(
         in VMEM and applies the scales to the logits and the output.
 
     Returns:
-      ``[B, H, D]`` in ``q.dtype``.
+      ``[B, H, Dp]`` in ``q.dtype``.
     """
-    if k_pages.ndim == 4:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    layer = 0 if layer is None else layer
     b, h, d = q.shape
-    _, kh, _, s, _ = k_pages.shape
+    _, n_blocks, s, c, w, dp = kv_pages.shape
+    if dp != d:
+        raise ValueError(f"q's head dim {d} is not the pages' stored head dim {dp}")
+    kh = num_kv_heads
     g = h // kh
     p = pages_per_compute_block or decode_pages_per_step(
-        s, block_tables.shape[1], kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+        s, block_tables.shape[1], kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize
     )
-    block_tables = dma_tables(block_tables, k_pages.shape[2])  # ids used as read by the DMAs
+    block_tables = dma_tables(block_tables, n_blocks)  # ids used as read by the DMAs
     m = block_tables.shape[1]
     cores = _CORES if b >= _CORES else 1
     per_core = -(-b // cores)
@@ -317,8 +328,8 @@ def paged_attention_tpu(
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     q_spec = pl.BlockSpec((None, kh, g, d), lambda c, i, *_: (c * per_core + i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    inputs = [qg, block_tables, k_pages, v_pages]
-    in_specs = [q_spec, any_spec, any_spec, any_spec]
+    inputs = [qg, block_tables, kv_pages]
+    in_specs = [q_spec, any_spec, any_spec]
     if sinks is not None:  # [K, G, 1]: the same block for every program (fetched once)
         inputs.append(sinks.astype(jnp.float32).reshape(kh, g, 1))
         in_specs.append(pl.BlockSpec((kh, g, 1), lambda c, i, *_: (0, 0, 0)))
@@ -334,6 +345,7 @@ def paged_attention_tpu(
         sliding_window=sliding_window,
         num_seqs=b,
         per_core=per_core,
+        interpret=interpret,
     )
     out = pl.pallas_call(
         kernel,
@@ -344,8 +356,7 @@ def paged_attention_tpu(
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.SMEM((2 * table_row_len(m, p),), jnp.int32),
-                pltpu.VMEM((2, p, kh, s, d), k_pages.dtype),
-                pltpu.VMEM((2, p, kh, s, d), v_pages.dtype),
+                pltpu.VMEM(kv_buffer_shape(p, s, c, w, d), kv_pages.dtype),
                 pltpu.VMEM((kh, g, 1), jnp.float32),
                 pltpu.VMEM((kh, g, 1), jnp.float32),
                 pltpu.VMEM((kh, g, d), jnp.float32),
@@ -356,7 +367,7 @@ def paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit(p, kh, s, d, k_pages.dtype.itemsize),
+            vmem_limit_bytes=_vmem_limit(p, s, c, d),
             # Checks stay on in interpret mode (the CPU tests); compiled, a page's DMA is
             # a few bundles instead of tens (every address is clamped in range above).
             disable_bounds_checks=not interpret,

@@ -28,12 +28,15 @@ Design:
 * A program finds the first sequence (at or after ``first_seq``) overlapping its rows by
   binary search on ``cu_q_lens``,
   then walks work items ``(sequence, compute step)`` in one ``while_loop``, all kv heads per
-  item. A compute step covers ``P`` pages, one DMA descriptor per page for every kv head
-  (``pages.at[layer, :, block]``); the DMA of the next item (possibly the next sequence's
-  first pages) is started before the current one is computed (double buffering across
-  sequences), so one copy per program is exposed. Only pages the block's rows of that
-  sequence can see are copied: from the first key inside the sliding window of its first
-  row to its last row's position.
+  item. A compute step covers ``P`` pages of the token-major layout ``kv_pages [L, N, S, C,
+  W, Dp]`` (:mod:`kernels_pallas.kv_layout`), ONE DMA descriptor per page for K and V of
+  every kv head (``kv_pages.at[layer, block]``, contiguous) into a ``[2, P * S, R, W, Dp]``
+  VMEM double buffer, each kv head's K and V then taken out of the slot by strided 32-bit
+  loads and shifts (:func:`~kernels_pallas.tpu._attention_common.load_kv_head`); the DMA
+  of the next item (possibly the next sequence's first pages) is started before the current
+  one is computed (double buffering across sequences), so one copy per program is exposed.
+  Only pages the block's rows of that sequence can see are copied: from the first key inside
+  the sliding window of its first row to its last row's position.
 * A step where every row sees every key runs unmasked; any other (the diagonal, a
   sequence's edges) runs masked at the narrowest of a few compiled widths (a quarter, a half,
   three quarters, the whole step: :func:`masked_step_widths`) that holds the pages its rows
@@ -168,8 +171,7 @@ def _ragged_kernel(
     # inputs
     q_ref,  # [K, TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
     tables_hbm,  # i32[B, M_pad] in HBM (clipped to [0, N), padded to TABLE_ROW_ALIGN)
-    k_hbm,  # [L, K, N, S, D] in HBM
-    v_hbm,
+    kv_hbm,  # [L, N, S, C, W, Dp] in HBM
     *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, TQ * G, 1] (row r's
     #         query head k * G + r % G's sink logit); with has_scales, the input scales_ref:
     #         SMEM f32[2] (the layer's K and V scales of 8-bit pages); then the output and the
@@ -191,8 +193,7 @@ def _ragged_kernel(
         o_ref,  # [K, TQ * G, D]
         table,  # SMEM i32[2 * W]: table rows of the current and the next sequence (flat,
         #        W = table_row_len(M_pad, P) entries each: TableRows)
-        k_buf,  # VMEM [2, P, K, S, D]
-        v_buf,
+        kv_buf,  # VMEM [2, P * S, R, W, Dp]: two slots of P pages, token-major
         m_ref,  # VMEM f32[K, TQ * G, 128]: lane-dense (a row's value in every lane)
         l_ref,  # VMEM f32[K, TQ * G, 128]
         acc_ref,  # VMEM f32[K, TQ * G, D]
@@ -202,8 +203,9 @@ def _ragged_kernel(
     qb = pl.program_id(0)
     _, rows, _ = q_ref.shape
     tq = rows // g
-    _, n_pages, _, s, _ = k_buf.shape  # [2, P, K, S, D]
-    keys = n_pages * s
+    s = kv_hbm.shape[2]
+    keys = kv_buf.shape[1]  # P * S
+    n_pages = keys // s
     max_blocks = num_blocks  # M, the table's width before padding
     r0 = qb * tq
     r1 = r0 + tq
@@ -257,7 +259,7 @@ def _ragged_kernel(
         return lax.while_loop(empty, next_seq, sq)
 
     rows_dma = TableRows(tables_hbm, table, table_sem)
-    stream = KVStream(k_hbm, v_hbm, k_buf, v_buf, kv_sem, rows_dma, layer_ref[0])
+    stream = KVStream(kv_hbm, kv_buf, kv_sem, rows_dma, layer_ref[0])
     state = (m_ref, l_ref, acc_ref)
 
     def start_pages(sq, i, tslot, slot):
@@ -307,8 +309,8 @@ def _ragged_kernel(
         stream.wait(tslot, step_page, end_page, slot)
         base = step_page * s
         attend = functools.partial(
-            attend_step, q_ref, k_buf, v_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
-            k_scale=k_scale,
+            attend_step, q_ref, kv_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
+            k_scale=k_scale, interpret=interpret,
         )  # fmt: skip
         # Every row of the block is this sequence's and sees every key of the step (below the
         # causal diagonal, inside the window): the steady state of a prefill, no masks.
@@ -344,7 +346,7 @@ def _ragged_kernel(
                     key_ok = (kpos <= pos_hi) & (kpos >= key_lo)
                     if sliding_window is not None:
                         mask &= row < (rel + sliding_window) * g  # window: kpos > pos - window
-                    attend(mask, key_ok, n_pages=width)
+                    attend(mask, key_ok, keys=cols)
 
                 narrower = width
 
@@ -401,18 +403,19 @@ def _ragged_kernel(
         "pages_per_compute_block",
         "queries_per_block",
         "device_kind",
+        "num_kv_heads",
     ),
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
     num_seqs: jax.Array | int,
     first_seq: jax.Array | int = 0,
     *,
+    num_kv_heads: int,
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
@@ -427,18 +430,20 @@ def ragged_paged_attention_tpu(
     """Ragged paged attention on TPU (arguments already validated by the public wrapper).
 
     Args:
-      q: ``[T, H, D]`` token-packed queries.
-      k_pages, v_pages: ``[K, N, S, D]``, or ``[L, K, N, S, D]`` with ``layer``.
+      q: ``[T, H, Dp]`` token-packed queries (head dim padded as the pages store it).
+      kv_pages: ``[L, N, S, C, W, Dp]`` (:mod:`kernels_pallas.kv_layout`).
       kv_lens: ``i32[B]``.
       block_tables: ``i32[B, M]``; negative = no block.
       cu_q_lens: ``i32[B + 1]``.
       num_seqs: scalar or ``i32[1]``.
       first_seq: scalar or ``i32[1]``: sequences ``s < first_seq`` are skipped (their rows
         return 0, as padding does), for a batch whose leading rows another kernel computes.
+      num_kv_heads: ``K`` (the pages hold ``C * W / 2`` heads, a dummy one included for an
+        odd ``K`` in an 8-bit cache).
       sm_scale: logit scale (a float).
       soft_cap: optional logit soft cap.
       sliding_window: optional window (a query at ``p`` sees keys in ``(p - window, p]``).
-      layer: layer of stacked pages (int or traced i32 scalar); ignored for rank-4 pages.
+      layer: the layer of ``kv_pages`` (int or traced i32 scalar; None: 0).
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``).
       pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 1024 keys,
         capped so the KV buffers fit ``KV_VMEM_BUDGET``).
@@ -453,20 +458,23 @@ def ragged_paged_attention_tpu(
         (a page holds ``x / scale``); pages are converted to ``q.dtype`` in VMEM.
 
     Returns:
-      ``[T, H, D]`` in ``q.dtype``.
+      ``[T, H, Dp]`` in ``q.dtype``.
 
     Raises:
-      ValueError: ``queries_per_block`` whose rows are not a multiple of 8.
+      ValueError: ``queries_per_block`` whose rows are not a multiple of 8; a ``q`` head dim
+        other than the pages'.
     """
-    if k_pages.ndim == 4:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    layer = 0 if layer is None else layer
     t, h, d = q.shape
-    _, kh, _, s, _ = k_pages.shape
+    _, n_blocks, s, c, w, dp = kv_pages.shape
+    if dp != d:
+        raise ValueError(f"q's head dim {d} is not the pages' stored head dim {dp}")
+    kh = num_kv_heads
     g = h // kh
     m = block_tables.shape[1]
     blocks = ragged_blocks(device_kind)
     p = pages_per_compute_block or default_pages_per_compute_block(
-        s, m, blocks.keys, kv_heads=kh, head_dim=d, itemsize=k_pages.dtype.itemsize
+        s, m, blocks.keys, kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize
     )
     tq = queries_per_block or default_queries_per_block(t, g, blocks.rows)
     if tq < t and (tq * g) % _SUBLANES and not interpret:
@@ -495,9 +503,9 @@ def ragged_paged_attention_tpu(
     qg = jnp.transpose(qg, (1, 0, 2, 3)).reshape(kh, t_pad * g, d)
     q_spec = pl.BlockSpec((kh, tq * g, d), lambda qi, *_: (0, qi, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    tables = dma_tables(block_tables, k_pages.shape[2])  # a page's DMA takes its id as read
-    inputs = [qg, tables, k_pages, v_pages]
-    in_specs = [q_spec, any_spec, any_spec, any_spec]
+    tables = dma_tables(block_tables, n_blocks)  # a page's DMA takes its id as read
+    inputs = [qg, tables, kv_pages]
+    in_specs = [q_spec, any_spec, any_spec]
     if sinks is not None:  # [K, TQ * G, 1], row r: head k * G + r % G; the same every block
         rows_sinks = jnp.tile(sinks.astype(jnp.float32).reshape(kh, 1, g), (1, tq, 1))
         inputs.append(rows_sinks.reshape(kh, tq * g, 1))
@@ -537,8 +545,9 @@ def ragged_paged_attention_tpu(
                 block_size=s,
                 head_dim=d,
                 max_blocks=tables.shape[1],
-                k_dtype=k_pages.dtype,
-                v_dtype=v_pages.dtype,
+                combined_rows=c,
+                packing=w,
+                kv_dtype=kv_pages.dtype,
             ),
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
@@ -552,7 +561,7 @@ def ragged_paged_attention_tpu(
                     pages=p,
                     block_size=s,
                     head_dim=d,
-                    itemsize=k_pages.dtype.itemsize,
+                    combined_rows=c,
                 )
                 + (0 if sinks is None else 2 * kh * vmem_tile_bytes(tq * g, 1, 4)),
             ),
