@@ -38,8 +38,10 @@ Design (what one CUDA block does)
   the block table in GMEM, clamped to ``>= 0``), straight from the token-major pages with no
   relayout copy: the TMA descriptor carries the page row stride (``C * P * D * 2`` bytes, a
   multiple of 16) and Mosaic GPU folds the indexed dims (layer, block, ``c``, ``j``) into one
-  coordinate next to the 128B-swizzle tiling's four (TMA's limit is 5 dims). Other heads' rows
-  are not read: a K piece is ``64`` runs of ``D * 2 >= 128`` contiguous bytes. ``kv_stages``
+  coordinate next to the 128B-swizzle tiling's four (TMA's limit is 5 dims). That coordinate
+  counts ``D``-element rows of the whole cache and TMA coordinates are 32-bit signed, so the
+  cache must stay under ``2**31 * D * 2`` bytes (256 GiB at D = 64). Other heads' rows are
+  not read: a K piece is ``64`` runs of ``D * 2 >= 128`` contiguous bytes. ``kv_stages``
   (3, or 2 at D = 256) stages of K and V in 128B-swizzled SMEM, each with an mbarrier the TMA
   arrives on, so the TMA of steps ``i+1 .. i+stages-1`` overlaps the math of step ``i``. A
   stage is refilled by the same warpgroup that read it, after both wgmmas on it have
