@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas as kp
-from kernels_pallas import aot, compat
+from kernels_pallas import aot, compat, kv_layout
 from kernels_pallas.gpu import attention as ga
 from kernels_pallas.gpu import triton_attention as ta
 
@@ -35,19 +35,18 @@ MOSAIC_GPU = "custom_call @mosaic_gpu"
 def _inputs(kind, *, g, d, s, dtype, kv_heads=2, layers=0, m=4):
     """Abstract inputs (export needs shapes only): decode ``[B, H, D]`` or ragged ``[T, H, D]``."""
     sds = jax.ShapeDtypeStruct
-    pshape = (kv_heads, 16, s, d) if not layers else (layers, kv_heads, 16, s, d)
-    pages = sds(pshape, dtype)
+    pages = sds(kv_layout.page_shape(max(layers, 1), 16, s, kv_heads, d, dtype), dtype)
     b = 3
     tables = sds((b, m), jnp.int32)
     if kind == "decode":
-        return (sds((b, kv_heads * g, d), dtype), pages, pages, sds((b,), jnp.int32), tables)
+        return (sds((b, kv_heads * g, d), dtype), pages, sds((b,), jnp.int32), tables)
     t = 24
-    return (sds((t, kv_heads * g, d), dtype), pages, pages, sds((b,), jnp.int32), tables,
+    return (sds((t, kv_heads * g, d), dtype), pages, sds((b,), jnp.int32), tables,
             sds((b + 1,), jnp.int32), sds((), jnp.int32))  # fmt: skip
 
 
 def _export_kernel(kind, *, g, d, s, dtype, stacked, extras):
-    kw = dict(sm_scale=0.1)
+    kw = dict(sm_scale=0.1, num_kv_heads=2)
     if extras:
         kw.update(soft_cap=20.0, sliding_window=30)
     args = _inputs(kind, g=g, d=d, s=s, dtype=dtype, layers=2 if stacked else 0)
@@ -117,7 +116,7 @@ OTHER = [
 def _export_auto(kind, h, kv, d, s, dtype, window):
     """The public op on an abstract 2-layer cache (the value the engine passes), exported for
     Hopper."""
-    q, _, _, *rest = _inputs(kind, g=h // kv, d=d, s=s, dtype=dtype, kv_heads=kv, layers=2)
+    q, _, *rest = _inputs(kind, g=h // kv, d=d, s=s, dtype=dtype, kv_heads=kv, layers=2)
     args = (q, kp.kv_cache_shape(2, 16, s, kv, d, dtype), *rest)
     op = kp.paged_attention if kind == "decode" else kp.ragged_paged_attention
     fn = functools.partial(op, impl="auto", sliding_window=window, layer=np.int32(1))
