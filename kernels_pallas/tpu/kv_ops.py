@@ -1,28 +1,36 @@
-"""Mosaic TPU kernels for KV movement: write_kv, copy_blocks, swap_blocks.
+"""Mosaic TPU kernels for KV movement on token-major pages: write_kv, copy_blocks, swap_blocks.
+
+The pages are one array ``kv_pages [L, N, S, C, P, Dp]`` (:mod:`kernels_pallas.kv_layout`):
+a token's K and V of one layer, ``kv_pages[l, n, s]`` = ``[C, P, Dp]``, is one contiguous,
+tile-aligned piece of HBM (XLA:TPU and Mosaic tile the trailing ``[P, Dp]`` dims as one
+``(P, 128)`` tile, packed ``P`` rows to a 32-bit word), so every kernel here moves whole
+tokens or whole blocks with plain DMAs and never reads what it overwrites.
 
 All three kernels leave the pages in HBM (``memory_space=ANY``), alias them input -> output
-(``input_output_aliases``) and move data with DMAs, so nothing but the touched tiles or blocks
-is ever read or written: under ``jax.jit`` with donated pages the update is in place.
+(``input_output_aliases``) and only issue DMAs: under ``jax.jit`` with donated pages the
+update is in place and touches nothing but the written tokens / blocks.
 
-* :func:`write_kv_tpu`: pages ``[..., S, D]`` are tiled ``(8, 128)`` in HBM (bf16: two rows
-  packed per word) and a DMA must start and end on a tile boundary along ``S``, so one bf16
-  token row cannot be written alone (Mosaic: "Offsets along tiled dimensions must be aligned
-  to tiles"). The tokens are sorted by slot in XLA and grouped into runs that fall in the
-  same 8-row tile; each run is one ``[K, 8, D]`` tile DMA. A run covering its whole tile (the
-  inside of a prefill) is written without reading; a partial one (a decode token, a chunk's
-  ends) is read, merged in VMEM and written back (read-modify-write, 2 x 8 rows moved for a
-  1-row decode write). Same kernel for every dtype (f32, bf16, fp8, int8).
-* :func:`copy_blocks_tpu`: one HBM -> HBM DMA per ``(src, dst)`` pair and per page array,
-  covering the whole block in every layer (``pages[..., src, :, :]``).
-* :func:`swap_blocks_tpu`: the same block DMAs between two different *device* arrays. Host
-  memory (``pinned_host``) is not supported: with libtpu 0.0.42 a Mosaic kernel whose operand
-  or output lives in host memory aborts the process (HostOffloader CHECK) or fails an LLO
-  check, so :func:`kernels_pallas.swap_blocks` moves blocks to and from the host with an XLA
-  program instead.
+* :func:`write_kv_tpu`: one HBM -> HBM DMA per live token, ``kv_new[t]`` (``[C, P, Dp]``,
+  ``C * P * Dp * itemsize`` bytes) -> ``kv_pages[layer, slot // S, slot % S]``. A grid step
+  starts the DMAs of a window of tokens and then waits for the previous window's (two
+  semaphores, alternating), so up to two windows are in flight and no DMA waits on another.
+  Bytes per written token: exactly its row, read once from ``kv_new`` and written once into
+  the pages (no read-modify-write of 8-row tiles as the head-major layout needed). The slot
+  axis ``S`` is untiled, so any block size works, and every dtype (f32, bf16, fp16, fp8,
+  int8) takes the same kernel. Duplicate live slots: the last token (highest index) wins,
+  deterministically (the others are dropped in XLA before the kernel; two DMAs to one row in
+  flight at once would tear it).
+* :func:`copy_blocks_tpu`: one HBM -> HBM DMA per ``(src, dst)`` pair covering the block in
+  every layer (``kv_pages[:, src]``: ``L`` contiguous pieces of ``S * C * P * Dp``).
+* :func:`swap_blocks_tpu`: the same block DMAs between two different *device* arrays (or
+  tuples of them). Host memory (``pinned_host``) is not supported: with libtpu 0.0.42 a
+  Mosaic kernel whose operand or output lives in host memory aborts the process
+  (HostOffloader CHECK) or fails an LLO check, so :func:`kernels_pallas.swap_blocks` moves
+  blocks to and from the host with an XLA program instead.
 
 DMA semaphores count bytes: waiting for one copy on a semaphore that several copies share
 only says that *some* copy of that size landed, so every copy a step issues is waited for
-before any of their buffers is read.
+(with the same descriptor, so the same byte count) before the step is done.
 
 Interpret mode: pass ``interpret=True``; the kernels then run under
 ``pltpu.InterpretParams()`` (the TPU interpreter that models DMAs and semaphores, executing
@@ -32,16 +40,23 @@ them as late as possible and out of order, which is what catches a wait-then-rea
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["copy_blocks_tpu", "swap_blocks_tpu", "write_kv_tpu"]
+__all__ = [
+    "copy_blocks_tpu",
+    "swap_blocks_tpu",
+    "write_kv_tpu",
+    "write_kv_unsupported_reason",
+]
+
+#: Rank of the page array ``[L, N, S, C, P, Dp]`` and the axis of its blocks.
+PAGE_RANK = 6
+BLOCK_AXIS = 1
 
 
 def _interpret_arg(interpret: bool) -> Any:
@@ -56,253 +71,156 @@ def _pad_to(x: jax.Array, n: int, value: int | float = 0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _block_index(rank: int, block: jax.Array) -> tuple:
-    """Index of one block (all leading axes) in pages ``[..., N, S, D]`` of the given rank."""
-    return (slice(None),) * (rank - 3) + (block,)
+def _check_pages(name: str, *pages: jax.Array) -> None:
+    for x in pages:
+        if x.ndim != PAGE_RANK:
+            raise ValueError(f"{name}: pages must be [L, N, S, C, P, Dp], got shape {x.shape}")
 
 
 # --------------------------------------------------------------------------------------------
 # write_kv
 # --------------------------------------------------------------------------------------------
 
-#: Rows of one HBM tile along the block-size axis: ``[..., S, D]`` pages are tiled ``(8, 128)``
-#: (``(8, 128)(2, 1)`` for bf16: two rows packed per 32-bit word), and Mosaic DMAs must start
-#: and end on tile boundaries along that axis ("Offsets along tiled dimensions must be aligned
-#: to tiles"), so a single bf16 token row cannot be DMA'd on its own.
-TILE_ROWS = 8
-
 
 def write_kv_unsupported_reason(block_size: int, dtype: Any) -> str | None:
-    """Why the compiled write_kv kernel cannot take this geometry (None when it can)."""
-    if block_size % TILE_ROWS:
-        return f"block_size={block_size} is not a multiple of the {TILE_ROWS}-row HBM tile"
+    """Why the compiled write_kv kernel cannot take this geometry (None when it can).
+
+    A token's row ``[C, P, Dp]`` is indexed on untiled leading axes only, so every block
+    size is fine; the dtype must pack into 32-bit words (1, 2 or 4 bytes).
+    """
+    if block_size < 1:
+        return f"block_size={block_size} is not positive"
     if jnp.dtype(dtype).itemsize not in (1, 2, 4):
         return f"dtype {jnp.dtype(dtype).name} is not a 1, 2 or 4-byte type"
     return None
 
 
-def _write_runs(slots: jax.Array, tile_rows: int) -> tuple[jax.Array, ...]:
-    """Group the tokens by destination tile (XLA, on ``T`` int32s).
-
-    Returns ``(order i32[T], sorted_slots i32[T], run_first i32[T], run_count i32[T],
-    num_runs i32[1])``: tokens sorted by slot (padding last); run ``r < num_runs`` is the
-    ``run_count[r]`` consecutive sorted tokens from ``run_first[r]``, all in one tile.
-    """
-    t = slots.shape[0]
-    big = jnp.iinfo(jnp.int32).max
-    key = jnp.where(slots >= 0, slots, big)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    ss = key[order]
-    valid = ss != big
-    tile = ss // tile_rows
-    new_run = valid & jnp.concatenate([jnp.ones((1,), bool), tile[1:] != tile[:-1]])
-    num_runs = jnp.sum(new_run, dtype=jnp.int32)
-    run_id = jnp.cumsum(new_run, dtype=jnp.int32) - 1
-    idx = jnp.arange(t, dtype=jnp.int32)
-    run_first = jnp.zeros((t,), jnp.int32).at[jnp.where(new_run, run_id, t)].set(idx, mode="drop")
-    nxt = jnp.concatenate([run_first[1:], jnp.zeros((1,), jnp.int32)])
-    run_end = jnp.where(idx + 1 < num_runs, nxt, jnp.sum(valid, dtype=jnp.int32))
-    run_count = jnp.where(idx < num_runs, run_end - run_first, 0)
-    return order, jnp.where(valid, ss, -1), run_first, run_count, num_runs.reshape(1)
+def _live_slots(slots: jax.Array, num_slots: int, dedupe: bool) -> jax.Array:
+    """``slots`` with every token that is not written set to -1 (XLA, on ``T`` int32s):
+    out of ``[0, num_slots)`` (as the XLA scatter drops them), and with ``dedupe`` every
+    token whose live slot a later token also writes (the last one wins)."""
+    slots = jnp.where((slots >= 0) & (slots < num_slots), slots, -1)
+    if not dedupe or slots.shape[0] < 2:
+        return slots
+    order = jnp.argsort(slots, stable=True)  # equal slots stay in token order
+    ss = slots[order]
+    shadowed = jnp.concatenate([ss[:-1] == ss[1:], jnp.zeros((1,), bool)]) & (ss >= 0)
+    dead = jnp.zeros(slots.shape, bool).at[order].set(shadowed)
+    return jnp.where(dead, -1, slots)
 
 
 def _write_kv_kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # i32[1]
-    slots_ref,  # i32[T]: slots sorted ascending, padding (-1) last
-    first_ref,  # i32[T]: first sorted token of run r
-    count_ref,  # i32[T]: tokens of run r (all in one tile)
-    num_runs_ref,  # i32[1]
+    slots_ref,  # i32[steps * W]: slot of token t, -1 = not written
     # inputs
-    k_new_hbm,  # [T + R * TR, K, D] new keys in sorted order (ANY)
-    v_new_hbm,  # [T + R * TR, K, D]
-    k_hbm_in,  # [L, K, N, S, D] pages (ANY), aliased to k_hbm
-    v_hbm_in,
+    new_hbm,  # [T, C, P, Dp] (ANY)
+    pages_in,  # [L, N, S, C, P, Dp] (ANY), aliased to pages
     # outputs
-    k_hbm,  # [L, K, N, S, D]
-    v_hbm,
+    pages,  # [L, N, S, C, P, Dp]
     # scratch
-    k_rows,  # VMEM [R * TR, K, D]: the step's new rows
-    v_rows,
-    k_tiles,  # VMEM [R, K, TR, D]: one tile per run
-    v_tiles,
-    sems,  # DMA[3]: new rows, tile reads, tile writes
+    sems,  # DMA[2]: window w uses sems[w % 2]
     *,
-    runs_per_step: int,
-    tile_rows: int,
+    window: int,
     block_size: int,
 ):
-    del k_hbm_in, v_hbm_in  # the same buffers as k_hbm / v_hbm
-    r0 = pl.program_id(0) * runs_per_step
-    num_runs = num_runs_ref[0]
+    del pages_in  # the same buffer as pages
+    step = pl.program_id(0)
     layer = layer_ref[0]
-    tiles_per_block = block_size // tile_rows
 
-    @pl.when(r0 < num_runs)
-    def _step():
-        t0 = first_ref[r0]
-        window = k_rows.shape[0]
-        rows_k = pltpu.make_async_copy(k_new_hbm.at[pl.ds(t0, window)], k_rows, sems.at[0])
-        rows_v = pltpu.make_async_copy(v_new_hbm.at[pl.ds(t0, window)], v_rows, sems.at[0])
-        rows_k.start()
-        rows_v.start()
+    def dma(w, j):
+        t = w * window + j
+        slot = slots_ref[t]
+        at = jnp.maximum(slot, 0)
+        copy = pltpu.make_async_copy(
+            new_hbm.at[t],
+            pages.at[layer, at // block_size, at % block_size],
+            sems.at[w % 2],
+        )
+        return slot >= 0, copy
 
-        def run(j):
-            """Run ``r0 + j``: ``(live, full, first token, K tile, V tile)`` in the pages."""
-            r = jnp.minimum(r0 + j, num_runs - 1)  # clamped: SMEM reads stay in bounds
-            first = first_ref[r]
-            tile = jnp.maximum(slots_ref[first], 0) // tile_rows
-            blk = tile // tiles_per_block
-            row0 = pl.multiple_of((tile % tiles_per_block) * tile_rows, tile_rows)
-            k_dst = k_hbm.at[layer, :, blk, pl.ds(row0, tile_rows)]  # [K, TR, D]
-            v_dst = v_hbm.at[layer, :, blk, pl.ds(row0, tile_rows)]
-            full = count_ref[r] == tile_rows  # distinct slots: every row of the tile is new
-            return r0 + j < num_runs, full, first, k_dst, v_dst
-
-        def reads(j, k_dst, v_dst):
-            return (
-                pltpu.make_async_copy(k_dst, k_tiles.at[j], sems.at[1]),
-                pltpu.make_async_copy(v_dst, v_tiles.at[j], sems.at[1]),
-            )
-
-        def writes(j, k_dst, v_dst):
-            return (
-                pltpu.make_async_copy(k_tiles.at[j], k_dst, sems.at[2]),
-                pltpu.make_async_copy(v_tiles.at[j], v_dst, sems.at[2]),
-            )
-
-        # Read-modify-write: partial tiles are read first (their other rows must survive).
-        @pl.loop(0, runs_per_step)
-        def _read_tiles(j):
-            live, full, _, k_dst, v_dst = run(j)
-
-            @pl.when(live & ~full)
-            def _read():
-                for c in reads(j, k_dst, v_dst):
-                    c.start()
-
-        rows_k.wait()
-        rows_v.wait()
-
-        # Every read shares one semaphore, so a wait only says that *some* read of that size
-        # landed: all of them are waited for before any tile is merged.
-        @pl.loop(0, runs_per_step)
-        def _wait_tiles(j):
-            live, full, _, k_dst, v_dst = run(j)
-
-            @pl.when(live & ~full)
-            def _wait():
-                for c in reads(j, k_dst, v_dst):
-                    c.wait()
-
-        row_iota = lax.broadcasted_iota(jnp.int32, k_tiles.shape[1:], 1)  # [K, TR, D]
-
-        @pl.loop(0, runs_per_step)
-        def _merge_and_write(j):
-            live, _, first, k_dst, v_dst = run(j)
+    def each_live(w, action):
+        @pl.loop(0, window)
+        def _token(j):
+            live, copy = dma(w, j)
 
             @pl.when(live)
-            def _merge():
-                def merge_token(i, tiles):
-                    tok = first + i
-                    at = row_iota == slots_ref[tok] % tile_rows
-                    kt, vt = tiles
-                    kt = jnp.where(at, k_rows[tok - t0].astype(jnp.float32)[:, None, :], kt)
-                    vt = jnp.where(at, v_rows[tok - t0].astype(jnp.float32)[:, None, :], vt)
-                    return kt, vt
+            def _():
+                action(copy)
 
-                init = (k_tiles[j].astype(jnp.float32), v_tiles[j].astype(jnp.float32))
-                count = count_ref[jnp.minimum(r0 + j, num_runs - 1)]
-                kt, vt = lax.fori_loop(0, count, merge_token, init)
-                k_tiles[j] = kt.astype(k_tiles.dtype)
-                v_tiles[j] = vt.astype(v_tiles.dtype)
-                for c in writes(j, k_dst, v_dst):
-                    c.start()
+    each_live(step, lambda c: c.start())
 
-        @pl.loop(0, runs_per_step)
-        def _wait_writes(j):
-            live, _, _, k_dst, v_dst = run(j)
+    @pl.when(step > 0)
+    def _wait_previous():
+        each_live(step - 1, lambda c: c.wait())
 
-            @pl.when(live)
-            def _wait():
-                for c in writes(j, k_dst, v_dst):
-                    c.wait()
+    @pl.when(step == pl.num_programs(0) - 1)
+    def _wait_last():
+        each_live(step, lambda c: c.wait())
 
 
-@functools.partial(jax.jit, static_argnames=("runs_per_step", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tokens_per_step", "dedupe", "interpret"))
 def write_kv_tpu(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    kv_pages: jax.Array,
+    kv_new: jax.Array,
     slot_mapping: jax.Array,
     layer: jax.Array | int = 0,
     *,
-    runs_per_step: int = 16,
+    tokens_per_step: int = 64,
+    dedupe: bool = True,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter T tokens' K/V rows into their slots, tile by tile (in place).
-
-    Tokens are grouped (in XLA) into runs that fall in the same ``TR = 8``-row tile of a
-    block; each run is one tile DMA into the pages. A run that covers its whole tile (the
-    inside of a prefill) is written without reading; a partial tile (a decode token, the
-    ends of a chunk) is read, merged in VMEM and written back. Nothing else of the pages is
-    touched.
+) -> jax.Array:
+    """Scatter T tokens' merged K/V rows into their slots of one layer, one DMA per token.
 
     Args:
-      k_pages, v_pages: ``[K, N, S, D]`` or stacked ``[L, K, N, S, D]`` (then ``layer``
-        selects the layer written). ``S`` must be a multiple of 8 when compiled.
-      k, v: ``[T, K, D]`` in the pages' dtype.
-      slot_mapping: ``i32[T]``; ``block * S + offset``, negative = skip. Live slots distinct.
-      layer: layer index (int or i32 scalar) for stacked pages; ignored for rank 4.
-      runs_per_step: tile runs per grid step (DMAs in flight: up to ``4 * runs_per_step``).
+      kv_pages: ``[L, N, S, C, P, Dp]`` (:mod:`kernels_pallas.kv_layout`); aliased to the
+        output (donate it under jit for an in-place write).
+      kv_new: ``[T, C, P, Dp]`` in the pages' dtype (:func:`~kernels_pallas.kv_layout.
+        merge_kv` of the new K and V, already quantized).
+      slot_mapping: ``i32[T]``: ``block * S + offset``; a slot outside ``[0, N * S)``
+        (negative = padding) is skipped.
+      layer: the layer written (int or i32 scalar), ``0 <= layer < L`` (not checked here).
+      tokens_per_step: tokens whose DMAs a grid step starts (up to twice this in flight).
+      dedupe: drop every token whose slot a later token also writes, so duplicates resolve
+        deterministically to the last one (an argsort of ``T`` int32s in XLA). ``False``
+        skips that for callers whose live slots are distinct; duplicates then race.
       interpret: run in the TPU interpreter.
 
     Returns:
-      ``(k_pages, v_pages)`` updated (aliased to the inputs).
+      ``kv_pages`` with ``kv_pages[layer, slot // S, slot % S] = kv_new[t]`` for every
+      written token; every other byte untouched.
     """
-    rank4 = k_pages.ndim == 4
-    if rank4:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    s = k_pages.shape[-2]
-    t, kh, d = k.shape
-    tr = TILE_ROWS if s % TILE_ROWS == 0 else math.gcd(s, TILE_ROWS)  # gcd: interpret only
-    rps = max(1, min(runs_per_step, t))
-    order, ss, first, count, num_runs = _write_runs(slot_mapping.astype(jnp.int32), tr)
-    pad = ((0, rps * tr), (0, 0), (0, 0))  # the last step's row window stays in bounds
-    k_new = jnp.pad(k[order], pad)
-    v_new = jnp.pad(v[order], pad)
+    _check_pages("write_kv_tpu", kv_pages)
+    _, n, s, *row = kv_pages.shape
+    if kv_new.ndim != 4 or tuple(kv_new.shape[1:]) != tuple(row):
+        raise ValueError(f"write_kv_tpu: kv_new must be [T, {row}], got {kv_new.shape}")
+    if kv_new.dtype != kv_pages.dtype:
+        raise ValueError(f"write_kv_tpu: kv_new is {kv_new.dtype}, pages {kv_pages.dtype}")
+    t = kv_new.shape[0]
+    if t == 0:
+        return kv_pages
+    w = max(1, min(tokens_per_step, t))
+    steps = pl.cdiv(t, w)
+    slots = _live_slots(slot_mapping.astype(jnp.int32), n * s, dedupe)
+    slots = _pad_to(slots, steps * w, -1)
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_write_kv_kernel, runs_per_step=rps, tile_rows=tr, block_size=s)
-    k_out, v_out = pl.pallas_call(
-        kernel,
+    return pl.pallas_call(
+        functools.partial(_write_kv_kernel, window=w, block_size=s),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
-            grid=(pl.cdiv(t, rps),),
-            in_specs=[any_spec] * 4,
-            out_specs=[any_spec, any_spec],
-            scratch_shapes=[
-                pltpu.VMEM((rps * tr, kh, d), k.dtype),
-                pltpu.VMEM((rps * tr, kh, d), v.dtype),
-                pltpu.VMEM((rps, kh, tr, d), k_pages.dtype),
-                pltpu.VMEM((rps, kh, tr, d), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((3,)),
-            ],
+            num_scalar_prefetch=2,
+            grid=(steps,),
+            in_specs=[any_spec, any_spec],
+            out_specs=any_spec,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
         ),
-        out_shape=[
-            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-        ],
-        # operands: layer, slots, first, count, num_runs, k_new, v_new, k_pages, v_pages
-        input_output_aliases={7: 0, 8: 1},
+        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+        # operands: layer, slots, kv_new, kv_pages
+        input_output_aliases={3: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=_interpret_arg(interpret),
         name="paxcache_write_kv",
-    )(layer_arr, ss, first, count, num_runs, k_new, v_new, k_pages, v_pages)
-    if rank4:
-        return k_out[0], v_out[0]
-    return k_out, v_out
+    )(layer_arr, slots, kv_new, kv_pages)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +228,7 @@ def write_kv_tpu(
 # --------------------------------------------------------------------------------------------
 
 
-def _block_copy_kernel(src_ref, dst_ref, *refs, num_arrays: int, pb: int, rank: int, same: bool):
+def _block_copy_kernel(src_ref, dst_ref, *refs, num_arrays: int, pb: int, same: bool):
     """``refs``: inputs (src arrays, then dst arrays unless ``same``), outputs, semaphore."""
     sem = refs[-1]
     n_in = num_arrays if same else 2 * num_arrays
@@ -321,10 +239,9 @@ def _block_copy_kernel(src_ref, dst_ref, *refs, num_arrays: int, pb: int, rank: 
     def dmas(i):
         s, d = src_ref[base + i], dst_ref[base + i]
         ok = (s >= 0) & (d >= 0)
-        s_idx = _block_index(rank, jnp.maximum(s, 0))
-        d_idx = _block_index(rank, jnp.maximum(d, 0))
+        s, d = jnp.maximum(s, 0), jnp.maximum(d, 0)
         copies = [
-            pltpu.make_async_copy(src.at[s_idx], out.at[d_idx], sem)
+            pltpu.make_async_copy(src.at[:, s], out.at[:, d], sem)
             for src, out in zip(srcs, outs, strict=True)
         ]
         return ok, copies
@@ -361,12 +278,13 @@ def _block_copy_call(
     outs_like = srcs if same else dsts
     n = len(srcs)
     p = src_ids.shape[0]
+    if p == 0:
+        return tuple(outs_like)
     pb = max(1, min(pairs_per_step, p))
     pp = pl.cdiv(p, pb) * pb
     src_ids = _pad_to(src_ids.astype(jnp.int32), pp, -1)
     dst_ids = _pad_to(dst_ids.astype(jnp.int32), pp, -1)
-    rank = srcs[0].ndim
-    kernel = functools.partial(_block_copy_kernel, num_arrays=n, pb=pb, rank=rank, same=same)
+    kernel = functools.partial(_block_copy_kernel, num_arrays=n, pb=pb, same=same)
     in_specs = [pl.BlockSpec(memory_space=pl.ANY)] * n
     operands = list(srcs)
     if not same:
@@ -388,62 +306,74 @@ def _block_copy_call(
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=_interpret_arg(interpret),
-        name="copy_blocks" if same else "swap_blocks",
+        name="paxcache_copy_blocks" if same else "paxcache_swap_blocks",
     )(src_ids, dst_ids, *operands)
     return tuple(outs)
 
 
 @functools.partial(jax.jit, static_argnames=("pairs_per_step", "interpret"))
 def copy_blocks_tpu(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv_pages: jax.Array,
     src: jax.Array,
     dst: jax.Array,
     *,
     pairs_per_step: int = 16,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Copy whole blocks ``src[i] -> dst[i]`` (every layer / head) with HBM DMAs, in place.
+) -> jax.Array:
+    """Copy whole blocks ``src[i] -> dst[i]`` in every layer with HBM DMAs, in place.
 
     Args:
-      k_pages, v_pages: ``[K, N, S, D]`` or ``[L, K, N, S, D]`` (all layers copied).
+      kv_pages: ``[L, N, S, C, P, Dp]`` (all layers copied: ``kv_pages[:, dst[i]] =
+        kv_pages[:, src[i]]``, one DMA per pair).
       src, dst: ``i32[P]``; a pair with a negative id is skipped. Destinations must be
         distinct and must not also be sources (copy-on-write always targets fresh blocks).
-      pairs_per_step: pairs per grid step.
+      pairs_per_step: pairs per grid step (all of a step's DMAs are in flight together).
       interpret: run in the TPU interpreter.
     """
-    k_out, v_out = _block_copy_call(
-        (k_pages, v_pages), None, src, dst, pairs_per_step=pairs_per_step, interpret=interpret
+    _check_pages("copy_blocks_tpu", kv_pages)
+    (out,) = _block_copy_call(
+        (kv_pages,), None, src, dst, pairs_per_step=pairs_per_step, interpret=interpret
     )
-    return k_out, v_out
+    return out
 
 
 def swap_blocks_tpu(
-    src_pages: tuple[jax.Array, ...],
-    dst_pages: tuple[jax.Array, ...],
+    src_pages: jax.Array | tuple[jax.Array, ...],
+    dst_pages: jax.Array | tuple[jax.Array, ...],
     src_ids: jax.Array,
     dst_ids: jax.Array,
     *,
     pairs_per_step: int = 16,
     interpret: bool = False,
-) -> tuple[jax.Array, ...]:
-    """Block DMAs ``src_pages[..., src_ids[i], :, :] -> dst_pages[..., dst_ids[i], :, :]``.
+) -> jax.Array | tuple[jax.Array, ...]:
+    """Block DMAs ``src_pages[:, src_ids[i]] -> dst_pages[:, dst_ids[i]]`` (every layer).
 
     Between two device (HBM) arrays only: a host-memory side is not supported (see the
     module docstring). Meant to be called inside a ``jax.jit`` that donates ``dst_pages``.
 
     Args:
-      src_pages, dst_pages: tuples of arrays ``[..., N_src|N_dst, S, D]`` with equal leading
-        and trailing dims.
-      src_ids, dst_ids: ``i32[P]``; pairs with a negative id are skipped.
+      src_pages, dst_pages: ``kv_pages`` arrays ``[L, N_src|N_dst, S, C, P, Dp]`` (equal but
+        for ``N``), or tuples of them (moved by one kernel).
+      src_ids, dst_ids: ``i32[P]``; pairs with a negative id are skipped. Destinations must
+        be distinct.
       pairs_per_step: pairs per grid step.
       interpret: run in the TPU interpreter.
+
+    Returns:
+      The updated destination pages: an array, or a tuple when tuples were given.
     """
-    return _block_copy_call(
-        tuple(src_pages),
-        tuple(dst_pages),
+    single = not isinstance(src_pages, (tuple, list))
+    srcs = (src_pages,) if single else tuple(src_pages)
+    dsts = (dst_pages,) if not isinstance(dst_pages, (tuple, list)) else tuple(dst_pages)
+    if len(srcs) != len(dsts):
+        raise ValueError(f"swap_blocks_tpu: {len(srcs)} source arrays, {len(dsts)} destinations")
+    _check_pages("swap_blocks_tpu", *srcs, *dsts)
+    outs = _block_copy_call(
+        srcs,
+        dsts,
         src_ids,
         dst_ids,
         pairs_per_step=pairs_per_step,
         interpret=interpret,
     )
+    return outs[0] if single else outs
