@@ -10,16 +10,26 @@ All three kernels leave the pages in HBM (``memory_space=ANY``), alias them inpu
 (``input_output_aliases``) and only issue DMAs: under ``jax.jit`` with donated pages the
 update is in place and touches nothing but the written tokens / blocks.
 
-* :func:`write_kv_tpu`: one HBM -> HBM DMA per live token, ``kv_new[t]`` (``[C, P, Dp]``,
-  ``C * P * Dp * itemsize`` bytes) -> ``kv_pages[layer, slot // S, slot % S]``. A grid step
-  starts the DMAs of a window of tokens and then waits for the previous window's (two
-  semaphores, alternating), so up to two windows are in flight and no DMA waits on another.
-  Bytes per written token: exactly its row, read once from ``kv_new`` and written once into
-  the pages (no read-modify-write of 8-row tiles as the head-major layout needed). The slot
+* :func:`write_kv_tpu`: one HBM -> HBM DMA per live token, ``kv_new[t]`` (``[C, P, Dp]``)
+  -> ``kv_pages[layer, slot // S, slot % S]``. A grid step starts the DMAs of a window of
+  ``tokens_per_step`` tokens and then waits for the previous window's (two semaphores,
+  alternating), so up to two windows are in flight and no DMA waits on another. The slot
   axis ``S`` is untiled, so any block size works, and every dtype (f32, bf16, fp16, fp8,
   int8) takes the same kernel. Duplicate live slots: the last token (highest index) wins,
-  deterministically (the others are dropped in XLA before the kernel; two DMAs to one row in
-  flight at once would tear it).
+  deterministically (the others are dropped by an XLA argsort before the kernel; two DMAs
+  to one row in flight at once would tear it).
+
+  Bytes per written token and layer, read from the compiled kernel (libtpu 0.0.42, v5e and
+  v6e, Mosaic dump after ``finalize-llo``): the DMA is ``memref<C x P x Dp>`` tiled
+  ``(P, 128)`` with unit tile strides (XLA lays the pages and ``kv_new`` out as
+  ``T(1,128)`` f32, ``T(2,128)(2,1)`` bf16, ``T(4,128)(4,1)`` int8/fp8), one
+  ``llo.enqueue_dma`` of ``C * Dp / 128`` tiles of 512 bytes = exactly ``C * P * Dp *
+  itemsize`` written into the pages (bf16 K = 8, Dp = 128: 4096 bytes, the token's K and V;
+  int8 K = 3: 1024 bytes for 768 of K/V, the dummy head's 256) and the same read from
+  ``kv_new``; nothing of the pages is read (the head-major layout read-modify-wrote 8-row
+  tiles: 2 x 8 rows for one decode token). ``Dp = 64`` compiles but is lane-padded to a
+  128-lane tile in HBM (and an XLA-chosen entry layout adds relayout copies): serve TPU
+  caches at ``Dp = 128``.
 * :func:`copy_blocks_tpu`: one HBM -> HBM DMA per ``(src, dst)`` pair covering the block in
   every layer (``kv_pages[:, src]``: ``L`` contiguous pieces of ``S * C * P * Dp``).
 * :func:`swap_blocks_tpu`: the same block DMAs between two different *device* arrays (or
@@ -44,6 +54,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -131,10 +142,10 @@ def _write_kv_kernel(
     def dma(w, j):
         t = w * window + j
         slot = slots_ref[t]
-        at = jnp.maximum(slot, 0)
+        at = jnp.maximum(slot, 0)  # non-negative: truncating div / rem (fewer scalar ops)
         copy = pltpu.make_async_copy(
             new_hbm.at[t],
-            pages.at[layer, at // block_size, at % block_size],
+            pages.at[layer, lax.div(at, block_size), lax.rem(at, block_size)],
             sems.at[w % 2],
         )
         return slot >= 0, copy
