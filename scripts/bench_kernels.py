@@ -10,6 +10,11 @@ For every implementation on identical inputs: median time per call, the KV bytes
 read (each sequence's K and V once), achieved GB/s, and % of the device's measured copy
 bandwidth (``x + 1`` over a large buffer: bytes read + written / time).
 
+The cache is one token-major array ``kv_pages [1, N, S, C, P, D]``
+(:mod:`kernels_pallas.kv_layout`); the bundled kernels get it in their own layouts (head-major
+``k, v [K, N, S, D]`` copies; the TPU ragged kernel's ``[N, S, 2K, D]``, a reshape), made
+outside the timed calls.
+
 Implementations (skipped with a note where the backend lacks them):
 
 * ``ours``: ``kernels_pallas`` with ``impl="auto"`` (TPU / GPU Pallas kernel; on CPU this *is*
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import attention as kpa
+from kernels_pallas import kv_layout
 
 log = logging.getLogger("bench_kernels")
 
@@ -83,18 +89,23 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+def make_pages(key: jax.Array, n: int, dtype) -> jax.Array:
+    """Random one-layer pages ``kv_pages [1, N, S, C, P, D]`` (:mod:`kernels_pallas.kv_layout`:
+    K and V of every head of a token side by side)."""
+    return jax.random.normal(key, kv_layout.page_shape(1, n, S, KH, D, dtype), dtype)
+
+
 def make_decode_inputs(b: int, ctx: int, dtype, seed: int = 0):
     rng = np.random.default_rng(seed)
     m = ctx // S
     n = b * m
     key = jax.random.PRNGKey(seed)
-    k1, k2, k3 = jax.random.split(key, 3)
-    k_pages = jax.random.normal(k1, (KH, n, S, D), dtype)
-    v_pages = jax.random.normal(k2, (KH, n, S, D), dtype)
-    q = jax.random.normal(k3, (b, H, D), dtype)
+    k1, k2 = jax.random.split(key, 2)
+    kv_pages = make_pages(k1, n, dtype)
+    q = jax.random.normal(k2, (b, H, D), dtype)
     tables = jnp.asarray(rng.permutation(n).reshape(b, m).astype(np.int32))
     lengths = jnp.full((b,), ctx, jnp.int32)
-    return q, k_pages, v_pages, lengths, tables
+    return q, kv_pages, lengths, tables
 
 
 def make_ragged_inputs(n_decode: int, n_prefill: int, chunk: int, ctx: int, dtype, seed: int = 1):
@@ -105,16 +116,15 @@ def make_ragged_inputs(n_decode: int, n_prefill: int, chunk: int, ctx: int, dtyp
     m = ctx // S
     n = b * m
     key = jax.random.PRNGKey(seed)
-    k1, k2, k3 = jax.random.split(key, 3)
+    k1, k2 = jax.random.split(key, 2)
     q_lens = np.array([1] * n_decode + [chunk] * n_prefill, np.int32)
     t = int(q_lens.sum())
-    k_pages = jax.random.normal(k1, (KH, n, S, D), dtype)
-    v_pages = jax.random.normal(k2, (KH, n, S, D), dtype)
-    q = jax.random.normal(k3, (t, H, D), dtype)
+    kv_pages = make_pages(k1, n, dtype)
+    q = jax.random.normal(k2, (t, H, D), dtype)
     tables = jnp.asarray(rng.permutation(n).reshape(b, m).astype(np.int32))
     kv_lens = jnp.full((b,), ctx, jnp.int32)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
-    return q, k_pages, v_pages, kv_lens, tables, cu, jnp.int32(b)
+    return q, kv_pages, kv_lens, tables, cu, jnp.int32(b)
 
 
 def kv_bytes(kv_lens: np.ndarray, dtype) -> int:
@@ -129,15 +139,19 @@ def kv_bytes(kv_lens: np.ndarray, dtype) -> int:
 
 def decode_impls(backend: str, ref_ok: bool) -> dict[str, Callable]:
     scale = D**-0.5
-    impls: dict[str, Callable] = {
-        "ours": jax.jit(
-            lambda q, k, v, ln, bt: kpa.paged_attention_pages(q, k, v, ln, bt, impl="auto")
-        ),
-    }
-    if ref_ok:
-        impls["xla_reference"] = jax.jit(
-            lambda q, k, v, ln, bt: kpa.paged_attention_pages(q, k, v, ln, bt, impl="reference")
+
+    def ours(impl):
+        return jax.jit(
+            lambda q, kv, ln, bt: kpa.paged_attention_pages(
+                q, kv, ln, bt, num_kv_heads=KH, impl=impl
+            )
         )
+
+    impls: dict[str, Callable] = {"ours": ours("auto")}
+    if ref_ok:
+        impls["xla_reference"] = ours("reference")
+    # The bundled kernels take head-major k, v [K, N, S, D]: run_case converts the pages
+    # (bundled_args) outside the timed call, so they are timed on identical data.
     if backend == "tpu":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_pa
 
@@ -160,8 +174,8 @@ def decode_impls(backend: str, ref_ok: bool) -> dict[str, Callable]:
 def ragged_impls(backend: str, ref_ok: bool) -> dict[str, Callable]:
     def ours(impl):
         return jax.jit(
-            lambda q, k, v, kl, bt, cu, ns: kpa.ragged_paged_attention_pages(
-                q, k, v, kl, bt, cu, ns, impl=impl
+            lambda q, kv, kl, bt, cu, ns: kpa.ragged_paged_attention_pages(
+                q, kv, kl, bt, cu, ns, num_kv_heads=KH, impl=impl
             )
         )
 
@@ -173,20 +187,36 @@ def ragged_impls(backend: str, ref_ok: bool) -> dict[str, Callable]:
             ragged_paged_attention as tpu_rpa,
         )
 
-        def bundled(q, k, v, kl, bt, cu, ns):
-            # Its cache layout is [N, S, 2K, D] (K and V interleaved per head). The conversion
-            # is outside the timed call (see run_case), so it is timed on identical data.
-            return tpu_rpa(q, k, kl, bt, cu, ns.reshape(1), sm_scale=D**-0.5)
+        def bundled(q, kv, kl, bt, cu, ns):
+            # Its cache layout is [N, S, 2K, D] (K and V interleaved per head): our pages'
+            # layer 0 with the packed rows flattened, made outside the timed call (run_case).
+            return tpu_rpa(q, kv, kl, bt, cu, ns.reshape(1), sm_scale=D**-0.5)
 
         impls["jax_tpu_ragged"] = jax.jit(bundled)
     return impls
 
 
-def tpu_ragged_layout(k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
-    """``[K, N, S, D]`` x2 -> the bundled TPU ragged kernel's ``[N, S, 2K, D]``."""
-    kv = jnp.stack([k_pages, v_pages], axis=1)  # [K, 2, N, S, D]
-    kv = kv.reshape(-1, *k_pages.shape[1:])  # [2K, N, S, D] (k0, v0, k1, v1, ...)
-    return jnp.transpose(kv, (1, 2, 0, 3))
+def tpu_ragged_layout(kv_pages: jax.Array) -> jax.Array:
+    """``[1, N, S, C, P, D]`` -> the bundled TPU ragged kernel's ``[N, S, 2K, D]`` (k0, v0,
+    k1, v1, ...): the same order as the packed rows (combined head ``2h`` / ``2h + 1``), so a
+    reshape of layer 0 (16- and 32-bit pages have no dummy head)."""
+    _, n, s, c, p, d = kv_pages.shape
+    return kv_pages[0].reshape(n, s, c * p, d)
+
+
+def head_major(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``[1, N, S, C, P, D]`` -> the bundled paged kernels' ``k, v [K, N, S, D]``."""
+    k, v = kv_layout.split_kv(kv_pages[0], KH)  # [N, S, K, D]
+    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)
+
+
+def bundled_args(name: str, args: tuple) -> tuple:
+    """``args`` (``q, kv_pages, ...``) in the layout implementation ``name`` takes."""
+    if name == "jax_tpu_ragged":
+        return (args[0], tpu_ragged_layout(args[1]), *args[2:])
+    if name in ("jax_tpu_paged", "jax_gpu_paged"):
+        return (args[0], *head_major(args[1]), *args[2:])
+    return args
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,12 +230,9 @@ def run_case(
     rows = []
     first_out = None
     for name, fn in impls.items():
-        call_args = args
-        if name == "jax_tpu_ragged":
-            kv = tpu_ragged_layout(args[1], args[2])
-            call_args = (args[0], kv, None, *args[3:])
         row = dict(kind=kind, case=label, impl=name, kv_bytes=nbytes)
         try:
+            call_args = jax.block_until_ready(bundled_args(name, args))
             out = jax.block_until_ready(fn(*call_args))
             t = time_fn(lambda fn=fn, a=call_args: fn(*a), iters)
             gbs = nbytes / t / 1e9
