@@ -14,7 +14,8 @@ and everything it learns is written as it goes, one JSON object per line, to
    once (exit status 2): the kernels need Hopper's wgmma and TMA.
 2. **Correctness** (every case compiled and compared with ``kernels_pallas.reference``, pages
    NaN wherever no token was written): decode and ragged over head_dim x G x block_size,
-   soft cap and sliding window, stacked ``[L, K, N, S, D]`` pages with a traced ``layer=``,
+   soft cap and sliding window, stacked token-major ``kv_pages [L, N, S, C, P, D]``
+   (:mod:`kernels_pallas.kv_layout`, every layer different) read at a traced ``layer=``,
    4K-key contexts with ``num_splits=1`` at pipeline depths 1, 2 and 3 (the stage ring wraps
    dozens of times), the float32 XLA fallback, and XLA's ``write_kv``/``copy_blocks``. Then
    ``ptxas -v`` of every compiled kernel (``MOSAIC_GPU_DUMP_PTXAS`` into ``$OUT/mosaic_dump``):
@@ -27,8 +28,8 @@ and everything it learns is written as it goes, one JSON object per line, to
    mixed batch, and XLA's KV writes and block copies, each as GB/s and as a fraction of the
    device copy bandwidth measured the same way; attention also as a ratio to JAX's bundled
    GPU paged attention (``jax.experimental.pallas.ops.gpu.paged_attention``) on the same
-   inputs. The last line, ``"kind": "summary"``, holds the headline: decode at B = 64,
-   context 2048.
+   inputs (its head-major ``[K, N, S, D]`` copy of the pages, made outside the timed calls).
+   The last line, ``"case": "summary"``, holds the headline: decode at B = 64, context 2048.
 
 A per-case watchdog turns a hang into a recorded ``"status": "timeout"`` line (with every
 thread's stack in ``tracebacks.txt``) and exits with status 3; ``gpu_check.sh`` then resumes
@@ -59,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import kv_ops, reference
+from kernels_pallas import kv_layout, kv_ops, reference
 from kernels_pallas.gpu import attention as ga
 from kernels_pallas.gpu import triton_attention as ta
 
@@ -208,8 +209,10 @@ def environment() -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def make_pages(rng, *, kv_heads, s, d, kv_lens, m, dtype, layers=0, spare=4):
-    """Random distinct block tables; NaN in every slot no token was written to."""
+def make_pages(rng, *, kv_heads, s, d, kv_lens, m, dtype, layers=1, spare=4):
+    """Random distinct block tables and stacked token-major pages ``[L, N, S, C, P, D]``
+    (:func:`kv_layout.merge_kv` of random K and V); NaN in every slot no token was written
+    to (in every layer)."""
     n = int(sum(-(-int(x) // s) for x in kv_lens)) + spare
     tables = np.full((len(kv_lens), m), -1, np.int32)
     perm = rng.permutation(n)
@@ -221,12 +224,12 @@ def make_pages(rng, *, kv_heads, s, d, kv_lens, m, dtype, layers=0, spare=4):
         for j in range(nb):
             written[perm[nxt + j], : min(s, int(length) - j * s)] = True
         nxt += nb
-    shape = (kv_heads, n, s, d) if not layers else (layers, kv_heads, n, s, d)
-    k = rng.standard_normal(shape, np.float32)
-    v = rng.standard_normal(shape, np.float32)
-    k[..., ~written, :] = np.nan
-    v[..., ~written, :] = np.nan
-    return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables)
+    shape = (layers, n, s, kv_heads, d)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    kv = kv_layout.merge_kv(k, v)
+    kv = jnp.where(jnp.asarray(written)[None, :, :, None, None, None], kv, jnp.nan)
+    return kv.astype(dtype), jnp.asarray(tables)
 
 
 def _compare(out, want, dtype) -> dict:
@@ -240,26 +243,29 @@ def _compare(out, want, dtype) -> dict:
 
 def decode_case(*, g, d, s, dtype, cap=None, win=None, kv_heads=2, ctx=256, layers=0,
                 num_splits=None, kv_stages=None, interpret=False, seed=0) -> dict:  # fmt: skip
+    """``layers=0``: one layer (``L = 1``, no ``layer=``); else ``L = layers`` pages, every
+    layer different, read at a traced ``layer = L - 1``."""
     rng = np.random.default_rng(seed)
     m = -(-ctx // s)
     lens = np.asarray([1, 0, s, ctx, min(ctx, 2 * s + 3), max(1, ctx - 5)], np.int32)
-    k, v, tables = make_pages(rng, kv_heads=kv_heads, s=s, d=d, kv_lens=lens, m=m, dtype=dtype,
-                              layers=layers)  # fmt: skip
+    kv, tables = make_pages(rng, kv_heads=kv_heads, s=s, d=d, kv_lens=lens, m=m, dtype=dtype,
+                            layers=max(1, layers))  # fmt: skip
     q = jnp.asarray(rng.standard_normal((len(lens), kv_heads * g, d)), dtype)
     kw = dict(sm_scale=d**-0.5, soft_cap=cap, sliding_window=win)
     extra = dict(layer=jnp.int32(layers - 1)) if layers else {}
     out = ga.paged_attention_gpu(
-        q, k, v, jnp.asarray(lens), tables, interpret=interpret, num_splits=num_splits,
-        kv_stages=kv_stages, **kw, **extra,
+        q, kv, jnp.asarray(lens), tables, num_kv_heads=kv_heads, interpret=interpret,
+        num_splits=num_splits, kv_stages=kv_stages, **kw, **extra,
     )  # fmt: skip
-    if layers:
-        k, v = k[layers - 1], v[layers - 1]
-    want = reference.paged_attention_reference(q, k, v, jnp.asarray(lens), tables, **kw)
+    want = reference.paged_attention_reference(
+        q, kv[max(0, layers - 1)], jnp.asarray(lens), tables, num_kv_heads=kv_heads, **kw
+    )
     return _compare(out, want, dtype)
 
 
 def ragged_case(*, g, d, s, dtype, cap=None, win=None, kv_heads=2, ctx=256, layers=0,
                 interpret=False, seed=0) -> dict:  # fmt: skip
+    """``layers`` as in :func:`decode_case`."""
     rng = np.random.default_rng(seed)
     m = -(-ctx // s)
     rows = [(1, ctx - 3), (min(40, ctx), min(40, ctx)), (9, ctx), (3, 19), (1, 1)]
@@ -268,39 +274,42 @@ def ragged_case(*, g, d, s, dtype, cap=None, win=None, kv_heads=2, ctx=256, laye
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     t = int(cu[len(rows)]) + 3
     cu = np.minimum(cu, t)
-    k, v, tables = make_pages(rng, kv_heads=kv_heads, s=s, d=d, kv_lens=kv_lens, m=m,
-                              dtype=dtype, layers=layers)  # fmt: skip
+    kv, tables = make_pages(rng, kv_heads=kv_heads, s=s, d=d, kv_lens=kv_lens, m=m,
+                            dtype=dtype, layers=max(1, layers))  # fmt: skip
     q = jnp.asarray(rng.standard_normal((t, kv_heads * g, d)), dtype)
-    args = (q, k, v, jnp.asarray(kv_lens), tables, jnp.asarray(cu), jnp.int32(len(rows)))
-    kw = dict(sm_scale=0.125, soft_cap=cap, sliding_window=win)
+    rest = (jnp.asarray(kv_lens), tables, jnp.asarray(cu), jnp.int32(len(rows)))
+    kw = dict(num_kv_heads=kv_heads, sm_scale=0.125, soft_cap=cap, sliding_window=win)
     extra = dict(layer=jnp.int32(layers - 1)) if layers else {}
-    out = ga.ragged_paged_attention_gpu(*args, interpret=interpret, **kw, **extra)
-    if layers:
-        args = (q, k[layers - 1], v[layers - 1], *args[3:])
-    want = reference.ragged_paged_attention_reference(*args, **kw)
+    out = ga.ragged_paged_attention_gpu(q, kv, *rest, interpret=interpret, **kw, **extra)
+    want = reference.ragged_paged_attention_reference(q, kv[max(0, layers - 1)], *rest, **kw)
     return _compare(out, want, dtype)
 
 
 def kv_ops_case(*, dtype, seed=0) -> dict:
-    """XLA write_kv (stacked, traced layer) and copy_blocks against numpy."""
+    """XLA write_kv (stacked, traced layer) and copy_blocks against numpy, on merged pages
+    ``[L, N, S, C, P, D]`` (K and V of every head differ)."""
     rng = np.random.default_rng(seed)
-    pages = rng.standard_normal((3, 2, 16, 16, 64), np.float32)
-    new = rng.standard_normal((10, 2, 64), np.float32)
+    shape = (3, 16, 16, 2, 64)  # [L, N, S, K, D]
+
+    def merged(*lead):
+        k, v = (jnp.asarray(rng.standard_normal((*lead, *shape[-2:]), np.float32), dtype)
+                for _ in "kv")  # fmt: skip
+        return kv_layout.merge_kv(k, v)
+
+    kv, new = merged(*shape[:3]), merged(10)  # [L, N, S, C, P, D], [T, C, P, D]
     slots = rng.permutation(16 * 16)[:10].astype(np.int32)
     slots[3] = -1
-    kp_, vp_ = jnp.asarray(pages, dtype), jnp.asarray(pages, dtype)
-    k_out, _ = kv_ops.write_pages(kp_, vp_, jnp.asarray(new, dtype), jnp.asarray(new, dtype),
-                           jnp.asarray(slots), layer=jnp.int32(1))  # fmt: skip
-    want = np.array(jnp.asarray(pages, dtype), np.float32)
+    out = kv_ops.write_pages(kv, new, jnp.asarray(slots), layer=jnp.int32(1))
+    want = np.array(kv, np.float32)
     for t, slot in enumerate(slots):
         if slot >= 0:
-            want[1, :, slot // 16, slot % 16] = np.asarray(jnp.asarray(new[t], dtype), np.float32)
-    ok_write = np.array_equal(np.asarray(k_out, np.float32), want)
+            want[1, slot // 16, slot % 16] = np.asarray(new[t], np.float32)
+    ok_write = np.array_equal(np.asarray(out, np.float32), want)
     src, dst = np.array([0, 5, -1], np.int32), np.array([7, 9, 2], np.int32)
-    c_out, _ = kv_ops.copy_pages(kp_, vp_, jnp.asarray(src), jnp.asarray(dst))
-    want = np.array(jnp.asarray(pages, dtype), np.float32)
-    want[..., [7, 9], :, :] = want[..., [0, 5], :, :]
-    ok_copy = np.array_equal(np.asarray(c_out, np.float32), want)
+    out = kv_ops.copy_pages(kv, jnp.asarray(src), jnp.asarray(dst))
+    want = np.array(kv, np.float32)
+    want[:, [7, 9]] = want[:, [0, 5]]
+    ok_copy = np.array_equal(np.asarray(out, np.float32), want)
     return dict(ok=ok_write and ok_copy, write_kv_exact=ok_write, copy_blocks_exact=ok_copy)
 
 
@@ -379,27 +388,55 @@ def _device_normal(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("blocks",), donate_argnums=0)
+def _fill_blocks(pages, key, start, blocks):
+    chunk = jax.random.normal(key, (pages.shape[0], blocks, *pages.shape[2:]), jnp.float32)
+    return jax.lax.dynamic_update_slice_in_dim(pages, chunk.astype(pages.dtype), start, axis=1)
+
+
+def device_pages(key, shape, dtype, chunk_bytes: int = 1 << 30) -> jax.Array:
+    """Random pages ``[L, N, S, C, P, D]`` built on the device about ``chunk_bytes`` of f32
+    draws at a time (blocks ``[start, start + blocks)``, donated in place): the peak is the
+    pages plus one chunk, not a draw of the whole pool (tens of GB in the full grid)."""
+    per_block = 4 * int(np.prod(shape)) // shape[1]
+    blocks = max(1, min(shape[1], chunk_bytes // per_block))
+    pages = jnp.zeros(shape, dtype)
+    for i, start in enumerate(range(0, shape[1], blocks)):
+        start = min(start, shape[1] - blocks)  # the last chunk may overlap the one before
+        pages = _fill_blocks(pages, jax.random.fold_in(key, i), jnp.int32(start), blocks)
+    return pages
+
+
+@functools.partial(jax.jit, static_argnames=("kv_heads",))
+def head_major(kv_pages, kv_heads):
+    """Layer 0 of ``kv_pages`` as ``(k, v)``, each ``[K, N, S, D]``: the layout JAX's bundled
+    GPU kernel reads (a copy, made once outside the timed calls)."""
+    k, v = kv_layout.split_kv(kv_pages[0], kv_heads)  # [N, S, K, D]
+    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0)
+
+
 def decode_pool(b, ctx, *, h, kv_heads, d, s, dtype, reps):
-    """Pages, ``reps`` disjoint block-table sets and q, all built on the device."""
+    """Pages ``[1, N, S, C, P, D]``, ``reps`` disjoint block-table sets and q, all built on
+    the device."""
     m = ctx // s
     n = reps * b * m
     key = jax.random.key(0)
-    kk, kv, kq, kt = jax.random.split(key, 4)
-    k = _device_normal(kk, (kv_heads, n, s, d), dtype)
-    v = _device_normal(kv, (kv_heads, n, s, d), dtype)
+    kkv, kq, kt = jax.random.split(key, 3)
+    kv = device_pages(kkv, kv_layout.page_shape(1, n, s, kv_heads, d, dtype), dtype)
     q = _device_normal(kq, (b, h, d), dtype)
     tables = jax.random.permutation(kt, n).reshape(reps, b, m).astype(jnp.int32)
     lens = jnp.full((b,), ctx, jnp.int32)
-    return q, k, v, lens, tables
+    return q, kv, lens, tables
 
 
 def looped(attn):
-    """One jit running ``attn`` on every block-table set in turn (outputs summed)."""
+    """One jit running ``attn`` on every block-table set in turn (outputs summed); ``pages``
+    is any pytree of arrays (``kv_pages``, or the bundled kernel's ``(k, v)``)."""
 
     @jax.jit
-    def run(q, k, v, lens, tables):
+    def run(q, pages, lens, tables):
         def body(i, acc):
-            return acc + attn(q, k, v, lens, tables[i]).astype(jnp.float32)
+            return acc + attn(q, pages, lens, tables[i]).astype(jnp.float32)
 
         return jax.lax.fori_loop(0, tables.shape[0], body, jnp.zeros(q.shape, jnp.float32))
 
@@ -415,40 +452,52 @@ def bundled_paged_attention():
         return None
 
 
+def decode_impls(*, kv_heads: int, scale: float, interpret: bool) -> dict[str, Callable]:
+    """The timed decode implementations, each ``attn(q, pages, lens, tables)``: ``pages`` is
+    ``kv_pages``, or for ``jax_bundled`` (when installed; never interpreted) its head-major
+    ``(k, v)`` (:func:`head_major`)."""
+    kw = dict(num_kv_heads=kv_heads, sm_scale=scale)
+    impls = {
+        "paxcache_mgpu": lambda q, kv, ln, tb: ga.paged_attention_gpu(
+            q, kv, ln, tb, interpret=interpret, **kw
+        ),
+        "paxcache_triton": lambda q, kv, ln, tb: ta.paged_attention_triton(
+            q, kv, ln, tb, interpret=interpret, **kw
+        ),
+        "xla_reference": lambda q, kv, ln, tb: reference.ragged_paged_attention_xla(
+            q, kv, ln, tb, jnp.arange(q.shape[0] + 1, dtype=jnp.int32), q.shape[0], **kw
+        ),
+    }  # fmt: skip
+    bundled = None if interpret else bundled_paged_attention()
+    if bundled is not None:  # on its head-major copy of the same pages
+        impls["jax_bundled"] = lambda q, kvh, ln, tb: bundled(q * scale, kvh[0], kvh[1], tb, ln)
+    return impls
+
+
 def decode_timing(b, ctx, bw, *, interpret=False, h=32, kv_heads=8, d=128, s=16) -> dict:
     dtype = jnp.bfloat16
     if interpret:
         h, kv_heads, d = 8, 2, 64
     per_rep = 2 * b * ctx * kv_heads * d * jnp.dtype(dtype).itemsize
     reps = 1 if interpret else max(4, -(-MIN_WORKING_SET // per_rep))
-    q, k, v, lens, tables = decode_pool(b, ctx, h=h, kv_heads=kv_heads, d=d, s=s, dtype=dtype,
-                                        reps=reps)  # fmt: skip
+    q, kv, lens, tables = decode_pool(b, ctx, h=h, kv_heads=kv_heads, d=d, s=s, dtype=dtype,
+                                      reps=reps)  # fmt: skip
     scale = d**-0.5
-    impls = {
-        "paxcache_mgpu": lambda q, k, v, ln, tb: ga.paged_attention_gpu(
-            q, k, v, ln, tb, sm_scale=scale, interpret=interpret
-        ),
-        "paxcache_triton": lambda q, k, v, ln, tb: ta.paged_attention_triton(
-            q, k, v, ln, tb, sm_scale=scale, interpret=interpret
-        ),
-        "xla_reference": lambda q, k, v, ln, tb: reference.ragged_paged_attention_xla(
-            q, k, v, ln, tb, jnp.arange(q.shape[0] + 1, dtype=jnp.int32), q.shape[0],
-            sm_scale=scale,
-        ),
-    }  # fmt: skip
-    bundled = None if interpret else bundled_paged_attention()
-    if bundled is not None:
-        impls["jax_bundled"] = lambda q, k, v, ln, tb: bundled(q * scale, k, v, tb, ln)
+    kw = dict(num_kv_heads=kv_heads, sm_scale=scale)
+    impls = decode_impls(kv_heads=kv_heads, scale=scale, interpret=interpret)
     # The oracle's memory-light form (an online softmax over block columns; the dense oracle
     # would gather [B, context, K, D] in f32): checked against the dense one in the tests.
     b_idx = jnp.arange(b + 1, dtype=jnp.int32)
-    want = reference.ragged_paged_attention_xla(q, k, v, lens, tables[0], b_idx, b, sm_scale=scale)
+    want = reference.ragged_paged_attention_xla(q, kv, lens, tables[0], b_idx, b, **kw)
     row = dict(B=b, context=ctx, heads=f"{h}/{kv_heads}", head_dim=d, block_size=s,
                working_set_MB=round(reps * per_rep / 2**20), reps=reps, ok=True)  # fmt: skip
     for name, attn in impls.items():
+        pages = None
         try:
-            t = time_fn(looped(attn), q, k, v, lens, tables, iters=1 if interpret else 5) / reps
-            check = _compare(jax.jit(attn)(q, k, v, lens, tables[0]), want, dtype)
+            pages = head_major(kv, kv_heads) if name == "jax_bundled" else kv
+            t = time_fn(looped(attn), q, pages, lens, tables, iters=1 if interpret else 5)
+            t /= reps
+            check = _compare(jax.jit(attn)(q, pages, lens, tables[0]), want, dtype)
             gbs = per_rep / t / 1e9
             row[name] = dict(us=round(t * 1e6, 2), GBps=round(gbs, 1),
                              frac_copy_bw=round(gbs / bw, 3), **check)  # fmt: skip
@@ -457,6 +506,7 @@ def decode_timing(b, ctx, bw, *, interpret=False, h=32, kv_heads=8, d=128, s=16)
             row[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             # ours and XLA must run; the bundled one (and Triton, deprecated in JAX) may not
             row["ok"] &= name in ("jax_bundled", "paxcache_triton")
+        del pages  # the bundled kernel's copy is freed before the next size
     if "us" in row.get("jax_bundled", {}) and "us" in row.get("paxcache_mgpu", {}):
         row["speedup_vs_bundled"] = round(row["jax_bundled"]["us"] / row["paxcache_mgpu"]["us"], 3)
     if "us" in row.get("paxcache_triton", {}) and "us" in row.get("paxcache_mgpu", {}):
@@ -483,17 +533,17 @@ def ragged_timing(bw, *, interpret=False, h=32, kv_heads=8, d=128, s=16) -> dict
         nb = -(-int(kv_len) // s)
         tables[i, :nb] = perm[nxt : nxt + nb]
         nxt += nb
-    kk, kv, kq = jax.random.split(jax.random.key(2), 3)  # pages built on the device
-    k = _device_normal(kk, (kv_heads, n, s, d), jnp.bfloat16)
-    v = _device_normal(kv, (kv_heads, n, s, d), jnp.bfloat16)
+    kkv, kq = jax.random.split(jax.random.key(2), 2)  # pages built on the device
+    kv = device_pages(kkv, kv_layout.page_shape(1, n, s, kv_heads, d, jnp.bfloat16),
+                      jnp.bfloat16)  # fmt: skip
     q = _device_normal(kq, (int(cu[-1]), h, d), jnp.bfloat16)
     tables = jnp.asarray(tables)
-    args = (q, k, v, jnp.asarray(kv_lens), tables, jnp.asarray(cu), jnp.int32(len(spec)))
+    args = (q, kv, jnp.asarray(kv_lens), tables, jnp.asarray(cu), jnp.int32(len(spec)))
     kv_bytes = 2 * int(kv_lens.sum()) * kv_heads * d * 2
-    fn = jax.jit(functools.partial(ga.ragged_paged_attention_gpu, sm_scale=0.125,
-                                   interpret=interpret))  # fmt: skip
+    kw = dict(num_kv_heads=kv_heads, sm_scale=0.125)
+    fn = jax.jit(functools.partial(ga.ragged_paged_attention_gpu, interpret=interpret, **kw))
     t = time_fn(fn, *args, iters=1 if interpret else 10)
-    check = _compare(fn(*args), reference.ragged_paged_attention_xla(*args, sm_scale=0.125),
+    check = _compare(fn(*args), reference.ragged_paged_attention_xla(*args, **kw),
                      jnp.bfloat16)  # fmt: skip
     gbs = kv_bytes / t / 1e9
     return dict(T=int(cu[-1]), seqs=len(spec), us=round(t * 1e6, 2), GBps=round(gbs, 1),
@@ -501,15 +551,18 @@ def ragged_timing(bw, *, interpret=False, h=32, kv_heads=8, d=128, s=16) -> dict
 
 
 def kv_ops_timing(bw, *, interpret=False) -> dict:
-    """XLA write_kv (256 tokens into a stacked cache) and copy_blocks, pages donated."""
-    shape = (4, 2, 64, 16, 32) if interpret else (32, 8, 4096, 16, 128)  # [L, K, N, S, D]
+    """XLA write_kv (256 tokens' K and V into layer 3 of a stacked cache) and copy_blocks
+    (64 blocks, every layer), pages donated. The cache is Llama-3-8B-shaped, 32 layers of
+    4096 blocks of 16 tokens, 8 kv heads at D = 128 in bf16: 8 GiB of K and V together."""
+    dims = (4, 64, 16, 2, 64) if interpret else (32, 4096, 16, 8, 128)  # L, N, S, K, D
     dtype = jnp.bfloat16
+    shape = kv_layout.page_shape(*dims, dtype)  # [L, N, S, C, P, D]
     key = jax.random.key(1)
-    pages = _device_normal(key, shape, dtype)
+    pages = device_pages(key, shape, dtype)
     t_tok = 256
-    new = _device_normal(key, (t_tok, shape[1], shape[4]), dtype)
-    slots = jax.random.permutation(key, shape[2] * shape[3])[:t_tok].astype(jnp.int32)
-    write = jax.jit(lambda p, n, sl: kv_ops.write_pages(p, p, n, n, sl, layer=jnp.int32(3))[0],
+    new = _device_normal(key, (t_tok, *shape[3:]), dtype)  # merged rows [T, C, P, D]
+    slots = jax.random.permutation(key, shape[1] * shape[2])[:t_tok].astype(jnp.int32)
+    write = jax.jit(lambda p, n, sl: kv_ops.write_pages(p, n, sl, layer=jnp.int32(3)),
                     donate_argnums=0)  # fmt: skip
     iters = 2 if interpret else 10
     pages = write(pages, new, slots)
@@ -521,15 +574,16 @@ def kv_ops_timing(bw, *, interpret=False) -> dict:
     pairs = 64
     src = jnp.arange(pairs, dtype=jnp.int32)
     dst = src + pairs
-    copy = jax.jit(lambda p, a, b: kv_ops.copy_pages(p, p, a, b)[0], donate_argnums=0)
+    copy = jax.jit(lambda p, a, b: kv_ops.copy_pages(p, a, b), donate_argnums=0)
     pages = copy(pages, src, dst)
     t0 = time.perf_counter()
     for _ in range(iters):
         pages = copy(pages, src, dst)
     pages.block_until_ready()
     t_copy = (time.perf_counter() - t0) / iters
-    block_bytes = shape[0] * shape[1] * shape[3] * shape[4] * 2
-    write_bytes = t_tok * shape[1] * shape[4] * 2
+    itemsize = jnp.dtype(dtype).itemsize
+    block_bytes = shape[0] * int(np.prod(shape[2:])) * itemsize  # one block, every layer
+    write_bytes = t_tok * int(np.prod(shape[3:])) * itemsize  # K and V of every head
     copy_gbs = 2 * pairs * block_bytes / t_copy / 1e9
     return dict(
         write_kv_us=round(t_write * 1e6, 2), write_kv_bytes=write_bytes,
