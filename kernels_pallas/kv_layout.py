@@ -110,8 +110,19 @@ def merge_kv(k: jax.Array, v: jax.Array) -> jax.Array:
 
 def split_kv(kv: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
     """``[..., C, P, Dp]`` -> ``(k, v)``, each ``[..., K, Dp]`` (the inverse of
-    :func:`merge_kv`; dummy heads dropped)."""
+    :func:`merge_kv`; dummy heads dropped).
+
+    Written as slices of the packed axes (no reshape merging ``C`` with a size-1 ``P``):
+    XLA:CPU otherwise gives the whole stacked cache another layout and copies it every step.
+    """
     *lead, c, p, dp = kv.shape
-    heads = kv.reshape(*lead, c * p, dp)[..., : 2 * num_kv_heads, :]
-    heads = heads.reshape(*lead, num_kv_heads, 2, dp)
-    return heads[..., 0, :], heads[..., 1, :]
+    kh = num_kv_heads
+    if p == 1:  # combined head 2h at row 2h
+        heads = kv[..., 0, :]
+        return heads[..., 0 : 2 * kh : 2, :], heads[..., 1 : 2 * kh : 2, :]
+    if p == 2:  # row h holds (K, V) of head h
+        return kv[..., :kh, 0, :], kv[..., :kh, 1, :]
+    # p == 4: row r holds K, V of head 2r, then K, V of head 2r + 1
+    k = kv[..., 0::2, :].reshape(*lead, c * p // 2, dp)
+    v = kv[..., 1::2, :].reshape(*lead, c * p // 2, dp)
+    return k[..., :kh, :], v[..., :kh, :]

@@ -285,12 +285,12 @@ def _copy_xla(pages: jax.Array, src: jax.Array, dst: jax.Array, loops: bool) -> 
 
 def _write_xla(pages: jax.Array, new: jax.Array, slots: jax.Array, layer: Any) -> jax.Array:
     """In-place-able scatter of ``new [T, C, P, Dp]`` rows into ``pages`` at flat slots."""
-    num_layers, n, s, *row = pages.shape
-    slots = jnp.where(slots < 0, n * s, slots)  # out of range -> dropped
-    flat = pages.reshape(num_layers, n * s, *row)
+    _, n, s = pages.shape[:3]
+    slots = jnp.where(slots < 0, n * s, slots)  # out of range -> block n: dropped
     layer = jnp.asarray(layer, jnp.int32)
-    flat = flat.at[layer, slots].set(new.astype(pages.dtype), mode="drop")
-    return flat.reshape(pages.shape)
+    # (block, offset) indices, no reshape of the pages: XLA:CPU would relayout (copy) the
+    # whole stacked cache around a reshape that merges N and S next to a size-1 P.
+    return pages.at[layer, slots // s, slots % s].set(new.astype(pages.dtype), mode="drop")
 
 
 def write_pages(
