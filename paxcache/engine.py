@@ -672,6 +672,9 @@ class Engine:
                     " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
                 )
         self.block_manager.warmup()
+        byte_decoder = getattr(self.tokenizer, "byte_decoder", None)
+        if byte_decoder is not None:
+            byte_decoder(True)  # an HF ByteLevel table (~0.1 s for 128K ids): not at request 1
         if self.num_host_blocks > 0:
             # Every swap program (both directions, every pair bucket): no compile at the
             # first preemption.

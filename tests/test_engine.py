@@ -20,14 +20,27 @@ def model():
     return byte_llama()
 
 
-def _engine(model, **kw):
+def _engine(model, tokenizer=None, **kw):
     # No implicit warm-up: a test compiles only the programs it runs (warm-up's own contract
     # is the ``engine`` fixture's, which warms up, and test_dispatch's).
     args = dict(
         num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=32, warmup=False
     )
     args.update(kw)
-    return Engine(model, ByteTokenizer(), **args)
+    return Engine(model, tokenizer or ByteTokenizer(), **args)
+
+
+class _RecordingTokenizer(ByteTokenizer):
+    """A ByteTokenizer that records when its byte decoder is built (an HF tokenizer builds
+    its id -> bytes table there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.byte_decoders_built: list[bool] = []
+
+    def byte_decoder(self, skip_special_tokens: bool = True):
+        self.byte_decoders_built.append(skip_special_tokens)
+        return super().byte_decoder(skip_special_tokens)
 
 
 def _prompts(seed=0, lens=(3, 40, 20, 2, 57, 9)):
@@ -46,8 +59,9 @@ GREEDY10 = SamplingParams(max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = _engine(model)
+    eng = _engine(model, _RecordingTokenizer())
     eng.warmup()
+    eng.tokenizer.built_by_warmup = list(eng.tokenizer.byte_decoders_built)
     return eng
 
 
@@ -64,6 +78,8 @@ def test_greedy_mixed_batch_equals_dense_model(engine, dense_ref):
 
 
 def test_warm_engine_never_recompiles_and_frees_everything(engine, dense_ref):
+    # Warm-up also built the detokenizer's byte table (default skip_special_tokens=True).
+    assert engine.tokenizer.built_by_warmup == [True]
     before = engine.stats()["num_compilations"]
     outs = engine.generate(_prompts(), GREEDY10)
     assert _tokens(outs) == dense_ref
