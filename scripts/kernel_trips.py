@@ -37,10 +37,12 @@ outermost loop of the kernel, so its trips are the grid size):
   ``n = ceil(ceil(ctx / S) / P)`` trips with ``P = decode_pages_per_step``; step ``i`` runs the
   next-step DMA region unless it is the last, and the unmasked body when
   ``(i + 1) * P * S <= ctx``, else the masked one. The DMA-issue loops (nested loops without
-  MXU ops: one page's K and V copies per trip) run one trip per page copied: in step ``i``
-  ``min(P, ceil(ctx / S) - (i + 1) * P)`` (the next step's pages), in the program body
-  ``min(P, ceil(ctx / S))`` (the first step's). Each program is costed at its own length: a
-  length-0 row (a mixed batch's prefill rows, padding) runs neither.
+  MXU ops: one page's copy per trip, K and V of every kv head in one descriptor; the kernel
+  unrolls its copies, so a libtpu that keeps them unrolled compiles none) run one trip per
+  page copied: in step ``i`` ``min(P, ceil(ctx / S) - (i + 1) * P)`` (the next step's
+  pages), in the program body ``min(P, ceil(ctx / S))`` (the first step's). Each program is
+  costed at its own length: a length-0 row (a mixed batch's prefill rows, padding) runs
+  neither.
 * A mixed batch through ``ragged_paged_attention``: the decode kernel on the leading decode
   rows (``min(T, B)`` programs, the rest length 0) plus the ragged kernel from
   ``first_seq`` = the number of decode rows; the row sums them.

@@ -22,8 +22,11 @@ the bundles per KiB of KV below the HBM time (the static schedule of libtpu's fi
   copies: DMA semaphores count bytes). In VMEM each kv head's K and V ``[P * S, Dp]`` are
   taken out of the slot seen as 32-bit words: a strided sublane load of the head's word row
   of every token, then (bf16, 8-bit) shifts and a truncation
-  (:func:`~kernels_pallas.tpu._attention_common.load_kv_head`). Bounds checks are off when
-  compiled (every address is in range: the wrapper clips the table to ``[0, N)``, one
+  (:func:`~kernels_pallas.tpu._attention_common.load_kv_head`). Static schedule
+  (``scripts/kernel_cycles.py``, Llama-3-8B, 64 sequences at ctx 4096): cycles per KiB of KV
+  v5e 0.5297 -> 0.5032, v6e 0.4722 -> 0.4523 against the K / V layout's two DMAs per page
+  (RPA v3: 0.6133, 0.5694); the step loop 8342 -> 7926 bundles on v5e. Bounds checks are off
+  when compiled (every address is in range: the wrapper clips the table to ``[0, N)``, one
   elementwise op per call, so a page's DMA takes its block id as read, no clamp per page).
 * The heads are unrolled. A step whose keys are all visible (the steady state) runs with no
   mask at all; only the step holding the length (or the window's first key) masks logits and
