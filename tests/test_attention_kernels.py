@@ -6,7 +6,8 @@ Pallas kernel in interpret mode and, when ``kernels_pallas.gpu.attention`` is in
 GPU Pallas kernel in interpret mode. Pages are filled with NaN everywhere no token was written,
 block tables are random permutations (never the identity) and table entries past a sequence's
 last block point at other sequences' blocks or are -1, so any read of unwritten data shows up
-as NaN or as a mismatch.
+as NaN or as a mismatch. Cases hold one layer's ``[N, S, C, P, D]`` pages (``merge_kv``:
+``kernels_pallas.kv_layout``); the array-level ops take them stacked, ``[L, N, S, C, P, D]``.
 
 The fast subset keeps shapes tiny (TPU interpret mode simulates every DMA); the wide grid of
 the issue is marked ``slow``.
@@ -27,7 +28,7 @@ import pytest
 from hypothesis import strategies as st
 
 import kernels_pallas as kp
-from kernels_pallas import reference
+from kernels_pallas import kv_layout, reference
 from kernels_pallas.attention import (
     leading_decode_seqs,
     paged_attention_pages,
@@ -79,24 +80,24 @@ def _tols(dtype) -> dict:
 @dataclasses.dataclass
 class Case:
     q: np.ndarray
-    k_pages: np.ndarray
-    v_pages: np.ndarray
+    kv_pages: np.ndarray  # one layer's [N, S, C, P, D] (kernels_pallas.kv_layout)
     kv_lens: np.ndarray
     block_tables: np.ndarray
+    k_heads: int
     cu_q_lens: np.ndarray | None = None
     num_seqs: int | None = None
 
 
 def _fill_pages(rng, kv_lens, tables, k_heads, n_blocks, s, d, dtype):
-    """Pages that hold random K/V at written slots and NaN everywhere else."""
-    kpg = np.full((k_heads, n_blocks, s, d), np.nan, np.float32)
-    vpg = np.full((k_heads, n_blocks, s, d), np.nan, np.float32)
+    """One layer's ``[N, S, C, P, D]`` pages that hold random K/V at written slots and NaN
+    everywhere else (K and V merged token-major with ``merge_kv``)."""
+    kpg, vpg = np.full((2, n_blocks, s, k_heads, d), np.nan, np.float32)
     for b, length in enumerate(kv_lens):
         for p in range(length):
             blk = tables[b, p // s]
-            kpg[:, blk, p % s] = rng.normal(size=(k_heads, d))
-            vpg[:, blk, p % s] = rng.normal(size=(k_heads, d))
-    return kpg.astype(dtype), vpg.astype(dtype)
+            kpg[blk, p % s] = rng.normal(size=(k_heads, d))
+            vpg[blk, p % s] = rng.normal(size=(k_heads, d))
+    return np.asarray(kv_layout.merge_kv(jnp.asarray(kpg, dtype), jnp.asarray(vpg, dtype)))
 
 
 def _tables(rng, lens, s, m, n_blocks, n_real=None):
@@ -116,9 +117,9 @@ def decode_case(rng, lens, h, k_heads, d, s, m, dtype) -> Case:
     lens = np.asarray(lens, np.int32)
     n_blocks = len(lens) * m + 3
     tables = _tables(rng, lens, s, m, n_blocks)
-    kpg, vpg = _fill_pages(rng, lens, tables, k_heads, n_blocks, s, d, dtype)
+    kv = _fill_pages(rng, lens, tables, k_heads, n_blocks, s, d, dtype)
     q = rng.normal(size=(len(lens), h, d)).astype(dtype)
-    return Case(q, kpg, vpg, lens, tables)
+    return Case(q, kv, lens, tables, k_heads)
 
 
 def ragged_case(rng, q_lens, kv_lens, num_seqs, t, h, k_heads, d, s, m, dtype) -> Case:
@@ -133,31 +134,30 @@ def ragged_case(rng, q_lens, kv_lens, num_seqs, t, h, k_heads, d, s, m, dtype) -
     n_blocks = b * m + 3
     tables = _tables(rng, kv_lens, s, m, n_blocks, n_real=num_seqs)
     written = np.where(np.arange(b) < num_seqs, kv_lens, 0)
-    kpg, vpg = _fill_pages(rng, written, tables, k_heads, n_blocks, s, d, dtype)
+    kv = _fill_pages(rng, written, tables, k_heads, n_blocks, s, d, dtype)
     q = rng.normal(size=(t, h, d)).astype(dtype)  # padding rows: finite junk
     junk = kv_lens.copy()
     junk[num_seqs:] = rng.integers(1, m * s, size=b - num_seqs)
-    return Case(q, kpg, vpg, junk, tables, cu, num_seqs)
+    return Case(q, kv, junk, tables, k_heads, cu, num_seqs)
 
 
-def as_cache(k_pages, v_pages) -> kp.PagedKVCache:
-    """The public cache holding these pages (``[K, N, S, D]``, or ``[L, K, N, S, D]`` for L
-    layers): NaN-filled by ``init_kv_cache``, every written (non-NaN) slot of every layer
-    written with ``write_kv``; unwritten slots stay NaN."""
-    k_pages, v_pages = np.asarray(k_pages), np.asarray(v_pages)
-    if k_pages.ndim == 4:
-        k_pages, v_pages = k_pages[None], v_pages[None]
-    layers, k_heads, n, s, d = k_pages.shape
-    cache = kp.init_kv_cache(layers, n, s, k_heads, d, k_pages.dtype, fill_value=float("nan"))
+def as_cache(kv_pages, k_heads: int) -> kp.PagedKVCache:
+    """The public cache holding these pages (one layer's ``[N, S, C, P, D]``, or
+    ``[L, N, S, C, P, D]`` for L layers): NaN-filled by ``init_kv_cache``, every written
+    (non-NaN) slot of every layer written with ``write_kv``; unwritten slots stay NaN."""
+    kv_pages = np.asarray(kv_pages)
+    if kv_pages.ndim == 5:
+        kv_pages = kv_pages[None]
+    layers, n, s, _, _, d = kv_pages.shape
+    cache = kp.init_kv_cache(layers, n, s, k_heads, d, kv_pages.dtype, fill_value=float("nan"))
     for layer in range(layers):
-        written = ~np.isnan(np.asarray(k_pages[layer, 0, :, :, 0], np.float32))  # [N, S]
+        written = ~np.isnan(np.asarray(kv_pages[layer, :, :, 0, 0, 0], np.float32))  # [N, S]
         blk, off = np.nonzero(written)
         slots = (blk * s + off).astype(np.int32)
-        k = np.moveaxis(k_pages[layer][:, blk, off], 0, 1)  # [T, K, D]
-        v = np.moveaxis(v_pages[layer][:, blk, off], 0, 1)
-        cache = kp.write_kv(cache, jnp.asarray(k), jnp.asarray(v), slots, layer=layer)
+        k, v = kv_layout.split_kv(jnp.asarray(kv_pages[layer, blk, off]), k_heads)  # [T, K, D]
+        cache = kp.write_kv(cache, k, v, slots, layer=layer)
     np.testing.assert_array_equal(  # the cache holds exactly these pages (NaN where unwritten)
-        np.asarray(cache.k, np.float32), np.asarray(k_pages, np.float32)
+        np.asarray(cache.kv, np.float32), np.asarray(kv_pages, np.float32)
     )
     return cache
 
@@ -165,7 +165,7 @@ def as_cache(k_pages, v_pages) -> kp.PagedKVCache:
 def _run_decode(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
     return kp.paged_attention(
         jnp.asarray(case.q),
-        as_cache(case.k_pages, case.v_pages),
+        as_cache(case.kv_pages, case.k_heads),
         jnp.asarray(case.kv_lens),
         jnp.asarray(case.block_tables),
         impl=impl,
@@ -177,7 +177,7 @@ def _run_decode(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
 def _run_ragged(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
     return kp.ragged_paged_attention(
         jnp.asarray(case.q),
-        as_cache(case.k_pages, case.v_pages),
+        as_cache(case.kv_pages, case.k_heads),
         jnp.asarray(case.kv_lens),
         jnp.asarray(case.block_tables),
         jnp.asarray(case.cu_q_lens),
@@ -188,24 +188,26 @@ def _run_ragged(case: Case, impl: str, interpret: bool, **kw) -> jax.Array:
     )
 
 
-_ORACLE_STATIC = ("sm_scale", "soft_cap", "sliding_window")
+_ORACLE_STATIC = ("num_kv_heads", "sm_scale", "soft_cap", "sliding_window")
 _paged_oracle = jax.jit(reference.paged_attention_reference, static_argnames=_ORACLE_STATIC)
 _ragged_naive = jax.jit(reference.ragged_paged_attention_reference, static_argnames=_ORACLE_STATIC)
 
 
 def _decode_oracle(case: Case, **kw) -> jax.Array:
-    return _paged_oracle(case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, **kw)
+    return _paged_oracle(
+        case.q, case.kv_pages, case.kv_lens, case.block_tables, num_kv_heads=case.k_heads, **kw
+    )
 
 
 def _ragged_oracle(case: Case, **kw) -> jax.Array:
     return _ragged_naive(
         case.q,
-        case.k_pages,
-        case.v_pages,
+        case.kv_pages,
         case.kv_lens,
         case.block_tables,
         case.cu_q_lens,
         case.num_seqs,
+        num_kv_heads=case.k_heads,
         **kw,
     )
 
@@ -272,8 +274,8 @@ def test_ragged_xla_matches_naive_oracle_on_mixed_batch():
     case = ragged_case(rng, RAGGED_Q, RAGGED_KV, RAGGED_NUM_SEQS, 20, 8, 2, 64, 8, 3, np.float32)
     for opts in (dict(sliding_window=5, soft_cap=3.0),):
         out = reference.ragged_paged_attention_xla(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-            case.cu_q_lens, case.num_seqs, **opts,
+            case.q, case.kv_pages[None], case.kv_lens, case.block_tables, case.cu_q_lens,
+            case.num_seqs, num_kv_heads=case.k_heads, **opts,
         )  # fmt: skip
         _check(out, _ragged_oracle(case, **opts), np.float32)
 
@@ -282,7 +284,7 @@ def test_ragged_with_one_token_per_sequence_equals_decode():
     rng = np.random.default_rng(3)
     case = decode_case(rng, [1, 8, 13, 0], 8, 2, 64, 8, 2, np.float32)
     cu = np.arange(5, dtype=np.int32)
-    cache = as_cache(case.k_pages, case.v_pages)
+    cache = as_cache(case.kv_pages, case.k_heads)
     # impl="pallas" on CPU is the TPU kernel in interpret mode
     for impl, interpret in (("reference", False), ("pallas", True)):
         out = kp.ragged_paged_attention(
@@ -307,9 +309,9 @@ def test_tpu_ragged_masked_steps_at_every_width_match_oracle(window):
     want = _ragged_oracle(case, **opts)
     for tq in (2, 5):
         out = ragged_paged_attention_tpu(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-            case.cu_q_lens, case.num_seqs, interpret=True, pages_per_compute_block=4,
-            queries_per_block=tq, **opts,
+            case.q, case.kv_pages[None], case.kv_lens, case.block_tables, case.cu_q_lens,
+            case.num_seqs, num_kv_heads=case.k_heads, interpret=True,
+            pages_per_compute_block=4, queries_per_block=tq, **opts,
         )  # fmt: skip
         _check(out, want, np.float32)
 
@@ -349,9 +351,10 @@ def test_tpu_mixed_batch_splits_leading_decodes_exactly():
 
     n_dec = int(leading_decode_seqs(jnp.asarray(case.cu_q_lens), jnp.int32(num_seqs)))
     assert n_dec == 3
+    kv = case.kv_pages[None]
     rag = ragged_paged_attention_tpu(
-        case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables, case.cu_q_lens,
-        case.num_seqs, n_dec, sm_scale=64**-0.5, sliding_window=10, interpret=True,
+        case.q, kv, case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs, n_dec,
+        num_kv_heads=case.k_heads, sm_scale=64**-0.5, sliding_window=10, interpret=True,
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(rag[:n_dec]), 0.0)
     _check(rag[n_dec:], want[n_dec:], np.float32)
@@ -359,8 +362,8 @@ def test_tpu_mixed_batch_splits_leading_decodes_exactly():
     # start at the first ragged sequence) and the output moved back
     for tq in (2, 5):
         rag = ragged_paged_attention_tpu(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-            case.cu_q_lens, case.num_seqs, n_dec, sm_scale=64**-0.5, sliding_window=10,
+            case.q, kv, case.kv_lens, case.block_tables, case.cu_q_lens, case.num_seqs,
+            n_dec, num_kv_heads=case.k_heads, sm_scale=64**-0.5, sliding_window=10,
             interpret=True, queries_per_block=tq,
         )  # fmt: skip
         np.testing.assert_array_equal(np.asarray(rag[:n_dec]), 0.0)
@@ -404,7 +407,7 @@ def test_tpu_kernels_never_copy_pages_past_length_or_before_window():
     rng = np.random.default_rng(4)
     s, m = 8, 6
     case = decode_case(rng, [3, 17, 40, 0], 2, 1, 64, s, m, np.float32)
-    bad = case.k_pages.shape[1] + 1000
+    bad = case.kv_pages.shape[0] + 1000
     tables = case.block_tables.copy()
     window = 9
     for b, length in enumerate(case.kv_lens):
@@ -418,10 +421,65 @@ def test_tpu_kernels_never_copy_pages_past_length_or_before_window():
 
     cu = np.arange(5, dtype=np.int32)
     out = kp.ragged_paged_attention(
-        jnp.asarray(case.q), as_cache(case.k_pages, case.v_pages), case.kv_lens, tables, cu, 4,
+        jnp.asarray(case.q), as_cache(case.kv_pages, case.k_heads), case.kv_lens, tables, cu, 4,
         sliding_window=window, impl="pallas_tpu", interpret=True,
     )  # fmt: skip
     _check(out, _decode_oracle(case, sliding_window=window), np.float32)
+
+
+@pytest.mark.parametrize("dtype,k_heads", [(jnp.float8_e4m3fn, 3)], ids=["fp8-K3-dummy"])
+def test_xla_path_never_reads_a_dummy_head_or_a_table_entry_past_a_length(dtype, k_heads):
+    """The XLA path (``impl="reference"``, ``auto`` on CPU, the GPU fallback) on pages NaN
+    wherever it must not read: unwritten slots, block 0 (where it sends block columns a row
+    does not see), the block that table entries past a sequence's last block point at, and
+    in an 8-bit cache of odd K every slot's dummy head (combined heads ``2K .. C * P - 1``).
+    Its output is finite and bit-equal to its output with the NaNs zeroed (which meets the
+    oracle)."""
+    rng = np.random.default_rng(41)
+    h, d, s, m = 2 * k_heads, 16, 4, 4
+    q_lens, kv_lens, num_seqs = [1, 5, 2, 1, 0], [6, 9, 13, 1, 3], 4
+    b, t, n = len(q_lens), sum(q_lens) + 2, len(q_lens) * m + 2
+    tables = (1 + rng.permutation(n - 2)[: b * m]).reshape(b, m).astype(np.int32)
+    for i, length in enumerate(kv_lens):  # past the last block: the NaN block n - 1, or -1
+        tables[i, (-(-length // s) if i < num_seqs else 0) :] = n - 1 if i % 2 == 0 else -1
+    pos = [np.arange(kv_lens[i]) for i in range(num_seqs)]
+    slots = np.concatenate([tables[i, p // s] * s + p % s for i, p in enumerate(pos)])
+    cache = kp.init_kv_cache(1, n, s, k_heads, d, dtype, fill_value=float("nan"))
+    cast = jnp.float32 if cache.quantized else dtype  # an 8-bit cache quantizes f32 K/V
+    k, v = jnp.asarray(rng.normal(size=(2, len(slots), k_heads, d)), cast)
+    cache = kp.write_kv(cache, k, v, slots.astype(np.int32))
+    c, p = cache.kv.shape[3:5]
+    pad = c * p > 2 * k_heads  # a dummy head fills the last word
+    assert cache.kv_head_pad == int(pad)
+    dummy = jnp.arange(c * p)[:, None] >= 2 * k_heads  # [C * P, 1]: a dummy combined head
+    rows = jnp.where(dummy, jnp.asarray(np.nan, dtype), cache.kv.reshape(1, n, s, c * p, d))
+    poisoned = cache.replace(kv=rows.reshape(cache.kv.shape))
+    nan = np.isnan(np.asarray(poisoned.kv, np.float32))
+    assert nan[0, 0].all() and nan[0, n - 1].all() and nan[..., -1, -1, :].all() == pad
+    clean = poisoned.replace(kv=jnp.where(nan, jnp.zeros((), dtype), poisoned.kv))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(t, h, d)), cast)
+    lens = np.where(np.arange(b) < num_seqs, kv_lens, 0).astype(np.int32)
+    args = (jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu), num_seqs)
+    kw = dict(num_kv_heads=k_heads, **(dict(k_scale=1.0, v_scale=1.0) if cache.quantized else {}))
+    xla = reference.ragged_paged_attention_xla
+    cuda_form = dict(chunk_bytes=reference.XLA_GPU_CHUNK_BYTES, native_operands=True)
+
+    def xla_runs(cache: kp.PagedKVCache) -> list:
+        return [
+            kp.ragged_paged_attention(q, cache, *args, impl="reference"),
+            # one block column a loop step: every column a row does not see gathers block 0
+            xla(q, cache.kv, *args, chunk_bytes=1, **kw),
+            xla(q, cache.kv, *args, **cuda_form, **kw),  # big chunks, 16-bit operands
+            kp.paged_attention(q[:b], cache, lens, tables, impl="reference"),
+        ]
+
+    want = xla_runs(clean)
+    for got, ok in zip(xla_runs(poisoned), want, strict=True):
+        assert np.isfinite(np.asarray(got, np.float32)).all(), "a poisoned value was read"
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ok, np.float32))
+    oracle = reference.ragged_paged_attention_reference(q, clean.kv[0], *args, **kw)
+    _check(want[0], oracle, jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32)
 
 
 @pytest.mark.parametrize("impl,interpret", IMPLS[:3])
@@ -433,11 +491,9 @@ def test_stacked_layer_pages_select_layer_under_scan(impl, interpret):
     tables = base.block_tables
     cases = [base]
     for _ in range(layers - 1):  # same tables and lengths, different page contents per layer
-        kpg, vpg = _fill_pages(
-            rng, base.kv_lens, tables, 2, base.k_pages.shape[1], 8, 64, np.float32
-        )
-        cases.append(dataclasses.replace(base, k_pages=kpg, v_pages=vpg))
-    cache = as_cache(np.stack([c.k_pages for c in cases]), np.stack([c.v_pages for c in cases]))
+        kv = _fill_pages(rng, base.kv_lens, tables, 2, base.kv_pages.shape[0], 8, 64, np.float32)
+        cases.append(dataclasses.replace(base, kv_pages=kv))
+    cache = as_cache(np.stack([c.kv_pages for c in cases]), 2)
     q = jnp.asarray(cases[0].q)
     lens = jnp.asarray(cases[0].kv_lens)
     cu = jnp.arange(3, dtype=jnp.int32)
@@ -464,13 +520,14 @@ def test_stacked_layer_pages_select_layer_under_scan(impl, interpret):
 
 
 def _good_args():
+    """Array-level ``(q, kv_pages, lengths, tables)``: one layer of K = 2 f32 heads."""
     q = jnp.zeros((2, 4, 8), jnp.float32)
-    pages = jnp.zeros((2, 6, 4, 8), jnp.float32)
-    return q, pages, pages, jnp.array([1, 2], jnp.int32), jnp.zeros((2, 3), jnp.int32)
+    pages = jnp.zeros(kv_layout.page_shape(1, 6, 4, 2, 8, jnp.float32), jnp.float32)
+    return q, pages, jnp.array([1, 2], jnp.int32), jnp.zeros((2, 3), jnp.int32)
 
 
 def _good_cache_args():
-    q, _, _, lens, tables = _good_args()
+    q, _, lens, tables = _good_args()
     return q, kp.init_kv_cache(1, 6, 4, 2, 8, jnp.float32), lens, tables
 
 
@@ -485,7 +542,7 @@ def _good_cache_args():
         (lambda a: a[:3] + (jnp.zeros((3, 3), jnp.int32),), "batch"),
         (lambda a: a[:3] + (jnp.zeros((2,), jnp.int32),), "rank 2"),
         (lambda a: a[:3] + (jnp.zeros((2, 3), jnp.float32),), "integer"),
-        (lambda a: (a[0], (a[1].k, a[1].v)) + a[2:], "expected a kernels_pallas.PagedKVCache"),
+        (lambda a: (a[0], a[1].kv) + a[2:], "expected a kernels_pallas.PagedKVCache"),
     ],
 )
 def test_decode_bad_arguments_raise_value_error(mutate, match):
@@ -494,18 +551,26 @@ def test_decode_bad_arguments_raise_value_error(mutate, match):
 
 
 @pytest.mark.parametrize(
-    "mutate,match",
+    "mutate,kw,match",
     [
-        (lambda a: (a[0], a[1][0], a[2][0]) + a[3:], "rank 4"),
-        (lambda a: a[:2] + (a[2][:, :, :2],) + a[3:], "shapes differ"),
-        (lambda a: (a[0].astype(jnp.bfloat16),) + a[1:], "dtype mismatch"),
-        (lambda a: (jnp.zeros((2, 3, 8)),) + a[1:], "not divisible"),
+        (lambda a: (a[0], a[1][0]) + a[2:], {}, "rank 6"),
+        # the packing axis must be the dtype's: f32 packs 1 head a word, bf16 2
+        (lambda a: (a[0], a[1].reshape(1, 6, 4, 2, 2, 8)) + a[2:], {}, "must pack P=1"),
+        (lambda a: (a[0], a[1].astype(jnp.bfloat16)) + a[2:], {}, "must pack P=2"),
+        (lambda a: a, dict(num_kv_heads=3), "num_kv_heads=3 does not fit"),
+        (lambda a: a, dict(num_kv_heads=0), "num_kv_heads=0 does not fit"),
+        (lambda a: a, dict(num_kv_heads=2.0), "does not fit"),
+        (lambda a: a, dict(num_kv_heads=True), "does not fit"),
+        (lambda a: (a[0].astype(jnp.bfloat16),) + a[1:], {}, "dtype mismatch"),
+        (lambda a: (jnp.zeros((2, 3, 8)),) + a[1:], {}, "not divisible"),
+        (lambda a: (jnp.zeros((2, 4, 16)),) + a[1:], {}, "head_dim mismatch"),
     ],
 )
-def test_decode_on_page_arrays_bad_arguments_raise_value_error(mutate, match):
-    """The array-level form (``paged_attention_pages``) checks its pages itself."""
+def test_decode_on_page_arrays_bad_arguments_raise_value_error(mutate, kw, match):
+    """The array-level form (``paged_attention_pages``) checks its pages itself: rank 6, the
+    dtype's packing on axis 4, a ``num_kv_heads`` that fits ``C * P / 2``."""
     with pytest.raises(ValueError, match=match):
-        paged_attention_pages(*mutate(_good_args()))
+        paged_attention_pages(*mutate(_good_args()), **{"num_kv_heads": 2, **kw})
 
 
 @pytest.mark.parametrize(
@@ -526,9 +591,21 @@ def test_decode_bad_options_raise_value_error(kwargs, match):
         kp.paged_attention(*_good_cache_args(), **kwargs)
 
 
-def test_page_arrays_of_one_layer_refuse_layer():
-    with pytest.raises(ValueError, match="layer= given"):
-        paged_attention_pages(*_good_args(), layer=0)
+def test_page_arrays_of_one_layer_take_layer_0_or_none():
+    """Pages are always stacked: with L = 1 ``layer`` may be left out (it is layer 0); any
+    other layer, or a non-integer one, is refused."""
+    q, pages, lens, tables = _good_args()
+    pages = pages.at[0, 0].set(1.0)  # the block every table row points at
+    out = paged_attention_pages(q, pages, lens, tables, num_kv_heads=2)
+    np.testing.assert_array_equal(np.asarray(out), 1.0)  # V = 1 everywhere it reads
+    same = paged_attention_pages(q, pages, lens, tables, num_kv_heads=2, layer=0)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(out))
+    with pytest.raises(ValueError, match="out of range"):
+        paged_attention_pages(q, pages, lens, tables, num_kv_heads=2, layer=1)
+    with pytest.raises(ValueError, match="layer must be an integer"):
+        paged_attention_pages(q, pages, lens, tables, num_kv_heads=2, layer=True)
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        paged_attention_pages(q, pages, lens, tables, num_kv_heads=2, layer=jnp.zeros(1))
 
 
 def test_multi_layer_cache_needs_a_valid_layer():
@@ -538,12 +615,12 @@ def test_multi_layer_cache_needs_a_valid_layer():
         kp.paged_attention(q, cache, lens, tables)
     with pytest.raises(ValueError, match="out of range"):
         kp.paged_attention(q, cache, lens, tables, layer=2)
-    q, pages, _, lens, tables = _good_args()
-    stacked = jnp.stack([pages, pages])
+    q, pages, lens, tables = _good_args()
+    stacked = jnp.concatenate([pages, pages])  # L = 2
     with pytest.raises(ValueError, match="need layer="):
-        paged_attention_pages(q, stacked, stacked, lens, tables)
+        paged_attention_pages(q, stacked, lens, tables, num_kv_heads=2)
     with pytest.raises(ValueError, match="out of range"):
-        paged_attention_pages(q, stacked, stacked, lens, tables, layer=2)
+        paged_attention_pages(q, stacked, lens, tables, num_kv_heads=2, layer=2)
 
 
 def test_ragged_bad_arguments_raise_value_error():
@@ -561,9 +638,12 @@ def test_ragged_bad_arguments_raise_value_error():
         kp.ragged_paged_attention(jnp.zeros((2, 3, 8)), cache, lens, tables, cu, 2)
     with pytest.raises(ValueError, match="new_kv must be a tuple"):
         kp.ragged_paged_attention(q, cache, lens, tables, cu, 2, new_kv=(q, q))
-    _, pages, _, _, _ = _good_args()
+    _, pages, _, _ = _good_args()
+    q3 = jnp.zeros((2, 3, 8))
     with pytest.raises(ValueError, match="not divisible"):
-        ragged_paged_attention_pages(jnp.zeros((2, 3, 8)), pages, pages, lens, tables, cu, 2)
+        ragged_paged_attention_pages(q3, pages, lens, tables, cu, 2, num_kv_heads=2)
+    with pytest.raises(ValueError, match="does not fit"):
+        ragged_paged_attention_pages(q, pages, lens, tables, cu, 2, num_kv_heads=4)
 
 
 def test_pallas_gpu_without_gpu_module_raises_not_implemented():
@@ -660,8 +740,8 @@ def test_tpu_kernels_with_several_pages_per_step_and_query_blocks():
     want = _ragged_oracle(case, sm_scale=0.2, sliding_window=7)
     for p, tq in itertools.product([1, 2, 3], [1, 3, 8]):
         out = ragged_paged_attention_tpu(
-            case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-            case.cu_q_lens, case.num_seqs, sm_scale=0.2, sliding_window=7, interpret=True,
+            case.q, case.kv_pages[None], case.kv_lens, case.block_tables, case.cu_q_lens,
+            case.num_seqs, num_kv_heads=2, sm_scale=0.2, sliding_window=7, interpret=True,
             pages_per_compute_block=p, queries_per_block=tq,
         )  # fmt: skip
         _check(out, want, np.float32)
@@ -669,8 +749,8 @@ def test_tpu_kernels_with_several_pages_per_step_and_query_blocks():
     want = _decode_oracle(dec, soft_cap=2.0)
     for p in (1, 2, 3, 5):
         out = paged_attention_tpu(
-            dec.q, dec.k_pages, dec.v_pages, dec.kv_lens, dec.block_tables, sm_scale=64**-0.5,
-            soft_cap=2.0, interpret=True, pages_per_compute_block=p,
+            dec.q, dec.kv_pages[None], dec.kv_lens, dec.block_tables, num_kv_heads=2,
+            sm_scale=64**-0.5, soft_cap=2.0, interpret=True, pages_per_compute_block=p,
         )  # fmt: skip
         _check(out, want, np.float32)
 
@@ -694,23 +774,23 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch, dtype):
 
     b, h, kh, d, s, m, n, t = 8, 32, 8, 128, 16, 16, 128, 64
     spec = jax.ShapeDtypeStruct
-    pages = spec((2, kh, n, s, d), dtype)
+    pages = spec(kv_layout.page_shape(2, n, s, kh, d, dtype), dtype)
     i32 = jnp.int32
-    opts = dict(sm_scale=0.1, soft_cap=30.0, sliding_window=64)
+    opts = dict(num_kv_heads=kh, sm_scale=0.1, soft_cap=30.0, sliding_window=64)
 
-    def decode(q, k, v, lens, bt, layer):
-        return paged_attention_tpu(q, k, v, lens, bt, layer=layer, **opts)
+    def decode(q, kv, lens, bt, layer):
+        return paged_attention_tpu(q, kv, lens, bt, layer=layer, **opts)
 
-    def ragged(q, k, v, lens, bt, cu, ns, layer):
-        return ragged_paged_attention_tpu(q, k, v, lens, bt, cu, ns, layer=layer, **opts)
+    def ragged(q, kv, lens, bt, cu, ns, layer):
+        return ragged_paged_attention_tpu(q, kv, lens, bt, cu, ns, layer=layer, **opts)
 
     lowered = [
         jax.jit(decode)
-        .trace(spec((b, h, d), dtype), pages, pages, spec((b,), i32), spec((b, m), i32),
+        .trace(spec((b, h, d), dtype), pages, spec((b,), i32), spec((b, m), i32),
                spec((), i32))
         .lower(lowering_platforms=("tpu",)),
         jax.jit(ragged)
-        .trace(spec((t, h, d), dtype), pages, pages, spec((b,), i32), spec((b, m), i32),
+        .trace(spec((t, h, d), dtype), pages, spec((b,), i32), spec((b, m), i32),
                spec((b + 1,), i32), spec((), i32), spec((), i32))
         .lower(lowering_platforms=("tpu",)),
     ]  # fmt: skip
