@@ -195,7 +195,9 @@ def test_forced_tpu_write_kv_refuses_block_sizes_off_the_tile_unless_interpreted
     out = kp.write_kv(cache, k, k, np.array([0, 5]), impl="pallas_tpu", interpret=True)
     got, _ = kp.read_kv(out, np.array([0, 5, 1]))
     np.testing.assert_array_equal(np.asarray(got), [np.ones((2, 16))] * 2 + [np.zeros((2, 16))])
-    assert float(out.k[0, :, 0, 0].sum()) == 32.0 and float(out.k[0, :, 1, 1].sum()) == 32.0
+    # Slots 0 and 5 (block 0 row 0, block 1 row 1): K and V of both heads, in the pages too.
+    assert float(out.kv[0, 0, 0].sum()) == 64.0 and float(out.kv[0, 1, 1].sum()) == 64.0
+    assert float(out.kv[0, 0, 1].sum()) == 0.0
 
 
 def test_swap_is_the_memory_kinds_program_everywhere():

@@ -137,9 +137,9 @@ def test_sinks_in_the_ragged_op_equal_a_dense_oracle(impl: str) -> None:
     np.testing.assert_array_equal(np.asarray(out)[4:], 0.0)
     # One block column per loop step: the sink rescales with the online softmax's max.
     chunked = ragged_paged_attention_xla(
-        jnp.asarray(q), cache.k, cache.v, jnp.asarray(kv_lens), jnp.asarray(tables),
-        jnp.asarray([0, 3, 4]), 2, layer=0, sliding_window=3, sinks=jnp.asarray(sinks),
-        chunk_bytes=1,
+        jnp.asarray(q), cache.kv, jnp.asarray(kv_lens), jnp.asarray(tables),
+        jnp.asarray([0, 3, 4]), 2, num_kv_heads=kv_heads, layer=0, sliding_window=3,
+        sinks=jnp.asarray(sinks), chunk_bytes=1,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(chunked)[:4], want[:4], atol=1e-5)
     # The decode op and its oracle agree with the ragged one on the decode row.
