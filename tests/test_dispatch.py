@@ -184,14 +184,16 @@ def test_forced_tpu_kernel_off_tpu_needs_interpret():
         kp.write_kv(cache, q[:, :2], q[:, :2], np.array([0, 1]), impl="pallas")
 
 
-def test_forced_tpu_write_kv_refuses_block_sizes_off_the_tile_unless_interpreted(monkeypatch):
-    """Compiled, write_kv moves 8-row HBM tiles, so S must be a multiple of 8."""
+def test_forced_tpu_write_kv_takes_any_block_size():
+    """The TPU write kernel moves each token's ``[C, P, Dp]`` row with one DMA on untiled
+    axes, so no block size is refused (the 8-row tile rule went with the head-major layout);
+    interpreted, S = 4 writes exactly the two slots."""
+    from kernels_pallas.tpu.kv_ops import write_kv_unsupported_reason
+
+    assert all(write_kv_unsupported_reason(s, jnp.bfloat16) is None for s in (1, 4, 7, 16))
+    assert "not positive" in write_kv_unsupported_reason(0, jnp.float32)
     cache = kp.init_kv_cache(1, 8, 4, 2, 16, jnp.float32)
     k = jnp.ones((2, 2, 16))
-    with monkeypatch.context() as m:
-        m.setattr(_dispatch, "target_platform", lambda: "tpu")
-        with pytest.raises(ValueError, match="multiple of the 8-row HBM tile"):
-            kp.write_kv(cache, k, k, np.array([0, 5]), impl="pallas_tpu")
     out = kp.write_kv(cache, k, k, np.array([0, 5]), impl="pallas_tpu", interpret=True)
     got, _ = kp.read_kv(out, np.array([0, 5, 1]))
     np.testing.assert_array_equal(np.asarray(got), [np.ones((2, 16))] * 2 + [np.zeros((2, 16))])
