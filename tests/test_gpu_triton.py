@@ -3,10 +3,11 @@ capability 8.0 and newer outside Hopper; on Hopper the ragged op (the Mosaic GPU
 failed its oracle on an H200) and the decode geometries the Mosaic GPU kernel refuses.
 
 * Interpreted on this CPU against ``kernels_pallas.reference``: ragged batches whose decode and
-  prefill rows come in any order, stacked layers, every unwritten slot NaN and block-table
-  entries past each sequence's length pointing at a NaN page (or -1), GQA with G from 1 to 8
-  (3 too: no power of two), 8-bit pages with their scales, sinks, soft cap, sliding window,
-  forced KV splits.
+  prefill rows come in any order, stacked token-major layers (``[L, N, S, C, P, D]``,
+  ``kernels_pallas.kv_layout``), every unwritten slot NaN and block-table entries past each
+  sequence's length pointing at a NaN page (or -1), GQA with G from 1 to 8 (3 too: no power
+  of two), 8-bit pages with their scales (odd K: a dummy head, poisoned), sinks, soft cap,
+  sliding window, forced KV splits.
 * Lowered for CUDA with ``aot.cuda_target`` (no GPU): 8.0, 8.9 and 10.0 export the Triton call
   for both ops, 9.0 for the ragged op (decode: the Mosaic GPU kernel);
   ``impl="pallas_triton"`` forces it.
@@ -33,6 +34,7 @@ import kernels_pallas as kp
 from kernels_pallas import _dispatch, aot, compat, reference
 from kernels_pallas.attention import paged_attention_pages, ragged_paged_attention_pages
 from kernels_pallas.gpu import triton_attention as ta
+from kernels_pallas.kv_layout import merge_kv
 
 TRITON = compat.TRITON_CALL_TARGET
 MOSAIC_GPU = "custom_call @mosaic_gpu"
@@ -53,44 +55,45 @@ def quiet(monkeypatch):
 
 
 def _case(rng, q_lens, kv_lens, num_seqs, t, *, g, kh=2, d=16, s=8, m=4, dtype=jnp.float32):
-    """A ragged batch over ``[L, K, N, S, D]`` pages: layer ``LAYER`` holds each sequence's
+    """A ragged batch over ``[L, N, S, C, P, D]`` pages: layer ``LAYER`` holds each sequence's
     keys; every other slot, page and layer is NaN. Entries past a sequence's last block point
-    at the NaN page ``N - 1`` (even rows) or are -1 (odd rows)."""
+    at the NaN page ``N - 1`` (even rows) or are -1 (odd rows). ``k`` / ``v``: the same K
+    and V head-major, ``[L, N, S, K, D]`` in float32 (``kv`` merges them in ``dtype``)."""
     b = len(q_lens)
     n = b * m + 2
     poison = n - 1
     tables = rng.permutation(n - 1)[: b * m].reshape(b, m).astype(np.int32)
-    k = np.full((LAYERS, kh, n, s, d), np.nan, np.float32)
-    v = np.full((LAYERS, kh, n, s, d), np.nan, np.float32)
+    k = np.full((LAYERS, n, s, kh, d), np.nan, np.float32)
+    v = np.full((LAYERS, n, s, kh, d), np.nan, np.float32)
     for i, length in enumerate(kv_lens):
         used = -(-length // s) if i < num_seqs else 0
         tables[i, used:] = poison if i % 2 == 0 else -1
         for p in range(length if i < num_seqs else 0):
             blk, off = tables[i, p // s], p % s
-            k[LAYER, :, blk, off] = rng.normal(size=(kh, d))
-            v[LAYER, :, blk, off] = rng.normal(size=(kh, d))
+            k[LAYER, blk, off] = rng.normal(size=(kh, d))
+            v[LAYER, blk, off] = rng.normal(size=(kh, d))
     cu = np.zeros(b + 1, np.int32)
     cu[1 : num_seqs + 1] = np.cumsum(q_lens[:num_seqs])
     cu[num_seqs + 1 :] = cu[num_seqs]
     q = rng.normal(size=(t, kh * g, d))
     return dict(
-        q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
-        kv_lens=jnp.asarray(kv_lens, jnp.int32), tables=jnp.asarray(tables),
+        q=jnp.asarray(q, dtype), kv=merge_kv(jnp.asarray(k, dtype), jnp.asarray(v, dtype)),
+        k=k, v=v, kh=kh, kv_lens=jnp.asarray(kv_lens, jnp.int32), tables=jnp.asarray(tables),
         cu=jnp.asarray(cu), num_seqs=num_seqs,
     )  # fmt: skip
 
 
 def _ragged_oracle(c, **kw):
     return reference.ragged_paged_attention_reference(
-        c["q"], c["k"][LAYER], c["v"][LAYER], c["kv_lens"], c["tables"], c["cu"], c["num_seqs"],
-        **kw,
+        c["q"], c["kv"][LAYER], c["kv_lens"], c["tables"], c["cu"], c["num_seqs"],
+        num_kv_heads=c["kh"], **kw,
     )  # fmt: skip
 
 
 def _ragged_triton(c, **kw):
     return ragged_paged_attention_pages(
-        c["q"], c["k"], c["v"], c["kv_lens"], c["tables"], c["cu"], c["num_seqs"],
-        impl="pallas_triton", interpret=True, layer=LAYER, **kw,
+        c["q"], c["kv"], c["kv_lens"], c["tables"], c["cu"], c["num_seqs"],
+        num_kv_heads=c["kh"], impl="pallas_triton", interpret=True, layer=LAYER, **kw,
     )  # fmt: skip
 
 
@@ -151,8 +154,9 @@ def test_ragged_and_decode_match_the_oracle_on_poisoned_pages(g, d, s, dtype, op
         out = _ragged_triton(c, **opts)
     else:  # the kernel module itself: exactly `splits` KV splits per live tile
         out = ta.ragged_paged_attention_triton(
-            c["q"], c["k"], c["v"], c["kv_lens"], c["tables"], c["cu"], c["num_seqs"],
-            sm_scale=d**-0.5, interpret=True, num_splits=splits, layer=LAYER, **opts,
+            c["q"], c["kv"], c["kv_lens"], c["tables"], c["cu"], c["num_seqs"],
+            num_kv_heads=c["kh"], sm_scale=d**-0.5, interpret=True, num_splits=splits,
+            layer=LAYER, **opts,
         )  # fmt: skip
     _check(out, _ragged_oracle(c, **oracle), dtype)
 
@@ -160,11 +164,11 @@ def test_ragged_and_decode_match_the_oracle_on_poisoned_pages(g, d, s, dtype, op
     lengths = jnp.asarray([5, 30, 0, 1], jnp.int32)
     q = c["q"][:4]
     out = paged_attention_pages(
-        q, c["k"], c["v"], lengths, c["tables"], impl="pallas_triton", interpret=True,
-        layer=LAYER, **opts,
+        q, c["kv"], lengths, c["tables"], num_kv_heads=c["kh"], impl="pallas_triton",
+        interpret=True, layer=LAYER, **opts,
     )  # fmt: skip
     want = reference.paged_attention_reference(
-        q, c["k"][LAYER], c["v"][LAYER], lengths, c["tables"], **oracle
+        q, c["kv"][LAYER], lengths, c["tables"], num_kv_heads=c["kh"], **oracle
     )
     _check(out, want, dtype)
     assert not np.asarray(out[2], np.float32).any()  # the padding row
@@ -173,9 +177,11 @@ def test_ragged_and_decode_match_the_oracle_on_poisoned_pages(g, d, s, dtype, op
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
 def test_8bit_pages_are_dequantized_in_the_kernel_with_the_layer_scales(kv_dtype):
     """int8 / float8 pages: the kernel's output equals the dequantizing oracle's (bf16
-    queries); the K scale joins the softmax scale, the V scale the output."""
+    queries); the K scale joins the softmax scale, the V scale the output. K = 3: each
+    token's last 32-bit word holds a dummy head, poisoned (never read)."""
     rng = np.random.default_rng(8)
-    c = _case(rng, np.array([1, 6, 1]), np.array([17, 6, 9]), 3, 8, g=2, d=32, s=8, m=3)
+    kh = 3
+    c = _case(rng, np.array([1, 6, 1]), np.array([17, 6, 9]), 3, 8, g=2, kh=kh, d=32, s=8, m=3)
     k_scale, v_scale = jnp.float32(0.05), jnp.float32(0.02)
 
     def quantize(x, scale):  # NaN stays in the unwritten slots' bytes for int8 as 0: poison 127
@@ -186,9 +192,13 @@ def test_8bit_pages_are_dequantized_in_the_kernel_with_the_layer_scales(kv_dtype
             )
         return jnp.asarray(x, kv_dtype)
 
-    args = (c["q"].astype(jnp.bfloat16), quantize(c["k"], k_scale), quantize(c["v"], v_scale),
-            c["kv_lens"], c["tables"], c["cu"], c["num_seqs"])  # fmt: skip
-    kw = dict(layer=LAYER, k_scale=k_scale, v_scale=v_scale)
+    kv = merge_kv(quantize(c["k"], k_scale), quantize(c["v"], v_scale))  # [L, N, S, 2, 4, D]
+    assert kv.shape[3:5] == (2, 4)
+    poison = 127 if kv_dtype == jnp.int8 else np.nan
+    kv = kv.at[:, :, :, -1, -2:].set(jnp.asarray(poison, kv_dtype))  # the dummy head
+    args = (c["q"].astype(jnp.bfloat16), kv, c["kv_lens"], c["tables"], c["cu"],
+            c["num_seqs"])  # fmt: skip
+    kw = dict(num_kv_heads=kh, layer=LAYER, k_scale=k_scale, v_scale=v_scale)
     out = ragged_paged_attention_pages(*args, impl="pallas_triton", interpret=True, **kw)
     want = ragged_paged_attention_pages(*args, impl="reference", **kw)
     _check(out, want, jnp.bfloat16)
@@ -197,7 +207,7 @@ def test_8bit_pages_are_dequantized_in_the_kernel_with_the_layer_scales(kv_dtype
 def test_forcing_pallas_triton_runs_it_and_records_the_name():
     rng = np.random.default_rng(3)
     c = _case(rng, np.array([3, 1]), np.array([9, 4]), 2, 4, g=4)
-    cache = kp.PagedKVCache(c["k"], c["v"], jnp.ones(LAYERS), jnp.ones(LAYERS))
+    cache = kp.PagedKVCache(c["kv"], jnp.ones(LAYERS), jnp.ones(LAYERS))
     with pytest.raises(ValueError, match="needs a CUDA target"):  # compiled, off a GPU
         kp.ragged_paged_attention(c["q"], cache, c["kv_lens"], c["tables"], c["cu"], 2,
                                   layer=LAYER, impl="pallas_triton")  # fmt: skip
