@@ -230,7 +230,7 @@ def test_abstract_engine_builds_an_8bit_cache_without_a_calibration_pass(model):
         for kv in ("auto", "int8")
     }
     eight = engines["int8"]
-    assert eight._kv.device.k.dtype == jnp.int8 and eight._kv.device.k_scale.shape == (2,)
+    assert eight._kv.device.kv.dtype == jnp.int8 and eight._kv.device.k_scale.shape == (2,)
     assert 2 * eight.bytes_per_block == engines["auto"].bytes_per_block
     assert eight.kv_scales == {}
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
