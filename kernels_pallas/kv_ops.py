@@ -298,7 +298,7 @@ def write_pages(
     kv_new: jax.Array,
     slot_mapping: jax.Array,
     *,
-    layer: int | jax.Array,
+    layer: int | jax.Array | None = None,
     impl: str = "auto",
     interpret: bool = False,
 ) -> jax.Array:
@@ -310,7 +310,7 @@ def write_pages(
         (:func:`~kernels_pallas.kv_layout.merge_kv`), in the pages' dtype.
       slot_mapping: ``i32[T]``: ``block * S + offset``; negative = padding, skipped. Live
         slots must be distinct.
-      layer: layer to write (Python int or traced ``i32`` scalar).
+      layer: layer to write (Python int or traced ``i32`` scalar; optional when L = 1).
       impl: ``"auto" | "reference" | "pallas" | "pallas_tpu" | "pallas_gpu"``.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
 
@@ -347,7 +347,7 @@ def write_pages(
         return kv_pages
     from kernels_pallas.tpu.kv_ops import write_kv_unsupported_reason
 
-    layer_arr = jnp.asarray(layer, jnp.int32)
+    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32)  # one-layer pages
     args = (kv_pages, kv_new, jnp.asarray(slot_mapping, jnp.int32), layer_arr)
 
     def xla(pages, new, slots, lyr):

@@ -1,5 +1,5 @@
 """The XLA ragged attention path that ``impl="auto"`` runs on CPU: column chunks (several per
-call, a partial last one) and stacked ``[L, K, N, S, D]`` pages read in place.
+call, a partial last one) and stacked ``[L, N, S, C, P, D]`` pages read in place.
 
 The semantics are checked against the plain oracle on NaN-filled pages with shuffled tables
 (helpers of tests/test_attention_kernels.py); here the chunk size is forced small so one call
@@ -18,6 +18,7 @@ from test_attention_kernels import _check, _ragged_oracle, ragged_case
 
 import kernels_pallas as kp
 from kernels_pallas import reference
+from kernels_pallas.kv_layout import merge_kv, split_kv
 
 # decode, whole prefill, chunked prefill, prefix hit, empty query, then padded sequences
 Q_LENS = [1, 21, 6, 3, 0, 1, 2]
@@ -27,8 +28,8 @@ NUM_SEQS = 6
 
 def _run(case, **kw):
     return reference.ragged_paged_attention_xla(
-        case.q, case.k_pages, case.v_pages, case.kv_lens, case.block_tables,
-        case.cu_q_lens, case.num_seqs, **kw,
+        case.q, case.kv_pages[None], case.kv_lens, case.block_tables,
+        case.cu_q_lens, case.num_seqs, num_kv_heads=case.k_heads, **kw,
     )  # fmt: skip
 
 
@@ -57,26 +58,26 @@ def test_stacked_pages_with_traced_layer_match_per_layer_calls(monkeypatch):
     base = ragged_case(rng, Q_LENS, KV_LENS, NUM_SEQS, t, 4, 2, 16, s, m, np.float32)
     # Same tables and lengths, different contents per layer (unwritten slots stay NaN).
     scales = [1.0, -0.5, 2.0]
-    k_layers = [base.k_pages * c for c in scales]
-    v_layers = [base.v_pages + c for c in scales]
-    k_stack, v_stack = jnp.stack(k_layers), jnp.stack(v_layers)
+    k, v = split_kv(jnp.asarray(base.kv_pages), base.k_heads)
+    kv_layers = [merge_kv(k * c, v + c) for c in scales]
+    kv_stack = jnp.stack(kv_layers)
     monkeypatch.setattr(reference, "XLA_CHUNK_BYTES", 2 * t * 2 * s * 16 * 4)
 
     @jax.jit
     def per_layer(layer):
         return reference.ragged_paged_attention_xla(
-            base.q, k_stack, v_stack, base.kv_lens, base.block_tables, base.cu_q_lens,
-            base.num_seqs, layer=layer,
+            base.q, kv_stack, base.kv_lens, base.block_tables, base.cu_q_lens,
+            base.num_seqs, num_kv_heads=base.k_heads, layer=layer,
         )  # fmt: skip
 
     for i in range(len(scales)):
-        want = _ragged_oracle(dataclasses.replace(base, k_pages=k_layers[i], v_pages=v_layers[i]))
+        want = _ragged_oracle(dataclasses.replace(base, kv_pages=kv_layers[i]))
         _check(per_layer(jnp.int32(i)), want, np.float32)
 
 
 def test_stacked_layer_pages_are_never_copied():
     """The public op on an L-layer cache + traced layer compiles without any
-    ``[K, N, S, D]``-sized (one layer) or ``[L, ...]``-sized intermediate: gathers read the
+    ``[N, S, C, P, D]``-sized (one layer) or ``[L, ...]``-sized intermediate: gathers read the
     stacked pages in place (slicing a layer first copied it on every call)."""
     layers, k_heads, n, s, d, t, b, m = 3, 2, 96, 8, 32, 24, 4, 8
     cache = kp.init_kv_cache(layers, n, s, k_heads, d, jnp.float32)
@@ -89,8 +90,10 @@ def test_stacked_layer_pages_are_never_copied():
         return kp.ragged_paged_attention(q, cache, lens, tables, cu, 4, layer=layer)
 
     hlo = jax.jit(f).lower(q, cache, jnp.int32(1)).compile().as_text()
-    # One layer's pages in any shape: [K, N, S, D], [1, K, N, S, D] or flattened [K, N*S, D].
-    layer_shapes = re.compile(rf"f32\[(1,)?{k_heads},({n},{s}|{n * s}),{d}\]")
+    # One layer's pages in any shape: [N, S, C, P, D] (f32: C = 2K, P = 1, maybe squeezed),
+    # [1, N, S, C, P, D], blocks and offsets flattened, or K and V apart ([N, S, K, D]).
+    c = 2 * k_heads
+    layer_shapes = re.compile(rf"f32\[(1,)?({n},{s}|{n * s}),({c}(,1)?|{k_heads}),{d}\]")
     results = [ln.split("=", 1)[1].split("(")[0] for ln in hlo.splitlines() if " = " in ln]
     offending = [r for r in results if layer_shapes.search(r) and "parameter" not in r]
     assert not offending, offending[:5]
