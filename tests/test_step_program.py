@@ -17,6 +17,7 @@ import re
 import pytest
 from tiny_models import byte_llama
 
+from kernels_pallas import kv_layout
 from paxcache import Engine, compile_check, kv_cache
 from paxcache.models import ByteTokenizer
 
@@ -85,7 +86,9 @@ def _step_hlo(model) -> str:
 
 
 # [L, K, N, S, D] of the engine's cache: 2 layers, 2 kv heads, 64 blocks of 16, head_dim 16.
-KV = "f32[2,2,64,16,16]"
+# The engine's cache: [L, N, S, C, P, D] (kernels_pallas.kv_layout) of 2 layers, 64 blocks of
+# 16 tokens, 2 kv heads, head_dim 16, float32.
+KV = "f32[{}]".format(",".join(map(str, kv_layout.page_shape(2, 64, 16, 2, 16, "float32"))))
 
 
 def test_copy_on_write_copies_sit_in_a_conditional_and_cost_nothing_without_pairs(
