@@ -531,10 +531,19 @@ def _swap_program(
             blocks = compat.compute_on_host(_gather)(srcs, jax.device_put(s, host))
         else:
             blocks = _gather(srcs, s)
+        # The move goes flat ([A, L, P, S*C*W*D]): XLA:TPU (libtpu 0.0.42) miscompiles the
+        # host side of a move of the tiled 7-D blocks ("Bitcast cannot have different shape
+        # sizes" in swap_out).
+        shape = blocks.shape
+        blocks = blocks.reshape(*shape[:3], -1)
         blocks = jax.device_put(blocks, host if dst_host else jax.memory.Space.Device)  # 1 move
         if dst_host:
             d, count = jax.device_put((d, count), host)
-        return on_dst(functools.partial(_scatter, loops=loops), dsts, blocks, d, count)
+
+        def scatter(dsts, flat, d, count):
+            return _scatter(dsts, flat.reshape(shape), d, count, loops)
+
+        return on_dst(scatter, dsts, blocks, d, count)
 
     return jax.jit(program, donate_argnums=(1,) if donate else (), out_shardings=dst_shardings)
 

@@ -286,17 +286,17 @@ _SWAP_SCRIPT = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from kernels_pallas import aot, kv_ops
+from kernels_pallas import aot, kv_layout, kv_ops
 topo, dtype, tp = sys.argv[1], jnp.dtype(sys.argv[2]), int(sys.argv[3])
 devices = aot.tpu_devices(topo)
 mesh = Mesh(np.asarray(devices[:tp]), ("tp",))
-dev = NamedSharding(mesh, P(None, "tp"))
+dev = NamedSharding(mesh, P(None, None, None, "tp"))
 host = dev.with_memory_kind("pinned_host")
 with aot.tpu_target(devices):
-    d = jax.ShapeDtypeStruct((4, 8, 256, 16, 128), dtype, sharding=dev)
-    h = jax.ShapeDtypeStruct((4, 8, 64, 16, 128), dtype, sharding=host)
+    d = jax.ShapeDtypeStruct(kv_layout.page_shape(4, 256, 16, 8, 128, dtype), dtype, sharding=dev)
+    h = jax.ShapeDtypeStruct(kv_layout.page_shape(4, 64, 16, 8, 128, dtype), dtype, sharding=host)
     for p in (1, 16):
-        for name, src, dst in (("out", (d, d), (h, h)), ("in", (h, h), (d, d))):
+        for name, src, dst in (("out", (d,), (h,)), ("in", (h,), (d,))):
             fn, size = kv_ops.swap_program(src, dst, p)
             ids = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=NamedSharding(mesh, P()))
             fn.trace(src, dst, ids, ids).lower().compile()
