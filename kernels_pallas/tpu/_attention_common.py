@@ -42,6 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas import kv_layout
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2_E = 1.4426950408889634
 #: Lanes of a softmax statistic (m, l) in the state scratch: lane-dense, the row's value in
@@ -92,10 +94,9 @@ def kv_page_bytes(block_size: int, combined_rows: int, head_dim: int) -> int:
 
 
 def combined_rows_of(kv_heads: int, itemsize: int) -> int:
-    """``C`` of ``kv_heads`` heads of ``itemsize``-byte elements
-    (:func:`kernels_pallas.kv_layout.combined_rows`)."""
-    packing = max(1, 4 // itemsize)
-    return -(-2 * kv_heads // packing)
+    """``C`` of ``kv_heads`` heads of ``itemsize``-byte elements: the layout's own
+    :func:`kernels_pallas.kv_layout.combined_rows` (which reads only the dtype's width)."""
+    return kv_layout.combined_rows(kv_heads, jnp.dtype(f"uint{8 * itemsize}"))
 
 
 def default_pages_per_compute_block(
