@@ -98,13 +98,14 @@ XLA_MOVES = ("auto", "direct", "loop", "scatter")
   scatter about 10x slower than the equivalent dynamic-update-slices, and a loop whose trip
   count is the number of live pairs costs nothing for padding.
 * ``"scatter"``: one gather and one scatter (on GPU/TPU one scatter beats P small kernels).
+  Except a TPU device-side gather, always a loop: XLA:TPU relayouts the whole pool for it.
 * ``"direct"`` (swaps only): block-to-block copies from the source pages into the
   destination, for the CPU backend where device and ``pinned_host`` memory are the same RAM
   (XLA elides the memory-kind move, so this is one pass over the moved bytes instead of
   three). Swaps otherwise gather on the source side, make one transfer and write the
   destination with ``"loop"`` or ``"scatter"``.
 * ``"auto"``: by the platform the program is lowered for: CPU ``"loop"`` (swaps
-  ``"direct"``), elsewhere ``"scatter"``.
+  ``"direct"``), TPU copies ``"loop"``, elsewhere ``"scatter"``.
 
 (XLA:CPU has no native bf16 either: it upcasts bf16 updates to f32 over the whole array, so
 on CPU only f32 caches are updated in place; use float32 pages there.)
@@ -202,9 +203,11 @@ def _resolve_moves(name: str, xla_moves: str, *, swap: bool) -> str:
         raise ValueError(f"{name}: xla_moves must be one of {allowed}, got {xla_moves!r}")
     if xla_moves != "auto":
         return xla_moves
-    if _dispatch.target_platform() != "cpu":
-        return "scatter"
-    return "direct" if swap else "loop"
+    platform = _dispatch.target_platform()
+    if platform == "cpu":
+        return "direct" if swap else "loop"
+    # A TPU copy within the pool loops: XLA:TPU relayouts the whole pool for a block gather.
+    return "loop" if platform == "tpu" and not swap else "scatter"
 
 
 def _compact_pairs(
@@ -472,9 +475,24 @@ def _pad_ids(ids: Any, size: int) -> jax.Array:
     return jnp.pad(ids, (0, size - ids.shape[0]), constant_values=-1)
 
 
-def _gather(srcs: tuple[jax.Array, ...], s: jax.Array) -> jax.Array:
-    """All sources' blocks stacked into one array ``[A, L, P, S, C, P, Dp]`` (one transfer)."""
-    return jnp.stack([_take_blocks(x, s) for x in srcs])
+def _gather(srcs: tuple[jax.Array, ...], s: jax.Array, loops: bool) -> jax.Array:
+    """All sources' blocks stacked into one array ``[A, L, P, S, C, P, Dp]`` (one transfer).
+
+    ``loops``: one dynamic slice per pair into the stacked buffer. An XLA gather over the
+    block axis makes XLA:TPU relayout the whole source pool first (a pool-sized temporary).
+    """
+    if not loops:
+        return jnp.stack([_take_blocks(x, s) for x in srcs])
+    num = s.shape[0]
+    blocks = jnp.zeros((len(srcs), srcs[0].shape[0], num, *srcs[0].shape[2:]), srcs[0].dtype)
+
+    def body(i, out):
+        for a, x in enumerate(srcs):
+            block = jax.lax.dynamic_slice_in_dim(x, s[i], 1, axis=BLOCK_AXIS)
+            out = jax.lax.dynamic_update_slice(out, block[None], (a, 0, i, 0, 0, 0, 0))
+        return out
+
+    return jax.lax.fori_loop(0, num, body, blocks)
 
 
 def _scatter(dsts: tuple, blocks: jax.Array, d: jax.Array, count: jax.Array, loops: bool):
@@ -494,14 +512,15 @@ def _swap_program(
     donate: bool,
     direct: bool = False,
     loops: bool = False,
+    gather_loops: bool = False,
 ):
     """One jitted program moving blocks between memory kinds (see :func:`swap_blocks`).
 
     ``use_tpu``: the Pallas DMA kernel (device arrays on both sides only). ``direct``:
     block-to-block copies after a whole-pool memory-kind move, only for the CPU backend,
     where device and host memory are the same RAM and XLA elides that move. Otherwise:
-    gather on the source side, one transfer of the gathered blocks, scatter (``loops``:
-    update-slice loop) on the destination side.
+    gather on the source side (``gather_loops``: a slice loop), one transfer of the gathered
+    blocks, scatter (``loops``: update-slice loop) on the destination side.
     """
     host = jax.memory.Space.Host
 
@@ -528,14 +547,16 @@ def _swap_program(
             # gather on the host ("memory_space of all inputs passed to gather must be the
             # same" otherwise); it moves nothing.
             srcs = jax.device_put(srcs, host)
-            blocks = compat.compute_on_host(_gather)(srcs, jax.device_put(s, host))
+            blocks = compat.compute_on_host(functools.partial(_gather, loops=gather_loops))(
+                srcs, jax.device_put(s, host)
+            )
         else:
-            blocks = _gather(srcs, s)
+            blocks = _gather(srcs, s, gather_loops)
         # The move goes flat ([A, L, P, S*C*W*D]): XLA:TPU (libtpu 0.0.42) miscompiles the
         # host side of a move of the tiled 7-D blocks ("Bitcast cannot have different shape
         # sizes" in swap_out).
         shape = blocks.shape
-        blocks = blocks.reshape(*shape[:3], -1)
+        blocks = blocks.reshape(*shape[:5], -1)
         blocks = jax.device_put(blocks, host if dst_host else jax.memory.Space.Device)  # 1 move
         if dst_host:
             d, count = jax.device_put((d, count), host)
@@ -612,7 +633,14 @@ def swap_program(
         return _swap_program(False, False, shardings, True, donate), size
     _dispatch.record(name, "xla")
     direct, loops = moves == "direct", moves != "scatter"  # direct copies are loops too
-    return _swap_program(src_host, dst_host, shardings, False, donate, direct, loops), size
+    # XLA:TPU relayouts the whole device pool for a gather over the block axis (a pool-sized
+    # temporary: a Llama-3-8B swap-out ran out of HBM); a loop of slices reads only the blocks.
+    # (Host-side gathers stay gathers: a loop's buffer would be device memory there.)
+    gather_loops = not src_host and (loops or _dispatch.target_platform() == "tpu")
+    program = _swap_program(
+        src_host, dst_host, shardings, False, donate, direct, loops, gather_loops
+    )
+    return program, size
 
 
 def swap_pages(

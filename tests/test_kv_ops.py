@@ -366,7 +366,7 @@ def test_swap_pads_pair_counts_to_power_of_two_buckets():
     for p in (3, 4):  # both in the bucket of 4: one program, one compilation
         host = kv_ops.swap_pages(dev, host, np.arange(p), np.arange(p) + 8)
     assert kv_ops._swap_program.cache_info().currsize == 1
-    program = kv_ops._swap_program(False, True, (host.sharding,), False, True, True, True)
+    program, _ = kv_ops.swap_program(dev, host, 4)  # the cached program swap_pages ran
     assert program._cache_size() == 1
     np.testing.assert_array_equal(np.asarray(host[:, 8:12]), np.asarray(dev[:, 0:4]))
 

@@ -299,8 +299,17 @@ with aot.tpu_target(devices):
         for name, src, dst in (("out", (d,), (h,)), ("in", (h,), (d,))):
             fn, size = kv_ops.swap_program(src, dst, p)
             ids = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=NamedSharding(mesh, P()))
-            fn.trace(src, dst, ids, ids).lower().compile()
+            mem = fn.trace(src, dst, ids, ids).lower().compile().memory_analysis()
+            # Only the moved blocks are temporaries: never a relayout of the device pool.
+            pool = d.size * dtype.itemsize // tp
+            assert mem.temp_size_in_bytes < pool // 4, (name, size, mem.temp_size_in_bytes, pool)
             print(f"compiled swap_{name}[{size}]", flush=True)
+    # The XLA copy-on-write fallback: no pool relayout either.
+    copy = jax.jit(lambda x, s, t: kv_ops.copy_pages(x, s, t, impl="reference"), donate_argnums=0)
+    ids = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=NamedSharding(mesh, P()))
+    mem = copy.trace(d, ids, ids).lower().compile().memory_analysis()
+    assert mem.temp_size_in_bytes < pool // 4, ("copy", mem.temp_size_in_bytes, pool)
+    print("compiled copy", flush=True)
 """
 
 
@@ -308,7 +317,7 @@ with aot.tpu_target(devices):
     "topo,dtype,tp",
     [("v5e:2x2", "bfloat16", 1), ("v5e:2x2", "bfloat16", 4), ("v6e:2x2", "float32", 2)],
 )
-def test_swap_programs_compile_both_directions_without_aborting(topo, dtype, tp):
+def test_swap_and_copy_programs_compile_without_aborting_or_copying_the_pool(topo, dtype, tp):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-c", _SWAP_SCRIPT, topo, dtype, str(tp)],
@@ -319,6 +328,7 @@ def test_swap_programs_compile_both_directions_without_aborting(topo, dtype, tp)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("compiled swap_") == 4, proc.stdout
+    assert "compiled copy" in proc.stdout, proc.stdout
 
 
 # --------------------------------------------------------------------------------------------
