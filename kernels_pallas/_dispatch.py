@@ -439,6 +439,11 @@ def run_forced_check(op: str, family: str, interpret: bool) -> None:
         )
 
 
+def record_each(op: str, per_platform: dict[str, str]) -> None:
+    """Record ``op``'s implementation per platform (an op run inside another's kernels)."""
+    _record(op, per_platform)
+
+
 def record(op: str, impl: str) -> None:
     """Record ``impl`` for ``op`` on every platform (forced or platform-independent ops)."""
     _record(op, dict.fromkeys(_PLATFORMS, impl))

@@ -39,24 +39,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from kernels_pallas import _dispatch, reference
+from kernels_pallas import _dispatch, kv_ops, reference
 from kernels_pallas._checks import IMPLS, check_layer, check_pages, is_int_dtype
 from kernels_pallas.cache import (
     PagedKVCache,
     check_cache,
+    check_new_kv,
     is_quantized_dtype,
+    merged_rows,
     pad_lanes,
     resolve_layer,
-    write_kv,
 )
+from kernels_pallas.tpu.routing import leading_decode_seqs
 
 __all__ = [
     "IMPLS",
     "paged_attention",
     "paged_attention_pages",
     "ragged_paged_attention",
+    "leading_decode_seqs",
     "ragged_paged_attention_pages",
 ]
 
@@ -467,7 +469,8 @@ def ragged_paged_attention_pages(
     v_scale: jax.Array | float | None = None,
     max_q_len: int | None = None,
     sinks: jax.Array | None = None,
-) -> jax.Array:
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Ragged causal attention over paged KV (decode, prefill, chunked prefill, prefix hits).
 
     Sequence ``s < num_seqs`` owns query rows ``cu_q_lens[s]:cu_q_lens[s + 1]``: the last
@@ -493,9 +496,17 @@ def ragged_paged_attention_pages(
         still gives a batch's leading one-row sequences (a served step's decodes) to the
         decode kernel and the rest to the ragged kernel, split at run time (exact for any
         order of decode and prefill sequences).
+      new_kv: ``(kv_new [T, C, P, D], slot_mapping i32[T])``: the step's new tokens' rows
+        (merged, in the pages' dtype: :func:`kernels_pallas.kv_layout.merge_kv`), written to
+        ``layer`` (slots < 0 skipped) before anything attends, as :func:`~kernels_pallas.
+        kv_ops.write_pages` would; the pages with them written are returned too. On TPU the
+        write is fused into the attention kernels (:mod:`kernels_pallas.tpu.routing`: one
+        DMA per token while attending, the new rows read from ``kv_new``), which needs
+        ``slot_mapping[t]`` to be the slot of row ``t``'s position for every row that
+        counts; elsewhere it is XLA's in-place scatter, then the attention.
 
     Returns:
-      ``[T, H, D]`` in ``q.dtype``.
+      ``[T, H, D]`` in ``q.dtype``; ``(out, kv_pages)`` when ``new_kv`` is given.
     """
     name = "ragged_paged_attention"
     kw = _check_common(
@@ -526,6 +537,12 @@ def ragged_paged_attention_pages(
         isinstance(max_q_len, bool) or not isinstance(max_q_len, (int, np.integer)) or max_q_len < 1
     ):
         raise ValueError(f"{name}: max_q_len must be a positive int or None, got {max_q_len!r}")
+    fused = new_kv is not None
+    if fused:
+        if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 2:
+            raise ValueError(f"{name}: new_kv must be a tuple (kv_new, slot_mapping)")
+        kv_ops.check_new_rows(name, kv_pages, *new_kv)
+        new_kv = (new_kv[0], jnp.asarray(new_kv[1], jnp.int32))
     args = (
         q,
         kv_pages,
@@ -536,25 +553,50 @@ def ragged_paged_attention_pages(
         _layer_array(layer),
         *_scale_args(k_scale, v_scale),
         *(() if sinks is None else (sinks,)),
+        *(new_kv if fused else ()),
     )
 
+    def written(fn):
+        """``fn`` on pages with the new rows written first (XLA's in-place scatter): the
+        unfused form, for every implementation but the TPU kernels. Args end ``(*sink,
+        kv_new, slots)`` when fused."""
+        if not fused:
+            return fn
+
+        def run(q, kv, kv_lens, tables, cu, n, layer, *rest):
+            *rest, kv_new, slots = rest
+            kv = kv_ops.write_xla(kv, kv_new, slots, layer)
+            return fn(q, kv, kv_lens, tables, cu, n, layer, *rest), kv
+
+        return run
+
+    @written
     def xla(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
         return _ragged_reference(q, kv, kv_lens, tables, cu, n, layer, ks, vs, False, *sink, **kw)
 
+    @written
     def gpu_xla(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
         return _ragged_reference(q, kv, kv_lens, tables, cu, n, layer, ks, vs, True, *sink, **kw)
 
-    def tpu(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
+    def tpu(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *rest):
+        from kernels_pallas.tpu import routing
+
+        sink, new = (rest[:-2], tuple(rest[-2:])) if fused else (rest, None)
         kw_tpu = dict(kw, sinks=_one(sink), kv_scales=_tpu_scales(kv, ks, vs))
         if max_q_len == 1:
-            return _decode_rows_tpu(q, kv, kv_lens, tables, n, layer, interpret, kw_tpu)
-        return _mixed_rows_tpu(q, kv, kv_lens, tables, cu, n, layer, interpret, kw_tpu)
+            return routing.decode_rows(q, kv, kv_lens, tables, n, layer, interpret, kw_tpu, new)
+        device_kind = getattr(_dispatch.target_device(), "device_kind", None)
+        return routing.mixed_rows(
+            q, kv, kv_lens, tables, cu, n, layer, interpret, kw_tpu, device_kind, new
+        )
 
+    @written
     def gpu(q, kv, kv_lens, tables, cu, n, layer, ks, vs):
         args = (q, kv_lens, tables, cu, n)
         kw_gpu = dict(kw, interpret=interpret)
         return _call_gpu("ragged_paged_attention_gpu", args, kv, layer, kw_gpu)
 
+    @written
     def triton(q, kv, kv_lens, tables, cu, n, layer, ks, vs, *sink):
         from kernels_pallas.gpu.triton_attention import ragged_paged_attention_triton
 
@@ -563,6 +605,20 @@ def ragged_paged_attention_pages(
         )
 
     tpu_reason, gpu_reason, triton_reason = _reasons(q, kv_pages, num_kv_heads, sinks)
+    with _dispatch.recording() as chosen:
+        result = _run_ragged(name, impl, interpret, args, xla, tpu, gpu, gpu_xla, tpu_reason,
+                             gpu_reason, triton, triton_reason, kw, max_q_len, fused)  # fmt: skip
+    if fused:  # the write ran inside the TPU kernels, or as XLA's scatter before the others
+        _dispatch.record_each(
+            "write_kv",
+            {p: "pallas_tpu" if ops.get(name) == "pallas_tpu" else "xla"
+             for p, ops in chosen.items()},
+        )  # fmt: skip
+    return result
+
+
+def _run_ragged(name, impl, interpret, args, xla, tpu, gpu, gpu_xla, tpu_reason, gpu_reason,
+                triton, triton_reason, kw, max_q_len, fused):  # fmt: skip
     return _dispatch.run(
         name,
         impl,
@@ -577,73 +633,9 @@ def ragged_paged_attention_pages(
         triton=triton if _has_triton_module() else None,
         triton_reason=triton_reason,
         gpu_auto_reason=_dispatch.MOSAIC_GPU_RAGGED_REASON,
-        static_key=(*sorted(kw.items()), ("max_q_len", max_q_len)),
+        static_key=(*sorted(kw.items()), ("max_q_len", max_q_len), ("fused", fused)),
+        donate=(1,) if fused else (),
     )
-
-
-def leading_decode_seqs(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
-    """How many sequences from the start of a ragged batch own exactly one query row.
-
-    Args:
-      cu_q_lens: ``i32[B + 1]`` cumulative query lengths.
-      num_seqs: i32 scalar, the sequences that count.
-
-    Returns:
-      i32 scalar ``d``: sequences ``0 .. d - 1`` (``d <= num_seqs``) own rows ``0 .. d - 1``.
-    """
-    counted = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs
-    one_row = (cu_q_lens[1:] - cu_q_lens[:-1] == 1) & counted
-    return jnp.sum(jnp.cumprod(one_row.astype(jnp.int32)), dtype=jnp.int32)
-
-
-def _mixed_rows_tpu(q, kv_pages, kv_lens, tables, cu, num_seqs, layer, interpret, kw):
-    """Any ragged batch on TPU: its leading one-row sequences on the decode kernel, the rest on
-    the ragged kernel.
-
-    A served step puts its decodes first (the scheduler's default policy), so a mixed step's
-    decode rows run with one query row group per sequence and big KV steps, as a decode-only
-    step's do, instead of sharing the ragged kernel's query blocks with other sequences (where
-    every row of a block is computed against each sequence's keys). The split is found from
-    ``cu_q_lens`` at run time, so it is exact for any order: one-row sequences that do not lead
-    simply stay in the ragged kernel. Each kernel runs under a ``lax.cond`` on having rows.
-    """
-    from kernels_pallas.tpu.ragged_paged_attention import ragged_paged_attention_tpu
-
-    t = q.shape[0]
-    n_dec = leading_decode_seqs(cu, num_seqs)
-    device_kind = getattr(_dispatch.target_device(), "device_kind", None)
-
-    def decode_part() -> jax.Array:
-        return _decode_rows_tpu(q, kv_pages, kv_lens, tables, n_dec, layer, interpret, kw)
-
-    def ragged_part() -> jax.Array:
-        return ragged_paged_attention_tpu(
-            q, kv_pages, kv_lens, tables, cu, num_seqs, n_dec, layer=layer,
-            interpret=interpret, device_kind=device_kind, **kw,
-        )  # fmt: skip
-
-    def zeros() -> jax.Array:
-        return jnp.zeros(q.shape, q.dtype)
-
-    dec = lax.cond(n_dec > 0, decode_part, zeros)
-    rag = lax.cond(n_dec < num_seqs, ragged_part, zeros)
-    return jnp.where((jnp.arange(t) < n_dec)[:, None, None], dec, rag)
-
-
-def _decode_rows_tpu(q, kv_pages, kv_lens, tables, num_seqs, layer, interpret, kw):
-    """A decode-only ragged batch on the TPU decode kernel: row ``s`` is sequence ``s``.
-
-    Rows past ``num_seqs`` (and past the table's B rows) are padding and return zeros.
-    """
-    from kernels_pallas.tpu.paged_attention import paged_attention_tpu
-
-    t, b = q.shape[0], tables.shape[0]
-    rows = min(t, b)
-    lengths = jnp.where(jnp.arange(rows) < num_seqs, kv_lens[:rows], 0)
-    out = paged_attention_tpu(
-        q[:rows], kv_pages, lengths, tables[:rows], layer=layer, interpret=interpret, **kw
-    )
-    return out if rows == t else jnp.pad(out, ((0, t - rows), (0, 0), (0, 0)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -748,10 +740,13 @@ def ragged_paged_attention(
       cache: the :class:`~kernels_pallas.cache.PagedKVCache`.
       kv_lens, block_tables, cu_q_lens, num_seqs: as in :func:`ragged_paged_attention_pages`.
       layer: the layer (int or traced i32 scalar; optional for a one-layer cache).
-      new_kv: ``(k [T', K, D], v [T', K, D], slot_mapping i32[T'])``: the step's new tokens,
-        already counted in ``kv_lens``; they are written to ``layer`` (slots < 0 skipped)
-        before anything attends, and the updated cache is returned too. (Today the write is
-        the ``write_kv`` op inside the same program; the in-kernel fused write is to come.)
+      new_kv: ``(k [T, K, D], v [T, K, D], slot_mapping i32[T])``: the step's new tokens
+        (row ``t``'s K/V), already counted in ``kv_lens``; they are written to ``layer``
+        (slots < 0 skipped) before anything attends, and the updated cache is returned
+        too. On TPU the write is fused into the attention kernels (one DMA per token, the
+        new rows attended from ``k``/``v``; ``slot_mapping[t]`` must be the slot of row
+        ``t``'s position, as a step's is); elsewhere it is ``write_kv``'s scatter, in the
+        same program. See :func:`ragged_paged_attention_pages`.
       sm_scale, soft_cap, sliding_window, impl, interpret, sinks: as in
         :func:`paged_attention_pages` (sinks: ``f32[H]``; the TPU and Triton kernels and the
         XLA path).
@@ -767,12 +762,14 @@ def ragged_paged_attention(
     sinks = _check_sinks(name, sinks, q.shape[1] if q.ndim == 3 else -1)
     _check_forced_kernel(name, impl, cache.kv, sinks)  # before the write: state unchanged
     q, sm_scale = _lane_padded_query(name, q, cache, sm_scale)
+    rows = None
     if new_kv is not None:
         if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 3:
             raise ValueError(f"{name}: new_kv must be a tuple (k, v, slot_mapping)")
         k, v, slots = new_kv
-        cache = write_kv(cache, k, v, slots, layer=layer, impl=impl, interpret=interpret)
-    out = ragged_paged_attention_pages(
+        check_new_kv(name, cache, k, v)
+        rows = (merged_rows(cache, k, v, layer), slots)
+    result = ragged_paged_attention_pages(
         q,
         cache.kv,
         kv_lens,
@@ -790,6 +787,9 @@ def ragged_paged_attention(
         v_scale=cache.v_scale[layer],
         max_q_len=max_q_len,
         sinks=sinks,
+        new_kv=rows,
     )
-    out = out[..., : cache.head_dim]
-    return out if new_kv is None else (out, cache)
+    if rows is None:
+        return result[..., : cache.head_dim]
+    out, kv = result
+    return out[..., : cache.head_dim], cache.replace(kv=kv)

@@ -539,7 +539,7 @@ def resolve_layer(name: str, cache: PagedKVCache, layer: Any) -> Any:
     return layer
 
 
-def _check_new_kv(name: str, cache: PagedKVCache, k: Any, v: Any) -> None:
+def check_new_kv(name: str, cache: PagedKVCache, k: Any, v: Any) -> None:
     if np.ndim(k) != 3 or np.shape(k) != np.shape(v):
         raise ValueError(
             f"{name}: k and v must both be [T, K, D] with the same shape, got {np.shape(k)} "
@@ -589,7 +589,7 @@ def write_kv(
     name = "write_kv"
     check_cache(name, cache)
     layer = resolve_layer(name, cache, layer)
-    _check_new_kv(name, cache, k, v)
+    check_new_kv(name, cache, k, v)
     kv = kv_ops.write_pages(
         cache.kv,
         merged_rows(cache, k, v, layer),

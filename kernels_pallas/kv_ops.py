@@ -286,7 +286,7 @@ def _copy_xla(pages: jax.Array, src: jax.Array, dst: jax.Array, loops: bool) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def _write_xla(pages: jax.Array, new: jax.Array, slots: jax.Array, layer: Any) -> jax.Array:
+def write_xla(pages: jax.Array, new: jax.Array, slots: jax.Array, layer: Any) -> jax.Array:
     """In-place-able scatter of ``new [T, C, P, Dp]`` rows into ``pages`` at flat slots."""
     _, n, s = pages.shape[:3]
     slots = jnp.where(slots < 0, n * s, slots)  # out of range -> block n: dropped
@@ -294,6 +294,34 @@ def _write_xla(pages: jax.Array, new: jax.Array, slots: jax.Array, layer: Any) -
     # (block, offset) indices, no reshape of the pages: XLA:CPU would relayout (copy) the
     # whole stacked cache around a reshape that merges N and S next to a size-1 P.
     return pages.at[layer, slots // s, slots % s].set(new.astype(pages.dtype), mode="drop")
+
+
+def check_new_rows(name: str, kv_pages: jax.Array, kv_new: Any, slot_mapping: Any) -> int:
+    """Checks of a write of ``kv_new [T, C, P, Dp]`` rows to ``slot_mapping`` (shape, dtype,
+    and for host slot values their range and distinctness); returns ``T``.
+
+    Raises:
+      ValueError: naming the problem.
+    """
+    _, n, s, *row = kv_pages.shape
+    if kv_new.ndim != 4 or tuple(kv_new.shape[1:]) != tuple(row):
+        raise ValueError(
+            f"{name}: kv_new must be [T, C, P, Dp] = [T, {', '.join(map(str, row))}], got "
+            f"{kv_new.shape}"
+        )
+    if kv_new.dtype != kv_pages.dtype:
+        raise ValueError(
+            f"{name}: dtype mismatch: kv_new is {kv_new.dtype}, pages are {kv_pages.dtype}; "
+            "cast the new K/V to the cache dtype first"
+        )
+    t = _check_ids(name, "slot_mapping", slot_mapping, kv_new.shape[0])
+    _check_range(name, "slot_mapping", slot_mapping, n * s, "N * S")
+    host = _host_value(slot_mapping)
+    if host is not None:
+        live = host[host >= 0]
+        if np.unique(live).size != live.size:
+            raise ValueError(f"{name}: slot_mapping has duplicate live slots")
+    return t
 
 
 def write_pages(
@@ -327,34 +355,18 @@ def write_pages(
     name = "write_kv"
     check_pages(name, kv_pages)
     check_layer(name, kv_pages, layer)
-    _, n, s, *row = kv_pages.shape
-    if kv_new.ndim != 4 or tuple(kv_new.shape[1:]) != tuple(row):
-        raise ValueError(
-            f"{name}: kv_new must be [T, C, P, Dp] = [T, {', '.join(map(str, row))}], got "
-            f"{kv_new.shape}"
-        )
-    if kv_new.dtype != kv_pages.dtype:
-        raise ValueError(
-            f"{name}: dtype mismatch: kv_new is {kv_new.dtype}, pages are {kv_pages.dtype}; "
-            "cast the new K/V to the cache dtype first"
-        )
-    t = _check_ids(name, "slot_mapping", slot_mapping, kv_new.shape[0])
-    _check_range(name, "slot_mapping", slot_mapping, n * s, "N * S")
-    host = _host_value(slot_mapping)
-    if host is not None:
-        live = host[host >= 0]
-        if np.unique(live).size != live.size:
-            raise ValueError(f"{name}: slot_mapping has duplicate live slots")
+    t = check_new_rows(name, kv_pages, kv_new, slot_mapping)
     _check_impl(name, impl)
     if t == 0:
         return kv_pages
     from kernels_pallas.tpu.kv_ops import write_kv_unsupported_reason
 
+    s = kv_pages.shape[2]
     layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32)  # one-layer pages
     args = (kv_pages, kv_new, jnp.asarray(slot_mapping, jnp.int32), layer_arr)
 
     def xla(pages, new, slots, lyr):
-        return _write_xla(pages, new, slots, lyr)
+        return write_xla(pages, new, slots, lyr)
 
     def tpu(pages, new, slots, lyr):
         return _kernels("tpu").write_kv_tpu(pages, new, slots, lyr, interpret=interpret)

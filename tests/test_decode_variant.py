@@ -100,12 +100,12 @@ def _generate(model, impl, prompts, **kw):
 
 
 def test_engine_decode_steps_on_the_decode_kernel_keep_greedy_tokens(model, monkeypatch):
-    from kernels_pallas import attention
+    from kernels_pallas.tpu import routing
 
     traced = []
-    decode_rows = attention._decode_rows_tpu
+    decode_rows = routing.decode_rows
     monkeypatch.setattr(
-        attention, "_decode_rows_tpu", lambda *a: traced.append(a[0].shape) or decode_rows(*a)
+        routing, "decode_rows", lambda *a: traced.append(a[0].shape) or decode_rows(*a)
     )
     rng = np.random.default_rng(7)
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (5, 11)]

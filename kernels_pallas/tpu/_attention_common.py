@@ -182,6 +182,7 @@ class KVStream:
       sem: DMA semaphores ``[2]``, one per slot.
       table: :class:`TableRows` (flat SMEM rows of ``W >= M + P`` entries).
       layer: scalar selecting ``kv_hbm.at[layer]``.
+      kv_new: the fused KV write's new rows ``[T, C, W, Dp]`` in HBM (None: not fused).
     """
 
     kv_hbm: Any
@@ -189,14 +190,30 @@ class KVStream:
     sem: Any
     table: TableRows
     layer: jax.Array
+    kv_new: Any = None
 
-    def start(self, tslot, first_page, end_page, slot) -> None:
+    def _fused_rows(self, first_page, end_page, fused) -> FusedRows:
+        s = self.kv_hbm.shape[2]
+        n_valid = jnp.clip(end_page - first_page, 0, self.kv_buf.shape[1] // s)
+        cache_end, last_pos, _ = fused
+        return FusedRows.of(first_page, n_valid, s, cache_end, last_pos)
+
+    def start(self, tslot, first_page, end_page, slot, fused=None) -> None:
         """Start copying pages ``first_page + j`` (``j < P``) that are ``< end_page``
-        (``end_page <= M``)."""
+        (``end_page <= M``). ``fused``: ``(cache_end, last_pos, offset)``: only positions
+        below ``cache_end`` come from the pages; those from it up to ``last_pos`` come from
+        ``kv_new`` row ``position - offset`` (:class:`FusedRows`)."""
         s = self.kv_hbm.shape[2]
         n_pages = self.kv_buf.shape[1] // s
         row = tslot * self.table.row_len + first_page
         n_valid = end_page - first_page  # copies j < n_valid run: one compare with a constant
+        if fused is not None:
+            rows = self._fused_rows(first_page, end_page, fused)
+            n_valid = rows.full_pages
+            rows.start(
+                self.kv_hbm, self.kv_buf, self.kv_new, self.sem, self.layer, self.table.rows,
+                row, first_page, slot, fused[2],
+            )  # fmt: skip
         for j in range(n_pages):
             # Table entries are in [0, N) (the kernels' wrappers clip the tables), so a block
             # id is used as read; a skipped copy's read stays in the row (W >= M + P).
@@ -207,13 +224,16 @@ class KVStream:
             def _start(copy=copy):
                 copy.start()
 
-    def wait(self, tslot, first_page, end_page, slot) -> None:
+    def wait(self, tslot, first_page, end_page, slot, fused=None) -> None:
         """Wait for every copy :meth:`start` issued with the same arguments: one wait for the
         bytes of all of them (a DMA semaphore counts bytes)."""
         del tslot
         s = self.kv_hbm.shape[2]
-        n = jnp.clip(end_page - first_page, 0, self.kv_buf.shape[1] // s)
-        wait_pages(self.kv_buf, self.kv_hbm.shape[3], slot, n * s, self.sem)
+        if fused is not None:
+            tokens = self._fused_rows(first_page, end_page, fused).total_rows
+        else:
+            tokens = jnp.clip(end_page - first_page, 0, self.kv_buf.shape[1] // s) * s
+        wait_pages(self.kv_buf, self.kv_hbm.shape[3], slot, tokens, self.sem)
 
 
 def _slot_rows(kv_buf: Any, combined_rows: int) -> Any:
@@ -230,6 +250,100 @@ def page_copy(kv_hbm, kv_buf, layer, block, slot, j: int, sem):
     s, c = kv_hbm.shape[2], kv_hbm.shape[3]
     dst = _slot_rows(kv_buf, c).at[slot, pl.ds(j * s, s)]
     return pltpu.make_async_copy(kv_hbm.at[layer, block], dst, sem.at[slot])
+
+
+def partial_page_copy(kv_hbm, kv_buf, layer, block, slot, page_in_step, rows: Any, sem):
+    """The DMA of the first ``rows`` tokens (traced, ``< S``) of page ``block`` into page
+    ``page_in_step`` (traced) of a slot: a page holding cached tokens and, past them, new
+    ones that come from the step's K/V instead (:func:`new_rows_copy`)."""
+    s, c = kv_hbm.shape[2], kv_hbm.shape[3]
+    dst = _slot_rows(kv_buf, c).at[slot, pl.ds(page_in_step * s, rows)]
+    return pltpu.make_async_copy(kv_hbm.at[layer, block, pl.ds(0, rows)], dst, sem.at[slot])
+
+
+def new_rows_copy(kv_new_hbm, kv_buf, slot, first_row: Any, buf_row: Any, rows: Any, sem):
+    """The DMA of the step's new K/V rows ``kv_new[first_row : first_row + rows]``
+    (``[T, C, W, Dp]`` in HBM) into a slot's token rows from ``buf_row`` on: the fused KV
+    write hands attention the new tokens straight from its inputs, never through the pages
+    it writes them to."""
+    c = kv_new_hbm.shape[1]
+    dst = _slot_rows(kv_buf, c).at[slot, pl.ds(buf_row, rows)]
+    return pltpu.make_async_copy(kv_new_hbm.at[pl.ds(first_row, rows)], dst, sem.at[slot])
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRows:
+    """Where a compute step's tokens come from when the step's KV write is fused.
+
+    Positions below ``cache_end`` are read from the pages; positions from ``cache_end`` on
+    are new this step and come from ``kv_new`` (row ``position - offset``), never from the
+    pages, which the same kernel writes them to asynchronously. For a step of ``n_valid``
+    pages from ``step_page`` (``S`` tokens each) covering positions up to ``last_pos``:
+
+    Attributes:
+      full_pages: pages ``j < full_pages`` are wholly cached (one whole-page DMA each).
+      part_rows: cached tokens of page ``full_pages`` (0 when none or when it is whole).
+      new_first: the first new position in the step (valid when ``new_rows > 0``).
+      new_rows: new positions in the step.
+      total_rows: token rows all of the step's copies write (what its one wait counts).
+    """
+
+    full_pages: Any
+    part_rows: Any
+    new_first: Any
+    new_rows: Any
+    total_rows: Any
+
+    @staticmethod
+    def of(step_page, n_valid, block_size: int, cache_end, last_pos) -> FusedRows:
+        step_start = step_page * block_size
+        valid_end = step_start + n_valid * block_size  # positions the pages span
+        cached = jnp.clip(cache_end - step_start, 0, n_valid * block_size)
+        full_pages = cached // block_size
+        part_rows = cached - full_pages * block_size
+        new_first = jnp.maximum(step_start, cache_end)
+        new_rows = jnp.maximum(jnp.minimum(valid_end, last_pos + 1) - new_first, 0)
+        return FusedRows(full_pages, part_rows, new_first, new_rows, cached + new_rows)
+
+    def start(self, kv_hbm, kv_buf, kv_new_hbm, sem, layer, table, row, step_page, slot,
+              offset) -> None:  # fmt: skip
+        """Start the partial page's copy and the new rows' copy (the whole pages are the
+        caller's, ``j < full_pages``). ``table[row + j]`` is page ``j``'s block id."""
+        s = kv_hbm.shape[2]
+
+        @pl.when(self.part_rows > 0)
+        def _partial_page():
+            block = table[row + self.full_pages]
+            partial_page_copy(
+                kv_hbm, kv_buf, layer, block, slot, self.full_pages, self.part_rows, sem
+            ).start()
+
+        @pl.when(self.new_rows > 0)
+        def _new_rows():
+            new_rows_copy(
+                kv_new_hbm, kv_buf, slot, self.new_first - offset,
+                self.new_first - step_page * s, self.new_rows, sem,
+            ).start()  # fmt: skip
+
+
+def token_writes(kv_new_hbm, kv_out, layer, slots_ref, first: Any, count: int, sem, action):
+    """``action(copy)`` for the HBM write of each token ``first + i`` (``i < count``) whose
+    slot ``slots_ref[first + i]`` is live (``>= 0``): ``kv_new[t]`` -> ``kv_out[layer,
+    slot // S, slot % S]``, one DMA per token (a token's K/V of every head is one contiguous
+    ``[C, W, Dp]`` row of the token-major pages). Start them all, then wait for them all with
+    the same descriptors (one semaphore: every copy counts the same bytes)."""
+    s = kv_out.shape[2]
+
+    @pl.loop(0, count)
+    def _token(i):
+        t = first + i
+        slot = slots_ref[t]
+        at = jnp.maximum(slot, 0)
+
+        @pl.when(slot >= 0)
+        def _():
+            dst = kv_out.at[layer, lax.div(at, s), lax.rem(at, s)]
+            action(pltpu.make_async_copy(kv_new_hbm.at[t], dst, sem))
 
 
 def wait_pages(kv_buf, combined_rows: int, slot, tokens, sem) -> None:

@@ -60,6 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 __all__ = [
     "copy_blocks_tpu",
+    "live_slots",
     "swap_blocks_tpu",
     "write_kv_tpu",
     "write_kv_unsupported_reason",
@@ -106,7 +107,7 @@ def write_kv_unsupported_reason(block_size: int, dtype: Any) -> str | None:
     return None
 
 
-def _live_slots(slots: jax.Array, num_slots: int, dedupe: bool) -> jax.Array:
+def live_slots(slots: jax.Array, num_slots: int, dedupe: bool) -> jax.Array:
     """``slots`` with every token that is not written set to -1 (XLA, on ``T`` int32s):
     out of ``[0, num_slots)`` (as the XLA scatter drops them), and with ``dedupe`` every
     token whose live slot a later token also writes (the last one wins)."""
@@ -212,7 +213,7 @@ def write_kv_tpu(
         return kv_pages
     w = max(1, min(tokens_per_step, t))
     steps = pl.cdiv(t, w)
-    slots = _live_slots(slot_mapping.astype(jnp.int32), n * s, dedupe)
+    slots = live_slots(slot_mapping.astype(jnp.int32), n * s, dedupe)
     slots = _pad_to(slots, steps * w, -1)
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

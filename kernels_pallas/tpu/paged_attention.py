@@ -60,6 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
     TABLE_ROW_ALIGN,
+    FusedRows,
     attend_step,
     combined_rows_of,
     dma_tables,
@@ -70,8 +71,10 @@ from kernels_pallas.tpu._attention_common import (
     page_copy,
     reset_state,
     table_row_len,
+    token_writes,
     wait_pages,
 )
+from kernels_pallas.tpu.kv_ops import live_slots
 
 __all__ = ["DECODE_KV_VMEM_BUDGET", "decode_pages_per_step", "paged_attention_tpu"]
 
@@ -100,13 +103,13 @@ def _decode_kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # i32[1]
     lengths_ref,  # i32[B_pad]
-    # inputs
-    q_ref,  # [K, G, D] block of q [B_pad, K, G, D]
-    tables_hbm,  # i32[B, M] in HBM
-    kv_hbm,  # [L, N, S, C, W, Dp] in HBM
-    *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, G, 1] (head k * G + g's
-    #         sink logit); with has_scales, the input scales_ref: SMEM f32[2] (the layer's K
-    #         and V scales of 8-bit pages); then the output and the scratch, as unpacked below
+    *refs,  # fused: the scalar slots_ref i32[B_pad] (row b's slot, -1: not written); then the
+    #         inputs q_ref [K, G, D] (block of q [B_pad, K, G, D]), tables_hbm i32[B, M] and
+    #         kv_hbm [L, N, S, C, W, Dp] (HBM); fused: kv_new_hbm [B_pad, C, W, Dp] (HBM);
+    #         with has_sinks, sinks_ref: VMEM f32[K, G, 1] (head k * G + g's sink logit);
+    #         with has_scales, scales_ref: SMEM f32[2] (the layer's K and V scales of 8-bit
+    #         pages); then the outputs and the scratch, as unpacked below
+    fused: bool,
     has_sinks: bool,
     has_scales: bool,
     sm_scale: float,
@@ -116,12 +119,21 @@ def _decode_kernel(
     per_core: int,
     interpret: bool,
 ):
+    if fused:
+        slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, *refs = refs
+    else:
+        q_ref, tables_hbm, kv_hbm, *refs = refs
+        slots_ref = kv_new_hbm = None
     sinks_ref = refs[0] if has_sinks else None
     scales_ref = refs[int(has_sinks)] if has_scales else None
     k_scale = None if scales_ref is None else scales_ref[0]
     v_scale = None if scales_ref is None else scales_ref[1]
+    refs = refs[int(has_sinks) + int(has_scales) :]
+    if fused:
+        o_ref, kv_out, *refs, write_sem = refs  # kv_out: kv_hbm's buffer (aliased)
+    else:
+        o_ref, *refs = refs
     (
-        o_ref,  # [K, G, D]
         table,  # SMEM i32[2 * (M + P)]: table rows of this and the next sequence, flat, each
         #        padded with P entries so a step's last page index needs no clamp
         kv_buf,  # VMEM [2, P * S, R, W, Dp]: two slots of P pages, token-major (pages' dtype)
@@ -130,7 +142,7 @@ def _decode_kernel(
         acc_ref,  # VMEM f32[K, G, D]
         table_sem,  # DMA[2]
         kv_sem,  # DMA[2]: one per slot, for the page copies of that slot
-    ) = refs[int(has_sinks) + int(has_scales) :]
+    ) = refs
     seq_in_core = pl.program_id(1)
     seq = pl.program_id(0) * per_core + seq_in_core
     _, g, _ = q_ref.shape
@@ -181,10 +193,29 @@ def _decode_kernel(
     first_page = first_key // block_size
     n_steps = (jnp.maximum(end_page - first_page, 0) + n_pages - 1) // n_pages
 
+    def fused_rows(page0):
+        """Fused write: the step's cached tokens and its new one (position ``length - 1``,
+        row ``seq`` of ``kv_new``)."""
+        n_valid = jnp.clip(end_page - page0, 0, n_pages)
+        return FusedRows.of(page0, n_valid, block_size, length - 1, length - 1)
+
+    if fused:
+        # This row's token goes to HBM while the row attends (the pages' copy of its
+        # position is never read here: the new row comes from kv_new).
+        token_writes(kv_new_hbm, kv_out, layer, slots_ref, seq, 1, write_sem, lambda c: c.start())
+
     def start_step(page0, slot):
-        """Start the copy of each page ``page0 + j`` (``j < P``) below ``end_page``."""
+        """Start the copy of each page ``page0 + j`` (``j < P``) below ``end_page`` (fused:
+        the cached part of them, and the new row)."""
         row = tslot * row_len + page0
         n_valid = end_page - page0  # copies j < n_valid run: one compare with a constant each
+        if fused:
+            rows_of = fused_rows(page0)
+            n_valid = rows_of.full_pages
+            rows_of.start(
+                kv_hbm, kv_buf, kv_new_hbm, kv_sem, layer, table, row, page0, slot,
+                offset=length - 1 - seq,
+            )  # fmt: skip
         for j in range(n_pages):
             # page0 + j < end_page <= M for a copy that runs; the padding keeps the read of
             # a skipped one (its value unused) inside the row. Entries are in [0, N) (the
@@ -199,8 +230,11 @@ def _decode_kernel(
     def wait_step(page0, slot):
         # One wait: a descriptor as large as every copy of the slot together (a DMA semaphore
         # counts bytes), instead of one wait per page.
-        n = jnp.clip(end_page - page0, 0, n_pages)
-        wait_pages(kv_buf, combined_rows, slot, n * block_size, kv_sem)
+        if fused:
+            tokens = fused_rows(page0).total_rows
+        else:
+            tokens = jnp.clip(end_page - page0, 0, n_pages) * block_size
+        wait_pages(kv_buf, combined_rows, slot, tokens, kv_sem)
 
     state = (m_ref, l_ref, acc_ref)
     reset_state(state, None if sinks_ref is None else sinks_ref[...])
@@ -244,6 +278,8 @@ def _decode_kernel(
 
     lax.fori_loop(0, n_steps, step, 0)
     o_ref[...] = finish(l_ref[...], acc_ref[...], v_scale).astype(o_ref.dtype)
+    if fused:
+        token_writes(kv_new_hbm, kv_out, layer, slots_ref, seq, 1, write_sem, lambda c: c.wait())
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -282,7 +318,8 @@ def paged_attention_tpu(
     pages_per_compute_block: int | None = None,
     sinks: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
-) -> jax.Array:
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Paged decode attention on TPU (arguments already validated by the public wrapper).
 
     Args:
@@ -304,9 +341,17 @@ def paged_attention_tpu(
       kv_scales: 8-bit (int8 / float8_e4m3fn) pages: ``f32[2]``, the layer's K and V scales
         (a page holds ``x / scale``); the kernel converts each step's pages to ``q.dtype``
         in VMEM and applies the scales to the logits and the output.
+      new_kv: the fused KV write, ``(kv_new [B, C, W, Dp], slots i32[B])``: row ``b``'s
+        token, already in the pages' dtype and merged (:func:`kernels_pallas.kv_layout.
+        merge_kv`), is the key at position ``lengths[b] - 1`` and goes to ``slots[b]`` of
+        ``layer`` (``< 0`` or out of range: not written; duplicates: the last row wins). The
+        row attends to it from ``kv_new`` (its page copy skips that position) while one DMA
+        writes it to HBM, so ``slots[b]`` must be the slot of that position for a row that
+        counts. ``kv_pages`` is aliased to the returned pages (donate it under jit).
 
     Returns:
-      ``[B, H, Dp]`` in ``q.dtype``.
+      ``[B, H, Dp]`` in ``q.dtype``; with ``new_kv``, ``(out, kv_pages)`` with the new
+      tokens written.
     """
     layer = 0 if layer is None else layer
     b, h, d = q.shape
@@ -331,8 +376,20 @@ def paged_attention_tpu(
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     q_spec = pl.BlockSpec((None, kh, g, d), lambda c, i, *_: (c * per_core + i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    fused = new_kv is not None
+    scalars = [layer_arr, lengths]
     inputs = [qg, block_tables, kv_pages]
     in_specs = [q_spec, any_spec, any_spec]
+    out_shape = [jax.ShapeDtypeStruct(qg.shape, q.dtype)]
+    out_specs = [q_spec]
+    if fused:
+        kv_new, slots = new_kv
+        slots = live_slots(slots.astype(jnp.int32)[:b], n_blocks * s, True)
+        scalars.append(jnp.pad(slots, (0, b_pad - b), constant_values=-1))
+        inputs.append(jnp.pad(kv_new[:b], ((0, b_pad - b), (0, 0), (0, 0), (0, 0))))
+        in_specs.append(any_spec)
+        out_shape.append(jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype))
+        out_specs.append(any_spec)
     if sinks is not None:  # [K, G, 1]: the same block for every program (fetched once)
         inputs.append(sinks.astype(jnp.float32).reshape(kh, g, 1))
         in_specs.append(pl.BlockSpec((kh, g, 1), lambda c, i, *_: (0, 0, 0)))
@@ -341,6 +398,7 @@ def paged_attention_tpu(
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     kernel = functools.partial(
         _decode_kernel,
+        fused=fused,
         has_sinks=sinks is not None,
         has_scales=kv_scales is not None,
         sm_scale=float(sm_scale),
@@ -350,13 +408,13 @@ def paged_attention_tpu(
         per_core=per_core,
         interpret=interpret,
     )
-    out = pl.pallas_call(
+    results = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(scalars),
             grid=(cores, per_core),
             in_specs=in_specs,
-            out_specs=q_spec,
+            out_specs=out_specs,
             scratch_shapes=[
                 pltpu.SMEM((2 * table_row_len(m, p),), jnp.int32),
                 pltpu.VMEM(kv_buffer_shape(p, s, c, w, d), kv_pages.dtype),
@@ -365,9 +423,12 @@ def paged_attention_tpu(
                 pltpu.VMEM((kh, g, d), jnp.float32),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
+                *([pltpu.SemaphoreType.DMA(())] if fused else []),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        out_shape=out_shape,
+        # fused: kv_pages (after the scalars and q, tables) is the second output
+        input_output_aliases={len(scalars) + 2: 1} if fused else {},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=_vmem_limit(p, s, c, d),
@@ -377,5 +438,6 @@ def paged_attention_tpu(
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_paged_decode_attention",
-    )(layer_arr, lengths, *inputs)
-    return out[:b].reshape(b, h, d)
+    )(*scalars, *inputs)
+    out = results[0][:b].reshape(b, h, d)
+    return (out, results[1]) if fused else out

@@ -90,9 +90,11 @@ from kernels_pallas.tpu._attention_common import (
     pipeline_scratch,
     reset_state,
     scratch_bytes,
+    token_writes,
     vmem_limit_bytes,
     vmem_tile_bytes,
 )
+from kernels_pallas.tpu.kv_ops import live_slots
 
 __all__ = ["default_queries_per_block", "ragged_paged_attention_tpu"]
 
@@ -171,14 +173,15 @@ def _ragged_kernel(
     cu_ref,  # i32[B + 1]
     num_seqs_ref,  # i32[1]
     first_seq_ref,  # i32[1]: sequences below it are skipped (their rows return 0)
-    # inputs
-    q_ref,  # [K, TQ * G, D] block of q [K, T_pad * G, D] (row = token * G + head in group)
-    tables_hbm,  # i32[B, M_pad] in HBM (clipped to [0, N), padded to TABLE_ROW_ALIGN)
-    kv_hbm,  # [L, N, S, C, W, Dp] in HBM
-    *refs,  # with has_sinks, first the input sinks_ref: VMEM f32[K, TQ * G, 1] (row r's
-    #         query head k * G + r % G's sink logit); with has_scales, the input scales_ref:
-    #         SMEM f32[2] (the layer's K and V scales of 8-bit pages); then the output and the
+    *refs,  # fused: the scalar slots_ref i32[T_pad] (token t's slot, -1: not written); then
+    #         the inputs q_ref [K, TQ * G, D] (block of q [K, T_pad * G, D], row = token * G
+    #         + head in group), tables_hbm i32[B, M_pad] (HBM, clipped to [0, N), padded to
+    #         TABLE_ROW_ALIGN), kv_hbm [L, N, S, C, W, Dp] (HBM); fused: kv_new_hbm [T_pad,
+    #         C, W, Dp] (HBM); with has_sinks, sinks_ref: VMEM f32[K, TQ * G, 1] (row r's
+    #         query head k * G + r % G's sink logit); with has_scales, scales_ref: SMEM
+    #         f32[2] (the layer's K and V scales of 8-bit pages); then the outputs and the
     #         scratch, as unpacked below
+    fused: bool,
     has_sinks: bool,
     has_scales: bool,
     sm_scale: float,
@@ -188,12 +191,21 @@ def _ragged_kernel(
     num_blocks: int,
     interpret: bool,
 ):
+    if fused:
+        slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, *refs = refs
+    else:
+        q_ref, tables_hbm, kv_hbm, *refs = refs
+        slots_ref = kv_new_hbm = None
     sinks_ref = refs[0] if has_sinks else None
     scales_ref = refs[int(has_sinks)] if has_scales else None
     k_scale = None if scales_ref is None else scales_ref[0]
     v_scale = None if scales_ref is None else scales_ref[1]
+    refs = refs[int(has_sinks) + int(has_scales) :]
+    if fused:
+        o_ref, kv_out, *refs, write_sem = refs  # kv_out: kv_hbm's buffer (aliased)
+    else:
+        o_ref, *refs = refs
     (
-        o_ref,  # [K, TQ * G, D]
         table,  # SMEM i32[2 * W]: table rows of the current and the next sequence (flat,
         #        W = table_row_len(M_pad, P) entries each: TableRows)
         kv_buf,  # VMEM [2, P * S, R, W, Dp]: two slots of P pages, token-major
@@ -202,7 +214,7 @@ def _ragged_kernel(
         acc_ref,  # VMEM f32[K, TQ * G, D]
         table_sem,  # DMA[2]
         kv_sem,  # DMA[2]: one per KV slot
-    ) = refs[int(has_sinks) + int(has_scales) :]
+    ) = refs
     qb = pl.program_id(0)
     _, rows, _ = q_ref.shape
     tq = rows // g
@@ -262,12 +274,27 @@ def _ragged_kernel(
         return lax.while_loop(empty, next_seq, sq)
 
     rows_dma = TableRows(tables_hbm, table, table_sem)
-    stream = KVStream(kv_hbm, kv_buf, kv_sem, rows_dma, layer_ref[0])
+    stream = KVStream(kv_hbm, kv_buf, kv_sem, rows_dma, layer_ref[0], kv_new_hbm)
     state = (m_ref, l_ref, acc_ref)
+
+    def fused_of(sq):
+        """Fused write: ``(cache_end, last_pos, offset)`` of sequence ``sq`` in this block
+        (its new tokens, positions ``kv - q_len ..``, come from ``kv_new`` row ``position -
+        offset``; :class:`~kernels_pallas.tpu._attention_common.FusedRows`)."""
+        if not fused:
+            return None
+        _, _, off, _, pos_hi, *_ = seq_info(sq)
+        return off + cu_ref[jnp.minimum(sq, last_seq)], pos_hi, off
 
     def start_pages(sq, i, tslot, slot):
         *_, first_page, end_page, _ = seq_info(sq)
-        stream.start(tslot, first_page + i * n_pages, end_page, slot)
+        stream.start(tslot, first_page + i * n_pages, end_page, slot, fused_of(sq))
+
+    if fused:
+        # The block's tokens go to HBM while it attends (no step reads them from the pages:
+        # they come from kv_new); the wrapper set -1 for rows that are not this kernel's.
+        token_writes(kv_new_hbm, kv_out, layer_ref[0], slots_ref, r0, tq, write_sem,
+                     lambda c: c.start())  # fmt: skip
 
     # Row r of the block is token r0 + r // G. Masks compare r with multiples of G instead of
     # dividing a vector (floor(r / G) >= a  <=>  r >= a * G for integers a).
@@ -309,7 +336,7 @@ def _ragged_kernel(
             start_pages(sq, i + 1, tslot, 1 - slot)
 
         step_page = first_page + i * n_pages
-        stream.wait(tslot, step_page, end_page, slot)
+        stream.wait(tslot, step_page, end_page, slot, fused_of(sq))
         base = step_page * s
         attend = functools.partial(
             attend_step, q_ref, kv_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
@@ -394,6 +421,9 @@ def _ragged_kernel(
         return nxt, ni, 1 - slot, ntslot
 
     lax.while_loop(cond, body, (s0, jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+    if fused:
+        token_writes(kv_new_hbm, kv_out, layer_ref[0], slots_ref, r0, tq, write_sem,
+                     lambda c: c.wait())  # fmt: skip
 
 
 @functools.partial(
@@ -429,7 +459,8 @@ def ragged_paged_attention_tpu(
     device_kind: str | None = None,
     sinks: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
-) -> jax.Array:
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Ragged paged attention on TPU (arguments already validated by the public wrapper).
 
     Args:
@@ -459,9 +490,17 @@ def ragged_paged_attention_tpu(
         denominator, with no value (gpt-oss).
       kv_scales: 8-bit (int8 / float8_e4m3fn) pages: ``f32[2]``, the layer's K and V scales
         (a page holds ``x / scale``); pages are converted to ``q.dtype`` in VMEM.
+      new_kv: the fused KV write, ``(kv_new [T, C, W, Dp], slots i32[T])``: token ``t``'s
+        K/V (the pages' dtype, merged: :func:`kernels_pallas.kv_layout.merge_kv`) goes to
+        ``slots[t]`` of ``layer`` (``< 0`` or out of range: not written; duplicates: the
+        last token wins; the skipped sequences' rows are not written here). A sequence's
+        rows attend to its new tokens (positions ``kv_lens[s] - q_len`` on) straight from
+        ``kv_new``, never through the pages, while each block's tokens are DMA'd to HBM; so
+        ``slots[t]`` must be the slot of row ``t``'s position for a row that counts.
+        ``kv_pages`` is aliased to the returned pages (donate it under jit).
 
     Returns:
-      ``[T, H, Dp]`` in ``q.dtype``.
+      ``[T, H, Dp]`` in ``q.dtype``; with ``new_kv``, ``(out, kv_pages)``.
 
     Raises:
       ValueError: ``queries_per_block`` whose rows are not a multiple of 8; a ``q`` head dim
@@ -498,6 +537,15 @@ def ragged_paged_attention_tpu(
         shift = cu_q_lens.astype(jnp.int32)[first]
         q = jnp.roll(q, -shift, axis=0)  # rows past T - shift: no sequence's (zeros out)
         cu_q_lens = cu_q_lens.astype(jnp.int32) - shift
+    fused = new_kv is not None
+    if fused:
+        kv_new, slots = new_kv
+        slots = live_slots(slots.astype(jnp.int32), n_blocks * s, True)
+        if shifted:  # moved with q; the skipped sequences' rows (now the tail): not written
+            kv_new = jnp.roll(kv_new, -shift, axis=0)
+            slots = jnp.where(jnp.arange(t) < t - shift, jnp.roll(slots, -shift), -1)
+        slots = jnp.pad(slots, (0, t_pad - t), constant_values=-1)
+        kv_new = jnp.pad(kv_new, ((0, t_pad - t), (0, 0), (0, 0), (0, 0)))
     # [T, H, D] -> [K, T_pad * G, D]: each kv head's query rows are one 2-D slab, so a block
     # is a plain [TQ * G, D] tile (no in-kernel reshape of the G axis).
     qg = q.reshape(t, kh, g, d)
@@ -518,6 +566,7 @@ def ragged_paged_attention_tpu(
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     kernel = functools.partial(
         _ragged_kernel,
+        fused=fused,
         has_sinks=sinks is not None,
         has_scales=kv_scales is not None,
         sm_scale=float(sm_scale),
@@ -533,14 +582,22 @@ def ragged_paged_attention_tpu(
         cu_q_lens.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
         jnp.asarray(first_seq, jnp.int32).reshape(1),
+        *((slots,) if fused else ()),
     )
-    out = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct(qg.shape, q.dtype)]
+    out_specs = [q_spec]
+    if fused:
+        inputs.insert(3, kv_new)
+        in_specs.insert(3, any_spec)
+        out_shape.append(jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype))
+        out_specs.append(any_spec)
+    results = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(t_pad // tq,),
             in_specs=in_specs,
-            out_specs=q_spec,
+            out_specs=out_specs,
             scratch_shapes=pipeline_scratch(
                 kv_heads=kh,
                 rows=tq * g,
@@ -551,9 +608,12 @@ def ragged_paged_attention_tpu(
                 combined_rows=c,
                 packing=w,
                 kv_dtype=kv_pages.dtype,
-            ),
+            )
+            + ([pltpu.SemaphoreType.DMA(())] if fused else []),
         ),
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        out_shape=out_shape,
+        # fused: kv_pages (after the scalars and q, tables) is the second output
+        input_output_aliases={len(scalars) + 2: 1} if fused else {},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
             vmem_limit_bytes=vmem_limit_bytes(
@@ -573,8 +633,8 @@ def ragged_paged_attention_tpu(
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paxcache_ragged_paged_attention",
     )(*scalars, *inputs)
-    out = jnp.transpose(out.reshape(kh, t_pad, g, d), (1, 0, 2, 3))
+    out = jnp.transpose(results[0].reshape(kh, t_pad, g, d), (1, 0, 2, 3))
     out = out[:t].reshape(t, h, d)
     if shifted:  # back in place; the skipped sequences' rows get the zero rows of the tail
         out = jnp.roll(out, shift, axis=0)
-    return out
+    return (out, results[1]) if fused else out
