@@ -187,14 +187,16 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     else:
         dec_pages = default_pages_per_compute_block(a.page, m, 128, **sizes)
     meta = dict(page=a.page, kv_heads=a.kv_heads, max_blocks=m, pages_per_step=pages)
+    meta["fused"] = bool(a.fused)
     if hasattr(rag, "masked_step_widths"):  # the widths a masked step is compiled at
         meta["masked_widths"] = rag.masked_step_widths(pages, a.page)
 
     def cache_args(c: Any) -> tuple:
         return (c,) if opaque else tuple(c)
 
-    def ragged(q, c, kvl, bt, cu, n):
-        return kp.ragged_paged_attention(q, *cache_args(c), kvl, bt, cu, n, layer=0)
+    def ragged(q, c, kvl, bt, cu, n, *new):
+        fused = dict(new_kv=new, max_q_len=1 if case == "decode" else None) if new else {}
+        return kp.ragged_paged_attention(q, *cache_args(c), kvl, bt, cu, n, layer=0, **fused)
 
     def paged(q, c, lengths, bt):
         return kp.paged_attention(q, *cache_args(c), lengths, bt, layer=0)
@@ -214,6 +216,9 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
         # the rest on the ragged kernel from ``first_seq`` on. A decode batch is all leading
         # one-row sequences: both ops run the decode kernel alone (one row); a prefill chunk
         # runs the ragged kernel alone.
+        if a.fused:  # the new rows' K, V and slots: the ops' fused form (the RPA peer's too)
+            kv = _abstract((t, a.kv_heads, a.head_dim), dtype, device)
+            args = (*args, kv, kv, _abstract((t,), i32, device))
         jax.jit(ragged).trace(*args).lower().compile()
         tq = rag.default_queries_per_block(t, a.heads // a.kv_heads, blocks.rows)
         if case == "mixed":
@@ -228,7 +233,8 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
         elif case == "prefill":
             out = [dict(meta, variant="ragged", name="paxcache_ragged_paged_attention", tq=tq)]
         else:
-            jax.jit(paged).trace(*args[:4]).lower().compile()
+            if not a.fused:  # fused: the ragged op's decode kernel, compiled above
+                jax.jit(paged).trace(*args[:4]).lower().compile()
             out = [
                 dict(meta, variant="paged", name="paxcache_paged_decode_attention",
                      pages_per_step=dec_pages)
@@ -363,6 +369,7 @@ def _shape_flags(a: argparse.Namespace) -> list[str]:
         f"--heads={a.heads}", f"--kv-heads={a.kv_heads}", f"--head-dim={a.head_dim}",
         f"--dtype={a.dtype}", f"--page={a.page}", f"--batch={a.batch}", f"--ctx={a.ctx}",
         f"--chunk={a.chunk}", *([f"--kv-dtype={a.kv_dtype}"] if a.kv_dtype else []),
+        *(["--fused"] if a.fused else []),
     ]  # fmt: skip
 
 
@@ -534,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-dtype", default=None, choices=["bfloat16", "float32", "int8", "float8_e4m3fn"],
         help="the KV cache's dtype (default --dtype; 8-bit: paxcache only, no peer row)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fused", action="store_true",
+        help="paxcache with the step's KV write fused (new_kv=), as the engine's step runs it",
     )  # fmt: skip
     p.add_argument("--rpa-wheel", default=None, help="tpu-inference .whl or unpacked folder")
     p.add_argument("--json", default=None, help="write the rows here")

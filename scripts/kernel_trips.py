@@ -231,7 +231,12 @@ def paxcache_paged_cycles(dump: Dump, meta: dict, lengths: Sequence[int]) -> flo
     head_total = kh * iteration_cycles(head, lambda _: None) if head else 0.0
 
     def copies(c: Loop, count: int) -> float | None:
-        """A DMA-issue loop (no MXU ops) copying ``count`` pages: one trip per page."""
+        """A DMA-issue loop (no MXU ops) copying ``count`` pages: one trip per page. With
+        the fused KV write, the only such loop is the new row's copy into the KV buffer
+        (XLA puts the small ``kv_new`` in VMEM, so that copy is a vector load/store loop
+        over its rows): one trip, a decode row's one token."""
+        if meta.get("fused"):
+            return iteration_cycles(c, lambda _: None)
         return count * iteration_cycles(c, lambda _: None) if count > 0 else None
 
     def program(ctx: int) -> float:
