@@ -34,6 +34,7 @@ output becomes zeros, never NaN).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -324,6 +325,24 @@ class FusedRows:
                 kv_new_hbm, kv_buf, slot, self.new_first - offset,
                 self.new_first - step_page * s, self.new_rows, sem,
             ).start()  # fmt: skip
+
+
+def kernel_inputs(refs: Sequence[Any], fused: bool, has_sinks: bool, has_scales: bool) -> tuple:
+    """The attention kernels' refs after the layer and length scalars, unpacked:
+    ``(slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale,
+    rest)``; ``slots_ref`` and ``kv_new_hbm`` (the fused write's) and the optional inputs are
+    None when absent, ``rest`` the outputs and scratch."""
+    if fused:
+        slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, *refs = refs
+    else:
+        q_ref, tables_hbm, kv_hbm, *refs = refs
+        slots_ref = kv_new_hbm = None
+    sinks_ref = refs[0] if has_sinks else None
+    scales_ref = refs[int(has_sinks)] if has_scales else None
+    k_scale = None if scales_ref is None else scales_ref[0]
+    v_scale = None if scales_ref is None else scales_ref[1]
+    rest = refs[int(has_sinks) + int(has_scales) :]
+    return slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, rest
 
 
 def token_writes(kv_new_hbm, kv_out, layer, slots_ref, first: Any, count: int, sem, action):

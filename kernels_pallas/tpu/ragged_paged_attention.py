@@ -87,6 +87,7 @@ from kernels_pallas.tpu._attention_common import (
     default_pages_per_compute_block,
     dma_tables,
     finish,
+    kernel_inputs,
     pipeline_scratch,
     reset_state,
     scratch_bytes,
@@ -191,16 +192,9 @@ def _ragged_kernel(
     num_blocks: int,
     interpret: bool,
 ):
-    if fused:
-        slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, *refs = refs
-    else:
-        q_ref, tables_hbm, kv_hbm, *refs = refs
-        slots_ref = kv_new_hbm = None
-    sinks_ref = refs[0] if has_sinks else None
-    scales_ref = refs[int(has_sinks)] if has_scales else None
-    k_scale = None if scales_ref is None else scales_ref[0]
-    v_scale = None if scales_ref is None else scales_ref[1]
-    refs = refs[int(has_sinks) + int(has_scales) :]
+    (slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, refs) = (
+        kernel_inputs(refs, fused, has_sinks, has_scales)
+    )
     if fused:
         o_ref, kv_out, *refs, write_sem = refs  # kv_out: kv_hbm's buffer (aliased)
     else:
