@@ -327,11 +327,12 @@ class FusedRows:
             ).start()  # fmt: skip
 
 
-def kernel_inputs(refs: Sequence[Any], fused: bool, has_sinks: bool, has_scales: bool) -> tuple:
+def kernel_refs(refs: Sequence[Any], fused: bool, has_sinks: bool, has_scales: bool) -> tuple:
     """The attention kernels' refs after the layer and length scalars, unpacked:
-    ``(slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale,
-    rest)``; ``slots_ref`` and ``kv_new_hbm`` (the fused write's) and the optional inputs are
-    None when absent, ``rest`` the outputs and scratch."""
+    ``(slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, o_ref,
+    kv_out, write_sem, scratch)``; the fused write's (``slots_ref``, ``kv_new_hbm``, the
+    aliased pages ``kv_out`` and its DMA semaphore ``write_sem``, the last scratch) and the
+    optional inputs are None when absent; ``scratch`` the kernel's own scratch refs."""
     if fused:
         slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, *refs = refs
     else:
@@ -342,7 +343,12 @@ def kernel_inputs(refs: Sequence[Any], fused: bool, has_sinks: bool, has_scales:
     k_scale = None if scales_ref is None else scales_ref[0]
     v_scale = None if scales_ref is None else scales_ref[1]
     rest = refs[int(has_sinks) + int(has_scales) :]
-    return slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, rest
+    if fused:
+        o_ref, kv_out, *rest, write_sem = rest  # kv_out: kv_hbm's buffer (aliased)
+    else:
+        (o_ref, *rest), kv_out, write_sem = rest, None, None
+    return (slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale,
+            o_ref, kv_out, write_sem, rest)  # fmt: skip
 
 
 def token_writes(kv_new_hbm, kv_out, layer, slots_ref, first: Any, count: int, sem, action):

@@ -65,7 +65,7 @@ from kernels_pallas.tpu._attention_common import (
     combined_rows_of,
     dma_tables,
     finish,
-    kernel_inputs,
+    kernel_refs,
     kv_buffer_bytes,
     kv_buffer_shape,
     kv_page_bytes,
@@ -120,13 +120,8 @@ def _decode_kernel(
     per_core: int,
     interpret: bool,
 ):
-    (slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, refs) = (
-        kernel_inputs(refs, fused, has_sinks, has_scales)
-    )
-    if fused:
-        o_ref, kv_out, *refs, write_sem = refs  # kv_out: kv_hbm's buffer (aliased)
-    else:
-        o_ref, *refs = refs
+    (slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, o_ref,
+     kv_out, write_sem, refs) = kernel_refs(refs, fused, has_sinks, has_scales)  # fmt: skip
     (
         table,  # SMEM i32[2 * (M + P)]: table rows of this and the next sequence, flat, each
         #        padded with P entries so a step's last page index needs no clamp

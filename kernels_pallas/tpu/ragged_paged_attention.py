@@ -87,7 +87,7 @@ from kernels_pallas.tpu._attention_common import (
     default_pages_per_compute_block,
     dma_tables,
     finish,
-    kernel_inputs,
+    kernel_refs,
     pipeline_scratch,
     reset_state,
     scratch_bytes,
@@ -192,13 +192,8 @@ def _ragged_kernel(
     num_blocks: int,
     interpret: bool,
 ):
-    (slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, refs) = (
-        kernel_inputs(refs, fused, has_sinks, has_scales)
-    )
-    if fused:
-        o_ref, kv_out, *refs, write_sem = refs  # kv_out: kv_hbm's buffer (aliased)
-    else:
-        o_ref, *refs = refs
+    (slots_ref, q_ref, tables_hbm, kv_hbm, kv_new_hbm, sinks_ref, k_scale, v_scale, o_ref,
+     kv_out, write_sem, refs) = kernel_refs(refs, fused, has_sinks, has_scales)  # fmt: skip
     (
         table,  # SMEM i32[2 * W]: table rows of the current and the next sequence (flat,
         #        W = table_row_len(M_pad, P) entries each: TableRows)
