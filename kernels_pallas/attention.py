@@ -41,7 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import _dispatch, kv_ops, reference
-from kernels_pallas._checks import IMPLS, check_layer, check_pages, is_int_dtype
+from kernels_pallas._checks import (
+    IMPLS,
+    check_attention_common,
+    check_sinks,
+    check_vector,
+    is_int_dtype,
+)
 from kernels_pallas.cache import (
     PagedKVCache,
     check_cache,
@@ -63,103 +69,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------------
-
-
-def _check_common(
-    name: str,
-    q: jax.Array,
-    kv_pages: jax.Array,
-    num_kv_heads: Any,
-    block_tables: jax.Array,
-    *,
-    sm_scale: float | None,
-    soft_cap: float | None,
-    sliding_window: int | None,
-    impl: str,
-    layer: Any,
-) -> dict[str, Any]:
-    """Checks shared by both ops (q is ``[B|T, H, D]``).
-
-    Returns:
-      The static options as the implementations take them: ``sm_scale`` (default
-      ``D ** -0.5``), ``soft_cap`` and ``sliding_window`` as Python numbers or None.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"{name}: impl must be one of {IMPLS}, got {impl!r}")
-    if q.ndim != 3:
-        raise ValueError(f"{name}: q must have rank 3 [tokens, H, D], got shape {q.shape}")
-    check_pages(name, kv_pages)
-    check_layer(name, kv_pages, layer)
-    _, h, d = q.shape
-    kh, dk = num_kv_heads, kv_pages.shape[-1]
-    rows = kv_pages.shape[3] * kv_pages.shape[4]
-    if isinstance(kh, bool) or not isinstance(kh, (int, np.integer)) or not 0 < 2 * kh <= rows:
-        raise ValueError(
-            f"{name}: num_kv_heads={kh!r} does not fit pages of {rows} packed heads "
-            f"({kv_pages.shape})"
-        )
-    if h % kh != 0:
-        raise ValueError(
-            f"{name}: number of query heads H={h} is not divisible by number of kv heads K={kh}"
-        )
-    if d != dk:
-        raise ValueError(f"{name}: head_dim mismatch: q has D={d}, pages have D={dk}")
-    if is_quantized_dtype(kv_pages.dtype):
-        if not jnp.issubdtype(q.dtype, jnp.floating):
-            raise ValueError(f"{name}: q must be floating point, got {q.dtype}")
-    elif q.dtype != kv_pages.dtype:
-        raise ValueError(f"{name}: dtype mismatch: q is {q.dtype}, pages are {kv_pages.dtype}")
-    if block_tables.ndim != 2:
-        raise ValueError(
-            f"{name}: block_tables must have rank 2 [B, M], got shape {block_tables.shape}"
-        )
-    if not is_int_dtype(block_tables):
-        raise ValueError(f"{name}: block_tables must be integer, got {block_tables.dtype}")
-    if sm_scale is not None and not isinstance(sm_scale, (int, float, np.floating, np.integer)):
-        raise ValueError(f"{name}: sm_scale must be a Python float or None, got {sm_scale!r}")
-    if soft_cap is not None and (
-        not isinstance(soft_cap, (int, float, np.floating, np.integer)) or not soft_cap > 0
-    ):
-        raise ValueError(f"{name}: soft_cap must be a positive float or None, got {soft_cap!r}")
-    if sliding_window is not None and (
-        not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0
-    ):
-        raise ValueError(
-            f"{name}: sliding_window must be a positive int or None, got {sliding_window!r}"
-        )
-    return dict(
-        sm_scale=float(d**-0.5 if sm_scale is None else sm_scale),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-    )
-
-
-def _check_sinks(name: str, sinks: Any, num_heads: int) -> jax.Array | None:
-    """``sinks`` as ``f32[H]`` (or None), checked: a float vector of one logit per query head."""
-    if sinks is None:
-        return None
-    shape = jnp.shape(sinks)
-    if shape != (num_heads,):
-        raise ValueError(
-            f"{name}: sinks must have shape ({num_heads},) (one logit per query head H), "
-            f"got {shape}"
-        )
-    if not jnp.issubdtype(jnp.asarray(sinks).dtype, jnp.floating):
-        raise ValueError(f"{name}: sinks must be floating point, got {jnp.asarray(sinks).dtype}")
-    return jnp.asarray(sinks, jnp.float32)
-
-
-def _check_vector(name: str, what: str, x: Any, n: int, n_desc: str) -> None:
-    shape = jnp.shape(x)
-    if len(shape) != 1 or shape[0] != n:
-        raise ValueError(f"{name}: {what} must have shape ({n},) ({n_desc}), got {shape}")
-    if not is_int_dtype(x):
-        raise ValueError(f"{name}: {what} must be integer, got {jnp.asarray(x).dtype}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,7 +280,7 @@ def paged_attention_pages(
       NotImplementedError: ``impl="pallas_gpu"`` when the GPU kernels are not installed.
     """
     name = "paged_attention"
-    kw = _check_common(
+    kw = check_attention_common(
         name,
         q,
         kv_pages,
@@ -383,11 +292,11 @@ def paged_attention_pages(
         impl=impl,
         layer=layer,
     )
-    sinks = _check_sinks(name, sinks, q.shape[1])
+    sinks = check_sinks(name, sinks, q.shape[1])
     _check_forced_kernel(name, impl, kv_pages, sinks)
     kw["num_kv_heads"] = int(num_kv_heads)
     b = q.shape[0]
-    _check_vector(name, "lengths", lengths, b, "B = q.shape[0]")
+    check_vector(name, "lengths", lengths, b, "B = q.shape[0]")
     if block_tables.shape[0] != b:
         raise ValueError(
             f"{name}: block_tables batch {block_tables.shape[0]} != q batch {b} "
@@ -470,6 +379,7 @@ def ragged_paged_attention_pages(
     max_q_len: int | None = None,
     sinks: jax.Array | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    unique_slots: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Ragged causal attention over paged KV (decode, prefill, chunked prefill, prefix hits).
 
@@ -504,12 +414,15 @@ def ragged_paged_attention_pages(
         DMA per token while attending, the new rows read from ``kv_new``), which needs
         ``slot_mapping[t]`` to be the slot of row ``t``'s position for every row that
         counts; elsewhere it is XLA's in-place scatter, then the attention.
+      unique_slots: a promise that no two rows' live slots in ``new_kv`` are equal (each
+        position of a served step has its own): the TPU path then skips the sort that makes
+        the last of equal slots win. Broken, equal slots get an arbitrary one of the rows.
 
     Returns:
       ``[T, H, D]`` in ``q.dtype``; ``(out, kv_pages)`` when ``new_kv`` is given.
     """
     name = "ragged_paged_attention"
-    kw = _check_common(
+    kw = check_attention_common(
         name,
         q,
         kv_pages,
@@ -521,12 +434,12 @@ def ragged_paged_attention_pages(
         impl=impl,
         layer=layer,
     )
-    sinks = _check_sinks(name, sinks, q.shape[1])
+    sinks = check_sinks(name, sinks, q.shape[1])
     _check_forced_kernel(name, impl, kv_pages, sinks)
     kw["num_kv_heads"] = int(num_kv_heads)
     b = block_tables.shape[0]
-    _check_vector(name, "kv_lens", kv_lens, b, "B = block_tables.shape[0]")
-    _check_vector(name, "cu_q_lens", cu_q_lens, b + 1, "B + 1")
+    check_vector(name, "kv_lens", kv_lens, b, "B = block_tables.shape[0]")
+    check_vector(name, "cu_q_lens", cu_q_lens, b + 1, "B + 1")
     if jnp.ndim(num_seqs) > 1 or jnp.size(num_seqs) != 1 or not is_int_dtype(num_seqs):
         raise ValueError(
             f"{name}: num_seqs must be an integer scalar, got shape {jnp.shape(num_seqs)}"
@@ -584,10 +497,12 @@ def ragged_paged_attention_pages(
         sink, new = (rest[:-2], tuple(rest[-2:])) if fused else (rest, None)
         kw_tpu = dict(kw, sinks=_one(sink), kv_scales=_tpu_scales(kv, ks, vs))
         if max_q_len == 1:
-            return routing.decode_rows(q, kv, kv_lens, tables, n, layer, interpret, kw_tpu, new)
+            return routing.decode_rows(
+                q, kv, kv_lens, tables, n, layer, interpret, kw_tpu, new, unique_slots
+            )
         device_kind = getattr(_dispatch.target_device(), "device_kind", None)
         return routing.mixed_rows(
-            q, kv, kv_lens, tables, cu, n, layer, interpret, kw_tpu, device_kind, new
+            q, kv, kv_lens, tables, cu, n, layer, interpret, kw_tpu, device_kind, new, unique_slots
         )
 
     @written
@@ -729,6 +644,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     max_q_len: int | None = None,
     sinks: jax.Array | None = None,
+    unique_slots: bool = False,
 ) -> jax.Array | tuple[jax.Array, PagedKVCache]:
     """Ragged causal attention over a paged cache (decode, prefill, chunks, prefix hits).
 
@@ -752,6 +668,8 @@ def ragged_paged_attention(
         XLA path).
       max_q_len: optional hint (``1``: a decode-only batch, each sequence owning the row of
         its index), see :func:`ragged_paged_attention_pages`; never needed for correctness.
+      unique_slots: ``new_kv``'s slots are all different (a step's): see
+        :func:`ragged_paged_attention_pages`.
 
     Returns:
       ``out [T, H, D]`` in ``q.dtype``; ``(out, cache)`` when ``new_kv`` is given.
@@ -759,7 +677,7 @@ def ragged_paged_attention(
     name = "ragged_paged_attention"
     check_cache(name, cache)
     layer = resolve_layer(name, cache, layer)
-    sinks = _check_sinks(name, sinks, q.shape[1] if q.ndim == 3 else -1)
+    sinks = check_sinks(name, sinks, q.shape[1] if q.ndim == 3 else -1)
     _check_forced_kernel(name, impl, cache.kv, sinks)  # before the write: state unchanged
     q, sm_scale = _lane_padded_query(name, q, cache, sm_scale)
     rows = None
@@ -788,6 +706,7 @@ def ragged_paged_attention(
         max_q_len=max_q_len,
         sinks=sinks,
         new_kv=rows,
+        unique_slots=unique_slots,
     )
     if rows is None:
         return result[..., : cache.head_dim]

@@ -234,6 +234,7 @@ def paged_attention_op(
             metadata.num_seqs,
             layer=lyr,
             new_kv=(k, v, metadata.slot_mapping),
+            unique_slots=True,  # each position of a step has its own slot; padding is -1
             sm_scale=sm_scale,
             soft_cap=soft_cap,
             sliding_window=sliding_window,

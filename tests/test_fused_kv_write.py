@@ -11,6 +11,7 @@ nothing wrote (so a read of an unwritten or skipped row would show).
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -212,3 +213,33 @@ def test_fused_decode_rows_past_the_table_are_still_written():
     written = write_kv_tpu(cache.kv, rows, slots2, 1, interpret=True)
     np.testing.assert_array_equal(_bits(pages), _bits(written))
     assert not np.asarray(out[2:]).any()  # padding rows: zeros
+
+
+@pytest.mark.parametrize("hint", [None, 1], ids=["mixed", "decode-only"])
+def test_unique_slots_skips_the_dedupe_sort_and_writes_the_same_pages(hint):
+    """``unique_slots=True`` (a served step's promise) gives the same output and pages as the
+    default on distinct slots, and its TPU program sorts no slots; the default's sorts them
+    once (duplicates resolved once per call, not once per kernel). The interpreter's own
+    sorts (random DMA order, ``u32``) are not counted."""
+    q_lens, pad = ([1, 1, 7, 1, 3], 3) if hint is None else ([1, 1, 1], 2)
+    rng = np.random.default_rng(7)
+    kv_lens = [q + int(rng.integers(0, 19)) for q in q_lens]
+    cache, q, lens, tables, cu, n, new = _public_case(rng, jnp.bfloat16, q_lens, kv_lens, pad)
+    kw = dict(layer=1, impl="pallas_tpu", interpret=True, max_q_len=hint)
+    t = q.shape[0]
+    slot_sort = f"}}) : (tensor<{t}xi32>, tensor<{t}xi32>) -> "  # an argsort of the T slots
+
+    def run(unique):
+        def f(q, cache, new):
+            return kp.ragged_paged_attention(
+                q, cache, lens, tables, cu, n, new_kv=new, unique_slots=unique, **kw
+            )
+
+        sorts = jax.jit(f).lower(q, cache, new).as_text().count(slot_sort)
+        return f(q, cache, new), sorts
+
+    (out, fused), sorts = run(True)
+    (want, written), sorts_default = run(False)
+    np.testing.assert_array_equal(_bits(fused.kv), _bits(written.kv))
+    np.testing.assert_array_equal(_bits(out), _bits(want))
+    assert (sorts, sorts_default) == (0, 1)

@@ -290,6 +290,7 @@ def _vmem_limit(pages: int, block_size: int, combined_rows: int, head_dim: int) 
         "interpret",
         "pages_per_compute_block",
         "num_kv_heads",
+        "unique_slots",
     ),
 )
 def paged_attention_tpu(
@@ -308,6 +309,7 @@ def paged_attention_tpu(
     sinks: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    unique_slots: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Paged decode attention on TPU (arguments already validated by the public wrapper).
 
@@ -337,6 +339,8 @@ def paged_attention_tpu(
         row attends to it from ``kv_new`` (its page copy skips that position) while one DMA
         writes it to HBM, so ``slots[b]`` must be the slot of that position for a row that
         counts. ``kv_pages`` is aliased to the returned pages (donate it under jit).
+      unique_slots: a promise that no two live ``new_kv`` slots are equal (a served step's
+        are not): skips the sort that makes the last duplicate win.
 
     Returns:
       ``[B, H, Dp]`` in ``q.dtype``; with ``new_kv``, ``(out, kv_pages)`` with the new
@@ -373,7 +377,7 @@ def paged_attention_tpu(
     out_specs = [q_spec]
     if fused:
         kv_new, slots = new_kv
-        slots = live_slots(slots.astype(jnp.int32)[:b], n_blocks * s, True)
+        slots = live_slots(slots.astype(jnp.int32)[:b], n_blocks * s, not unique_slots)
         scalars.append(jnp.pad(slots, (0, b_pad - b), constant_values=-1))
         inputs.append(jnp.pad(kv_new[:b], ((0, b_pad - b), (0, 0), (0, 0), (0, 0))))
         in_specs.append(any_spec)

@@ -426,6 +426,7 @@ def _ragged_kernel(
         "queries_per_block",
         "device_kind",
         "num_kv_heads",
+        "unique_slots",
     ),
 )
 def ragged_paged_attention_tpu(
@@ -449,6 +450,7 @@ def ragged_paged_attention_tpu(
     sinks: jax.Array | None = None,
     kv_scales: jax.Array | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    unique_slots: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Ragged paged attention on TPU (arguments already validated by the public wrapper).
 
@@ -487,6 +489,8 @@ def ragged_paged_attention_tpu(
         ``kv_new``, never through the pages, while each block's tokens are DMA'd to HBM; so
         ``slots[t]`` must be the slot of row ``t``'s position for a row that counts.
         ``kv_pages`` is aliased to the returned pages (donate it under jit).
+      unique_slots: a promise that no two live ``new_kv`` slots are equal (a served step's
+        are not): skips the sort that makes the last duplicate win.
 
     Returns:
       ``[T, H, Dp]`` in ``q.dtype``; with ``new_kv``, ``(out, kv_pages)``.
@@ -529,7 +533,7 @@ def ragged_paged_attention_tpu(
     fused = new_kv is not None
     if fused:
         kv_new, slots = new_kv
-        slots = live_slots(slots.astype(jnp.int32), n_blocks * s, True)
+        slots = live_slots(slots.astype(jnp.int32), n_blocks * s, not unique_slots)
         if shifted:  # moved with q; the skipped sequences' rows (now the tail): not written
             kv_new = jnp.roll(kv_new, -shift, axis=0)
             slots = jnp.where(jnp.arange(t) < t - shift, jnp.roll(slots, -shift), -1)

@@ -10,7 +10,10 @@ those kernels: every token with a live slot is written by exactly one of them (t
 kernel the leading decode rows', the ragged kernel every other row's, padding rows
 included), one DMA per token while it attends, and each reads the step's new tokens from
 ``kv_new`` rather than from the pages. Both return ``(out, kv_pages)``, the pages flowing
-from one kernel to the next (aliased input -> output).
+from one kernel to the next (aliased input -> output). Slots out of range are dropped and
+duplicates resolved (the last token wins) once per call here, by one XLA sort of ``T``
+int32s that ``unique_slots=True`` (a served step's promise) skips; the kernels are then told
+their slots are unique.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def decode_rows(
     interpret: bool,
     kw: dict,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    unique_slots: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """A decode-only ragged batch on the TPU decode kernel: row ``s`` is sequence ``s``.
 
@@ -57,7 +61,7 @@ def decode_rows(
     no decode program runs, are written by the ``write_kv`` kernel first (a shape that a
     served step does not have).
     """
-    from kernels_pallas.tpu.kv_ops import write_kv_tpu
+    from kernels_pallas.tpu.kv_ops import live_slots, write_kv_tpu
     from kernels_pallas.tpu.paged_attention import paged_attention_tpu
 
     t, b = q.shape[0], tables.shape[0]
@@ -66,13 +70,15 @@ def decode_rows(
     fused = None
     if new_kv is not None:
         kv_new, slots = new_kv
+        _, n, s, *_ = kv_pages.shape  # duplicates resolved once, over all T rows
+        slots = live_slots(slots.astype(jnp.int32), n * s, not unique_slots)
         if rows < t:
             tail = (kv_new[rows:], slots[rows:])
-            kv_pages = write_kv_tpu(kv_pages, *tail, layer, interpret=interpret)
+            kv_pages = write_kv_tpu(kv_pages, *tail, layer, dedupe=False, interpret=interpret)
         fused = (kv_new[:rows], slots[:rows])
     result = paged_attention_tpu(
         q[:rows], kv_pages, lengths, tables[:rows], layer=layer, interpret=interpret,
-        new_kv=fused, **kw,
+        new_kv=fused, unique_slots=True, **kw,
     )  # fmt: skip
     out, kv_pages = result if fused is not None else (result, kv_pages)
     if rows < t:
@@ -92,6 +98,7 @@ def mixed_rows(
     kw: dict,
     device_kind: str | None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    unique_slots: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Any ragged batch on TPU: its leading one-row sequences on the decode kernel, the rest on
     the ragged kernel.
@@ -116,18 +123,18 @@ def mixed_rows(
     if fused:
         kv_new, slots = new_kv
         _, n, s, *_ = kv_pages.shape
-        slots = live_slots(slots.astype(jnp.int32), n * s, True)
+        slots = live_slots(slots.astype(jnp.int32), n * s, not unique_slots)  # once, for both
         dec_new = (kv_new, jnp.where(is_dec, slots, -1))
         rag_new = (kv_new, jnp.where(is_dec, -1, slots))
         rag_needed |= jnp.any(rag_new[1] >= 0)
 
     def decode_part(kv):
-        return decode_rows(q, kv, kv_lens, tables, n_dec, layer, interpret, kw, dec_new)
+        return decode_rows(q, kv, kv_lens, tables, n_dec, layer, interpret, kw, dec_new, True)
 
     def ragged_part(kv):
         return ragged_paged_attention_tpu(
             q, kv, kv_lens, tables, cu, num_seqs, n_dec, layer=layer, interpret=interpret,
-            device_kind=device_kind, new_kv=rag_new, **kw,
+            device_kind=device_kind, new_kv=rag_new, unique_slots=True, **kw,
         )  # fmt: skip
 
     def zeros(kv):
