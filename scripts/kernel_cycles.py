@@ -19,6 +19,10 @@ from forward branches). Trip counts and the cost of a loop iteration: derived fr
 loop tree, the kernel's block sizes and the shape, per kernel, as ``scripts/kernel_trips.py``
 documents and implements them.
 
+``kv_read_bytes``: the KV bytes each kernel brings into VMEM, page-rounded (the keys per
+kernel as ``scripts/kernel_trips.py`` derives them, times ``K * 2 * D * itemsize``): for a
+prefill chunk, how often its blocks re-read the context.
+
 Units: a decode unit is one sequence, its bytes the logical KV it reads
 (``ctx * K * 2 * D * itemsize``); useful flops are ``4 * H * D`` per causal (query row,
 visible key) pair; ``ratio_to_rpa`` divides paxcache's cycles per KiB (decode) or bundles per
@@ -67,8 +71,11 @@ from bundle_dump import Dump, parse_dump  # noqa: E402 - the script's own folder
 from kernel_trips import (  # noqa: E402
     _cdiv,
     paxcache_paged_cycles,
+    paxcache_paged_read_keys,
     paxcache_ragged_cycles,
+    paxcache_ragged_read_keys,
     rpa_cycles,
+    rpa_read_keys,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -341,6 +348,13 @@ def child_main(a: argparse.Namespace) -> None:
     except Exception:  # noqa: BLE001 - older jax or unknown chip: the table
         info = {}
     if a.child == "paxcache":
+        if a.ragged_blocks:  # a sweep: this chip's table entry replaced for this compile
+            from kernels_pallas.tpu import ragged_paged_attention as rag
+
+            rows, keys, headroom = (int(x) for x in a.ragged_blocks.split(","))
+            rag.RAGGED_BLOCKS[device.device_kind] = rag.RaggedBlocks(
+                rows=rows, keys=keys, headroom=headroom * 1024 * 1024
+            )
         kernels = _compile_paxcache(a.case, a, device)
     else:
         kernels = _compile_rpa(a.case, a, device, chip["generation"])
@@ -370,6 +384,7 @@ def _shape_flags(a: argparse.Namespace) -> list[str]:
         f"--dtype={a.dtype}", f"--page={a.page}", f"--batch={a.batch}", f"--ctx={a.ctx}",
         f"--chunk={a.chunk}", *([f"--kv-dtype={a.kv_dtype}"] if a.kv_dtype else []),
         *(["--fused"] if a.fused else []),
+        *([f"--ragged-blocks={a.ragged_blocks}"] if a.ragged_blocks else []),
     ]  # fmt: skip
 
 
@@ -424,6 +439,7 @@ def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
     peer = a.rpa_wheel and _kv_dtype(a) == a.dtype  # the peer runs here on a float cache only
     families = ["paxcache"] + (["rpa"] if peer else [])
     peer_error = None
+    key_bytes = kv_bytes(1, a.kv_heads, a.head_dim, _itemsize(_kv_dtype(a)))  # K and V
     for family in families:
         try:
             meta, dumps = compile_family(family, target, case, a)
@@ -449,26 +465,34 @@ def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
                     row = _row("paxcache", k["name"], target, case, cyc, nbytes, flops,
                                clock, bw, peak, None)  # fmt: skip
                     row["static_code"] = [dec_dump.summary(), dump.summary()]
+                    read = paxcache_paged_read_keys(dec, k["dec_lengths"])
+                    read += paxcache_ragged_read_keys(k, _q_lens(case, a), a.ctx, k["first_seq"])
+                    row["kv_read_bytes"] = read * key_bytes
                     rows.append(row)
                     continue
                 dump = _dump_for(dumps, k["name"])
                 if k["variant"] == "paged":
                     cyc = paxcache_paged_cycles(dump, k, [a.ctx] * a.batch)
+                    read = paxcache_paged_read_keys(k, [a.ctx] * a.batch)
                 else:
                     cyc = paxcache_ragged_cycles(dump, k, _q_lens(case, a), a.ctx)
+                    read = paxcache_ragged_read_keys(k, _q_lens(case, a), a.ctx)
                 rows.append(_row("paxcache", k["name"], target, case, cyc, nbytes, flops,
                                  clock, bw, peak, dump))  # fmt: skip
+                rows[-1]["kv_read_bytes"] = read * key_bytes
         else:
-            names, cyc, shapes = [], 0.0, []
+            names, cyc, shapes, read = [], 0.0, [], 0
             for k in meta["kernels"]:
                 dump = _dump_for(dumps, k["name"])
                 names.append(dump.name)
                 cyc += rpa_cycles(dump, k, k["q_lens"], a.ctx)
+                read += rpa_read_keys(k, k["q_lens"], a.ctx)
                 shapes.append(dump.summary())
             row = _row(
                 "rpa_v3", "+".join(names), target, case, cyc, nbytes, flops, clock, bw, peak, None
             )
             row["static_code"] = shapes
+            row["kv_read_bytes"] = read * key_bytes
             rows.append(row)
     peer = next((r for r in rows if r["kernel"] == "rpa_v3"), None)
     key = "cycles_per_kib" if case == "decode" else "bundles_per_useful_flop"
@@ -500,7 +524,7 @@ def _row(kernel, name, target, case, cyc, nbytes, flops, clock, bw, peak, dump) 
 def format_table(rows: Sequence[dict]) -> str:
     """A fixed-width table of the report's main columns."""
     head = ("kernel", "name", "target", "case", "cycles_per_kib", "hbm_ceiling",
-            "bundles_per_useful_flop", "mxu_ceiling", "ratio_to_rpa")  # fmt: skip
+            "bundles_per_useful_flop", "mxu_ceiling", "ratio_to_rpa", "kv_read_mib")  # fmt: skip
 
     def fmt(v: Any) -> str:
         if v is None:
@@ -509,7 +533,12 @@ def format_table(rows: Sequence[dict]) -> str:
             return f"{v:.4g}"
         return str(v)
 
-    cells = [head] + [tuple(fmt(r.get(h)) for h in head) for r in rows]
+    def cell(r: dict, h: str) -> Any:
+        if h == "kv_read_mib":  # KV bytes read (kernel_trips), in MiB
+            return r["kv_read_bytes"] / 2**20 if "kv_read_bytes" in r else None
+        return r.get(h)
+
+    cells = [head] + [tuple(fmt(cell(r, h)) for h in head) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(head))) for c in cells)
 
@@ -545,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fused", action="store_true",
         help="paxcache with the step's KV write fused (new_kv=), as the engine's step runs it",
+    )  # fmt: skip
+    p.add_argument(
+        "--ragged-blocks", default=None, metavar="ROWS,KEYS,HEADROOM_MIB",
+        help="sweep: the ragged kernel's block sizes for the target instead of its table entry",
     )  # fmt: skip
     p.add_argument("--rpa-wheel", default=None, help="tpu-inference .whl or unpacked folder")
     p.add_argument("--json", default=None, help="write the rows here")

@@ -58,6 +58,13 @@ outermost loop of the kernel, so its trips are the grid size):
   tokens touch on the last query block and is skipped otherwise. Regions of the sequence loop
   before its first nested loop that start DMAs (the prologue: first sequence only) and after
   its last one (the epilogue: last sequence only) have weight 0; all other regions weight 1.
+
+KV bytes read (``kv_read_keys`` below, times ``K * 2 * D * itemsize`` per key): the keys each
+kernel brings into VMEM, page-rounded, whether from the pages or (fused write) from the step's
+new rows: the decode kernel ``ceil(ctx / S) * S`` per sequence; the ragged kernel, for every
+(query block, sequence with rows in it), the pages up to the block's last row
+(``end_page * S``); RPA v3, for every query block ``i`` of a sequence, its visible length
+``min(ctx, gap + (i + 1) * bq)`` page-rounded.
 """
 
 from __future__ import annotations
@@ -320,3 +327,40 @@ def rpa_cycles(dump: Dump, meta: dict, q_lens: Sequence[int], ctx: int) -> float
         )
     root = _unit_loop(dump)  # code outside the sequence loop runs once per call
     return iteration_cycles(root, lambda c: total if c is seq else None)
+
+
+def paxcache_ragged_read_keys(
+    meta: dict, q_lens: Sequence[int], ctx: int, first_seq: int = 0
+) -> int:
+    """Keys ``paxcache_ragged_paged_attention`` reads (module docstring): per (query block,
+    sequence with rows in it), the pages up to the block's last row."""
+    tq, s, m = meta["tq"], meta["page"], meta["max_blocks"]
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    shift = cu[min(first_seq, len(q_lens))]
+    cu = [c - shift for c in cu]
+    keys = 0
+    for qb in range(_cdiv(cu[-1], tq)):
+        r0, r1 = qb * tq, qb * tq + tq
+        for sq, q in enumerate(q_lens):
+            lo, hi = max(cu[sq], r0), min(cu[sq + 1], r1)
+            if hi > lo and sq >= first_seq:
+                keys += min((hi - 1 + ctx - q - cu[sq] + s) // s, m) * s
+    return keys
+
+
+def paxcache_paged_read_keys(meta: dict, lengths: Sequence[int]) -> int:
+    """Keys ``paxcache_paged_decode_attention`` reads: each sequence's pages."""
+    return sum(_cdiv(n, meta["page"]) * meta["page"] for n in lengths)
+
+
+def rpa_read_keys(meta: dict, q_lens: Sequence[int], ctx: int) -> int:
+    """Keys one RPA v3 kernel reads: every query block's visible length, page-rounded."""
+    bq, page = meta["bq_sz"], meta["page"]
+    keys = 0
+    for q in q_lens:
+        actual_bq = min(bq, q) if meta["static_q_len"] else bq
+        for i in range(_cdiv(q, actual_bq)):
+            keys += _cdiv(min(ctx, ctx - q + (i + 1) * actual_bq), page) * page
+    return keys

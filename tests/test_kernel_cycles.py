@@ -191,6 +191,20 @@ def test_search_trips_follow_the_kernels_binary_search():
     assert kt._search_trips([0, 8], 1, 0) == 1
 
 
+def test_kv_read_counts_each_query_blocks_visible_pages():
+    """A 2048-token chunk at ctx 2048 in 128-token query blocks re-reads the context up to
+    each block's last row (128 * (1 + ... + 16) keys); RPA v3's 256-token blocks half as often;
+    a decode reads its sequence's pages once; a mixed batch's decodes are not the ragged
+    kernel's."""
+    meta = dict(tq=128, page=16, max_blocks=128)
+    assert kt.paxcache_ragged_read_keys(meta, [2048], 2048) == 128 * 136
+    assert kt.paxcache_ragged_read_keys(meta, [1, 1, 2048], 2048, first_seq=2) == 128 * 136
+    rpa = dict(bq_sz=256, page=16, static_q_len=True)
+    assert kt.rpa_read_keys(rpa, [2048], 2048) == 256 * 36
+    assert kt.rpa_read_keys(dict(rpa, static_q_len=False), [1], 100) == 112  # 100 keys: 7 pages
+    assert kt.paxcache_paged_read_keys(dict(page=16), [4096, 10, 0]) == 4096 + 16
+
+
 @pytest.mark.slow
 def test_kernel_cycles_end_to_end_v5e_decode(tmp_path):
     pytest.importorskip("libtpu")
