@@ -52,7 +52,7 @@ class RequestOutput:
     Attributes:
       request_id: the id given to ``add_request``.
       prompt: the prompt text (``None`` for a token-id prompt).
-      prompt_token_ids: the prompt's tokens.
+      prompt_token_ids: the prompt's tokens (one list, shared by all of the request's outputs).
       outputs: the completions (with ``output_kind="delta"``, possibly only those that
         progressed).
       finished: no more outputs will come for this request.
@@ -102,7 +102,7 @@ class RequestState:
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.prompt_token_ids = prompt_ids
+        self.prompt_token_ids = list(prompt_ids)  # every output shares this one list
         self.params = params
         self.seqs = seqs
         # output_kind="delta": tokens / logprobs of each completion already reported.
@@ -177,18 +177,21 @@ class RequestState:
             prompt_lps = None
         elif delta:
             self.sent_prompt_logprobs = True
+        first = self.seqs[0]
+        error, preemptions = first.error, first.num_preemptions
+        for s in self.seqs[1:]:  # n > 1
+            error = error or s.error
+            preemptions += s.num_preemptions
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=comps,
-            finished=finished,
-            error=next((s.error for s in self.seqs if s.error), None),
-            num_cached_tokens=self.seqs[0].num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in self.seqs)
-            if len(self.seqs) > 1
-            else self.seqs[0].num_preemptions,
-            prompt_logprobs=list(prompt_lps) if prompt_lps is not None else None,
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            comps,
+            finished,
+            error,
+            first.num_cached_tokens,
+            preemptions,
+            list(prompt_lps) if prompt_lps is not None else None,
         )
 
 
@@ -271,7 +274,8 @@ class OutputProcessor:
         for req in reqs.values():
             if req is None:
                 continue
-            finished = all(s.is_finished for s in req.seqs)
+            seqs = req.seqs
+            finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
             outputs.append(req.output(finished=finished))
             if finished:
                 self._requests.pop(req.request_id, None)

@@ -587,10 +587,11 @@ class Scheduler:
         if done:  # one queue pass and one allocator call, however many finished
             self.remove(done)
             self._release(done)
-        for seq in {id(s.group[0]): s for s, _ in plan.rows + plan.samples}.values():
-            if seq.request_id in failed:
-                self.finish(seq.group, "error", INTERNAL_ERROR)
-                touched.update((id(s), s) for s in seq.group)
+        if failed:  # a pass over the plan only when a request failed
+            for seq in {id(s.group[0]): s for s, _ in plan.rows + plan.samples}.values():
+                if seq.request_id in failed:
+                    self.finish(seq.group, "error", INTERNAL_ERROR)
+                    touched.update((id(s), s) for s in seq.group)
         return list(touched.values())
 
     def _advance_loop(
