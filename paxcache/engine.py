@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 import time
@@ -681,6 +682,9 @@ class Engine:
             self._kv = kv_cache.warmup_swaps(self._kv, self._max_swap_pairs(), impl=self._swap_impl)
         self.stats()
         self._warmed_up = True
+        if self.config.freeze_gc:  # EngineConfig.freeze_gc: full collections skip all this
+            gc.collect()
+            gc.freeze()
         logger.info(
             "warm-up done in %.1fs: %d compiled, %d loaded from the compile cache%s",
             time.perf_counter() - t0,

@@ -169,6 +169,12 @@ class EngineConfig:
         ``$XDG_CACHE_HOME/paxcache/jax``), a path, or False (left as it is).
       warmup: compile every program serving can run at the first ``step`` (False: each when
         first needed, or call ``Engine.warmup`` yourself).
+      freeze_gc: at the end of ``Engine.warmup``, move every object alive then (the
+        imports', the compiled programs' and their caches', the model's: ~0.6M for the tiny
+        model) to Python's permanent GC generation (``gc.freeze``, as vLLM and SGLang do after
+        warm-up), so a full collection while serving scans only what serving made: one took
+        0.7 s of a 5 s run of many short requests on the tiny model. Those objects are never
+        collected as cycles afterwards (they live as long as the process anyway).
     """
 
     cache: KVCacheConfig = dataclasses.field(default_factory=KVCacheConfig)
@@ -179,6 +185,7 @@ class EngineConfig:
     seed: int | None = None
     compile_cache: str | os.PathLike[str] | bool | None = None
     warmup: bool = True
+    freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         parts = (
@@ -195,13 +202,14 @@ class EngineConfig:
         _positive_int("seed", self.seed, allow_none=True, minimum=0)
         compile_cache.resolve(self.compile_cache)  # raises on a value of the wrong kind
         _bool("warmup", self.warmup)
+        _bool("freeze_gc", self.freeze_gc)
         if self.scheduler.preemption_mode == "swap" and self.cache.num_host_blocks <= 0:
             raise ValueError("preemption_mode='swap' needs num_host_blocks > 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """The config of flat keyword options (each part's field names, and the engine's own:
-        ``model_name``, ``seed``, ``compile_cache``, ``warmup``).
+        ``model_name``, ``seed``, ``compile_cache``, ``warmup``, ``freeze_gc``).
 
         Raises:
           TypeError: a keyword that is no option (the message names it).
@@ -265,4 +273,4 @@ _PART_TYPES = {
 }
 _PART_FIELDS = {name: [f.name for f in dataclasses.fields(t)] for name, t in _PART_TYPES.items()}
 _FIELD_PART = {f: name for name, fields in _PART_FIELDS.items() for f in fields}
-_OWN_FIELDS = ("model_name", "seed", "compile_cache", "warmup")
+_OWN_FIELDS = ("model_name", "seed", "compile_cache", "warmup", "freeze_gc")

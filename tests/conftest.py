@@ -74,6 +74,7 @@ def _release_compiled_programs():
     maps = compile_cache.memory_maps()
     if maps is None or maps[0] <= MAPS_CLEAR_FRACTION * maps[1]:
         return
+    gc.unfreeze()  # engines' warm-ups froze the heap (EngineConfig.freeze_gc): collect it all
     gc.collect()
     jax.clear_caches()
     gc.collect()

@@ -4,6 +4,7 @@ keyword form and the config form build the same engine; a bad option fails befor
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import chex
 import pytest
@@ -67,6 +68,20 @@ def test_keywords_and_config_build_the_same_engine_with_the_same_outputs(model):
     assert got[0] == got[1]
 
 
+@pytest.mark.parametrize("freeze", [False, True])
+def test_warmup_freezes_the_gc_heap_only_when_asked(model, freeze):
+    """``freeze_gc`` (default on): warm-up ends by moving what is alive to the permanent GC
+    generation (a full collection while serving skips it); off, the heap is left as it was."""
+    eng = Engine(model, ByteTokenizer(), **{**OPTIONS, "freeze_gc": freeze})
+    assert EngineConfig().freeze_gc
+    before = gc.get_freeze_count()
+    eng.warmup()
+    after = gc.get_freeze_count()
+    assert after > before if freeze else after == before
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(eng.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3
+
+
 def test_defaults_are_resolved_for_the_backend():
     resolved = EngineConfig().resolve("cpu", model_max_len=512)
     s = resolved.scheduler
@@ -93,6 +108,7 @@ def test_defaults_are_resolved_for_the_backend():
         (dict(async_scheduling=1), ValueError, "async_scheduling must be a bool"),
         (dict(decode_steps=0), ValueError, "decode_steps must be a positive int"),
         (dict(compile_cache=3), ValueError, "compile_cache must be"),
+        (dict(freeze_gc="yes"), ValueError, "freeze_gc must be a bool"),
         (dict(max_num_sequences=4), TypeError, "unknown engine option 'max_num_sequences'"),
     ],
 )
@@ -132,6 +148,7 @@ _option_values = st.fixed_dictionaries(
         "ep": st.integers(1, 8),
         "seed": st.integers(0, 2**62),
         "model_name": st.text(min_size=1, max_size=8),
+        "freeze_gc": st.booleans(),
     },
 )
 
