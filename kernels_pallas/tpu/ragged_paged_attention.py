@@ -10,12 +10,14 @@ Design:
   are laid out ``[K, T * G, D]``; the ``G`` query heads of a kv head are processed together
   (``TQ * G`` rows), so every KV page a block needs is read once for the whole group.
   ``TQ * G`` is a multiple of 8 (the TPU sublane tile) for every ``G``: ``TQ`` is about
-  ``512 / G`` rounded to a multiple of ``8 / gcd(G, 8)`` (e.g. ``G = 4``: 128 tokens; ``G = 6``:
-  84 tokens, 504 rows), or the whole token count when that is smaller. Big blocks amortise each
-  KV step (its DMAs, the K/V tiles pushed through the MXU, the softmax bookkeeping) over many
-  query rows: a prefill chunk re-reads its KV ``T / TQ`` times, and the static schedule
-  (``scripts/kernel_cycles.py``, v5e, Llama-3-8B, a 2048-token chunk) went from 2.66e-05 to
-  1.95e-05 bundles per useful flop going from 128 rows x 512 keys to 512 rows x 1024 keys.
+  ``rows / G`` (:data:`RAGGED_BLOCKS` per chip: 1024 on v5e and v6e, else 128) rounded to a
+  multiple of ``8 / gcd(G, 8)`` (e.g. ``G = 4``: 256 tokens; ``G = 6``: 172 tokens, 1032
+  rows), or the whole token count when that is smaller. Big blocks amortise each KV step (its
+  DMAs, the K/V tiles pushed through the MXU, the softmax bookkeeping) over many query rows,
+  and a prefill chunk re-reads its context up to each block's last row, ``T / TQ`` blocks:
+  the static schedule (``scripts/kernel_cycles.py``, v5e, Llama-3-8B, a 2048-token chunk)
+  went from 2.66e-05 to 1.18e-05 bundles per useful flop from 128 rows x 512 keys to 1024 x
+  512, and the context read from 260 MiB to 36 MiB (RPA v3's, with its 256-token blocks).
   A served step's decode rows do not come here (the public op gives a batch's leading
   one-row sequences to the decode kernel), so the block size serves prefill.
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``kv_lens i32[B]``, ``cu_q_lens i32[B + 1]``,
@@ -119,15 +121,17 @@ class RaggedBlocks:
     headroom: int
 
 
-#: Tuned per ``device_kind`` from the static schedule (``scripts/kernel_cycles.py``, prefill of a
-#: 2048-token chunk, Llama-3-8B attention; bundles per useful flop): v5e 2.66e-05 -> 1.95e-05,
-#: v6e 2.12e-05 -> 1.58e-05 going from 128 x 512 to 512 x 1024 (1024 x 512 was no better than
-#: 512 x 512 on v5e; 512 x 1024 needs ~38 MiB of scoped VMEM). Any other chip (TPU7x's 64 MiB,
-#: v4, v5p, unknown) gets :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles (the
-#: TPU7x compile at 512 x 1024 did not finish in 15 minutes here).
+#: Tuned per ``device_kind`` from the static schedule (``scripts/kernel_cycles.py --fused
+#: --ragged-blocks``, a 2048-token chunk at ctx 2048, Llama-3-8B attention; bundles per useful
+#: flop and KV bytes read, 2026-12-05): 512 x 1024 gave v5e 1.165e-05 / v6e 8.58e-06 reading
+#: the context 68 MiB (128-token query blocks each re-read it up to their last row); 1024 x 512
+#: gives 1.178e-05 / 9.135e-06 and 36 MiB, RPA v3's bytes (its 256-token blocks), still under
+#: its 1.356e-05 / 9.901e-06. Both targets hold only at 1024 rows; 1024 x 1024 needs 64 MiB of
+#: scoped VMEM (over the 60 MiB cap). Any other chip (v4, v5p, unknown) gets
+#: :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles.
 RAGGED_BLOCKS = {
-    "TPU v5 lite": RaggedBlocks(rows=512, keys=1024, headroom=40 * _MIB),
-    "TPU v6 lite": RaggedBlocks(rows=512, keys=1024, headroom=40 * _MIB),
+    "TPU v5 lite": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
+    "TPU v6 lite": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
 }
 DEFAULT_RAGGED_BLOCKS = RaggedBlocks(rows=128, keys=512, headroom=16 * _MIB)
 
