@@ -227,7 +227,10 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
             kv = _abstract((t, a.kv_heads, a.head_dim), dtype, device)
             args = (*args, kv, kv, _abstract((t,), i32, device))
         jax.jit(ragged).trace(*args).lower().compile()
-        tq = rag.default_queries_per_block(t, a.heads // a.kv_heads, blocks.rows)
+        rows = blocks.rows  # the kernel's own rule when it has one (older builds: the table)
+        if hasattr(rag, "block_rows"):
+            rows = rag.block_rows(blocks, a.kv_heads, a.head_dim, jnp.dtype(a.dtype).itemsize)
+        tq = rag.default_queries_per_block(t, a.heads // a.kv_heads, rows)
         if case == "mixed":
             dec_lengths = [a.ctx] * a.batch + [0] * (min(t, nseq) - a.batch)
             out = [

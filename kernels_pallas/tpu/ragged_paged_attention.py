@@ -10,7 +10,7 @@ Design:
   are laid out ``[K, T * G, D]``; the ``G`` query heads of a kv head are processed together
   (``TQ * G`` rows), so every KV page a block needs is read once for the whole group.
   ``TQ * G`` is a multiple of 8 (the TPU sublane tile) for every ``G``: ``TQ`` is about
-  ``rows / G`` (:data:`RAGGED_BLOCKS` per chip: 1024 on v5e and v6e, else 128) rounded to a
+  ``rows / G`` (:data:`RAGGED_BLOCKS` per chip: 1024 on v5e, v6e and TPU7x, else 128) rounded to a
   multiple of ``8 / gcd(G, 8)`` (e.g. ``G = 4``: 256 tokens; ``G = 6``: 172 tokens, 1032
   rows), or the whole token count when that is smaller. Big blocks amortise each KV step (its
   DMAs, the K/V tiles pushed through the MXU, the softmax bookkeeping) over many query rows,
@@ -127,18 +127,34 @@ class RaggedBlocks:
 #: the context 68 MiB (128-token query blocks each re-read it up to their last row); 1024 x 512
 #: gives 1.178e-05 / 9.135e-06 and 36 MiB, RPA v3's bytes (its 256-token blocks), still under
 #: its 1.356e-05 / 9.901e-06. Both targets hold only at 1024 rows; 1024 x 1024 needs 64 MiB of
-#: scoped VMEM (over the 60 MiB cap). Any other chip (v4, v5p, unknown) gets
-#: :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles.
+#: scoped VMEM (over the 60 MiB cap). TPU7x (64 MiB of VMEM; RPA v3's default prefill blocks
+#: do not fit it): 1.359e-05 at 128 x 512 (the default rule), 9.408e-06 at 1024 x 512. Any other
+#: chip (v4, v5p, unknown) gets :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles.
 RAGGED_BLOCKS = {
     "TPU v5 lite": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
     "TPU v6 lite": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
+    "TPU7x": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
 }
 DEFAULT_RAGGED_BLOCKS = RaggedBlocks(rows=128, keys=512, headroom=16 * _MIB)
+
+
+#: VMEM a query block's rows may take (q and out blocks double-buffered, f32 accumulator,
+#: lane-dense softmax statistics, per kv head): Llama-3-8B's 1024 rows take 20 MiB. A model
+#: with more kv heads or a wider head dim gets fewer rows (:func:`block_rows`: head_dim 256 with
+#: 8 kv heads, 640), so no block holds more than Llama-3-8B's, whatever the table says.
+ROW_VMEM_BUDGET = 20 * _MIB
 
 
 def ragged_blocks(device_kind: str | None) -> RaggedBlocks:
     """The block sizes for a chip's ``device_kind`` (the table, else the default rule)."""
     return RAGGED_BLOCKS.get(device_kind or "", DEFAULT_RAGGED_BLOCKS)
+
+
+def block_rows(blocks: RaggedBlocks, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Query rows per block: ``blocks.rows``, fewer when their VMEM would pass
+    :data:`ROW_VMEM_BUDGET` (``itemsize``: the queries' bytes per element)."""
+    per_row = kv_heads * (4 * head_dim * itemsize + 4 * head_dim + 2 * 4 * 128)
+    return max(_SUBLANES, min(blocks.rows, ROW_VMEM_BUDGET // per_row // _SUBLANES * _SUBLANES))
 
 
 def masked_step_widths(pages: int, block_size: int, lane_aligned: bool = True) -> list[int]:
@@ -515,7 +531,8 @@ def ragged_paged_attention_tpu(
     p = pages_per_compute_block or default_pages_per_compute_block(
         s, m, blocks.keys, kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize
     )
-    tq = queries_per_block or default_queries_per_block(t, g, blocks.rows)
+    rows = block_rows(blocks, kh, d, q.dtype.itemsize)
+    tq = queries_per_block or default_queries_per_block(t, g, rows)
     if tq < t and (tq * g) % _SUBLANES and not interpret:
         raise ValueError(
             f"queries_per_block={tq} gives {tq * g} query rows per block (G={g}); it must be "
