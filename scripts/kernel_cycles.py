@@ -226,7 +226,8 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
         if a.fused:  # the new rows' K, V and slots: the ops' fused form (the RPA peer's too)
             kv = _abstract((t, a.kv_heads, a.head_dim), dtype, device)
             args = (*args, kv, kv, _abstract((t,), i32, device))
-        jax.jit(ragged).trace(*args).lower().compile()
+        # fused: the pages are donated, as the engine donates them (else XLA copies them all)
+        jax.jit(ragged, donate_argnums=(1,) if a.fused else ()).trace(*args).lower().compile()
         rows = blocks.rows  # the kernel's own rule when it has one (older builds: the table)
         if hasattr(rag, "block_rows"):
             rows = rag.block_rows(blocks, a.kv_heads, a.head_dim, jnp.dtype(a.dtype).itemsize)
