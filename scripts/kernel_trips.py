@@ -59,11 +59,11 @@ outermost loop of the kernel, so its trips are the grid size):
   before its first nested loop that start DMAs (the prologue: first sequence only) and after
   its last one (the epilogue: last sequence only) have weight 0; all other regions weight 1.
 
-KV bytes read (``kv_read_keys`` below, times ``K * 2 * D * itemsize`` per key): the keys each
-kernel brings into VMEM, page-rounded, whether from the pages or (fused write) from the step's
-new rows: the decode kernel ``ceil(ctx / S) * S`` per sequence; the ragged kernel, for every
-(query block, sequence with rows in it), the pages up to the block's last row
-(``end_page * S``); RPA v3, for every query block ``i`` of a sequence, its visible length
+KV bytes read (the ``*_read_keys`` functions below, times ``K * 2 * D * itemsize`` per key):
+the keys each kernel brings into VMEM, page-rounded, whether from the pages or (fused write)
+from the step's new rows: the decode kernel ``ceil(ctx / S) * S`` per sequence; the ragged
+kernel, for every (query block, sequence with rows in it), the pages up to the block's last
+row (``end_page * S``); RPA v3, for every query block ``i`` of a sequence, its visible length
 ``min(ctx, gap + (i + 1) * bq)`` page-rounded.
 """
 
