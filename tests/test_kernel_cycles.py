@@ -146,6 +146,26 @@ def test_program_cost_is_straight_code_plus_trips_and_skips_a_zero_trip_guard(du
     assert bd.iteration_cycles(root, lambda _: None) == 8  # 0x0-0x5 and 0x14-0x15
 
 
+def test_a_step_dma_region_holding_a_copy_loop_is_skipped_on_the_last_step():
+    # The fused decode kernel's next-step region: DMA starts plus the new row's vector copy
+    # loop (no MXU op). It runs on every step but the last, like the unfused kernel's.
+    copy = bd.Loop(12, 18)  # no MXU ops
+    next_step = bd.Region(10, 30, dma_start=True, loops=[copy])
+    unmasked, masked = bd.Region(30, 60), bd.Region(60, 100)
+    step = bd.Loop(0, 100, [copy], [next_step, unmasked, masked], mxu=True)
+    dmas, _, bodies, _ = kt._step_regions(step, finishes=False)
+    assert dmas == [next_step] and bodies == [unmasked, masked]
+    last = kt._step_weight(step, False, True, True, finishes=False)
+    other = kt._step_weight(step, False, False, True, finishes=False)
+    trips = lambda _: bd.iteration_cycles(copy, lambda _: None)  # noqa: E731
+    assert bd.iteration_cycles(step, trips, last) == 101 - 20 - 40
+    assert bd.iteration_cycles(step, trips, other) == 101 - 40
+    # a region whose loop holds MXU ops (an older kernel's head loop) is no DMA region
+    heads = bd.Loop(12, 18, mxu=True)
+    step = bd.Loop(0, 100, [heads], [bd.Region(10, 30, dma_start=True, loops=[heads])], True)
+    assert kt._step_regions(step, finishes=False)[0] == []
+
+
 def test_find_dumps_maps_kernel_names_to_final_bundles(tmp_path):
     for f in ("17-paxcache_ragged_paged_attention.1-72-final_bundles.txt",
               "17-paxcache_ragged_paged_attention.1-71-schedule-analysis_final_bundles.txt",
