@@ -64,6 +64,7 @@ CHIPS = {
 }
 CASES = ("decode", "prefill", "mixed")
 RPA_PAGES = 16384  # the peer's serving-sized cache
+CACHE_CAP_BYTES = 4 << 30  # paxcache's cache for one layer: at most 4 GiB (v5e has 16)
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -181,7 +182,11 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     m = _cdiv(a.ctx, a.page)
     # The page count is a runtime bound for these kernels, but a small cache lets XLA place it
     # in VMEM, which turns every page DMA into vector copy loops: use a serving-sized cache.
-    blocks = max(nseq * m + 1, RPA_PAGES)
+    # The tables are abstract (no page is addressed at compile time), so a batch whose pages
+    # would not fit a chip's HBM (256 x 32K tokens of Llama-3-8B: 32 GiB) shares a cache of
+    # at most CACHE_CAP_BYTES, as a served batch's sequences share one cache.
+    page_bytes = kv_bytes(a.page, a.kv_heads, a.head_dim, _itemsize(_kv_dtype(a)))
+    blocks = max(min(nseq * m + 1, CACHE_CAP_BYTES // page_bytes), RPA_PAGES)
     cache = paxcache_cache(kp, device, blocks, a)
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32

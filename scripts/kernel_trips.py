@@ -107,10 +107,14 @@ def _step_regions(loop: Loop, finishes: bool = True) -> tuple[list, list, list, 
     the larger). ``finishes``: the loop also finishes sequences (the ragged kernel): bodies
     only when there are more than two DMA-free regions, the others finish a sequence; the
     decode kernel's step loop (``finishes=False``) has the two bodies and nothing else.
-    A region holding loops is plain when none of them holds MXU ops: the fused write's
-    new-row copy (a vector load/store loop, ``kv_new`` being in VMEM) sits inside the next
-    step's DMA region, which still runs on every step but the last."""
-    plain = [r for r in loop.regions if not any(lp.mxu or _mxu_child(lp) for lp in r.loops)]
+    A region of DMA starts holding loops without MXU ops is plain too: the fused decode
+    kernel's new-row copy (a vector load/store loop, ``kv_new`` being in VMEM) sits inside
+    the next step's DMA region, which still runs on every step but the last."""
+
+    def plain_region(r: Region) -> bool:
+        return not r.loops or (r.dma_start and not any(lp.mxu or _mxu_child(lp) for lp in r.loops))
+
+    plain = [r for r in loop.regions if plain_region(r)]
     step = [r for r in plain if r.dma_start and not r.dma_wait]
     seq = [r for r in plain if r.dma_start and r.dma_wait]
     rest = [r for r in plain if not r.dma_start]

@@ -152,9 +152,11 @@ def test_a_step_dma_region_holding_a_copy_loop_is_skipped_on_the_last_step():
     copy = bd.Loop(12, 18)  # no MXU ops
     next_step = bd.Region(10, 30, dma_start=True, loops=[copy])
     unmasked, masked = bd.Region(30, 60), bd.Region(60, 100)
-    step = bd.Loop(0, 100, [copy], [next_step, unmasked, masked], mxu=True)
+    guard = bd.Region(0, 5, loops=[bd.Loop(0, 4)])  # a loop's guard (no DMA) is no body
+    step = bd.Loop(0, 100, [copy], [guard, next_step, unmasked, masked], mxu=True)
     dmas, _, bodies, _ = kt._step_regions(step, finishes=False)
     assert dmas == [next_step] and bodies == [unmasked, masked]
+    step.regions.remove(guard)
     last = kt._step_weight(step, False, True, True, finishes=False)
     other = kt._step_weight(step, False, False, True, finishes=False)
     trips = lambda _: bd.iteration_cycles(copy, lambda _: None)  # noqa: E731
