@@ -186,7 +186,8 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     # would not fit a chip's HBM (256 x 32K tokens of Llama-3-8B: 32 GiB) shares a cache of
     # at most CACHE_CAP_BYTES, as a served batch's sequences share one cache.
     page_bytes = kv_bytes(a.page, a.kv_heads, a.head_dim, _itemsize(_kv_dtype(a)))
-    blocks = max(min(nseq * m + 1, CACHE_CAP_BYTES // page_bytes), RPA_PAGES)
+    cap = CACHE_CAP_BYTES // page_bytes
+    blocks = min(max(nseq * m + 1, RPA_PAGES), cap)
     cache = paxcache_cache(kp, device, blocks, a)
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32
@@ -302,7 +303,11 @@ def _compile_rpa(case: str, a: argparse.Namespace, device: Any, generation: int)
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32
     chunk = a.chunk if case != "decode" else None
-    shape = rpa.get_kv_cache_shape(RPA_PAGES, a.page, a.kv_heads, a.head_dim, dtype)
+    # ~16K pages, within the same per-layer cap as paxcache's (16K pages of 64 tokens of a
+    # head_dim-256 model are 8 GiB, which with its copy overflows v5e's 16 GiB of HBM)
+    page_bytes = kv_bytes(a.page, a.kv_heads, a.head_dim, _itemsize(a.dtype))
+    pages = min(RPA_PAGES, CACHE_CAP_BYTES // page_bytes)
+    shape = rpa.get_kv_cache_shape(pages, a.page, a.kv_heads, a.head_dim, dtype)
     with jax.default_device(device):
         q = _abstract((t, a.heads, a.head_dim), dtype, device)
         kv = _abstract((t, a.kv_heads, a.head_dim), dtype, device)
@@ -516,6 +521,15 @@ def measure(target: str, case: str, a: argparse.Namespace) -> list[dict]:
 def _compile_verdict(err: str) -> str:
     """The compiler's one-line reason in a failed compile's output (e.g. VMEM exceeded)."""
     m = re.search(r"Ran out of memory in memory space \w+\. Used \S+ of \S+ \w+\.", err)
+    if m:
+        return m.group(0)
+    m = re.search(
+        r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\).*?space=(\w+)", err
+    )
+    if m:  # e.g. a block table prefetched whole into SMEM
+        need, have, space = int(m.group(1)), int(m.group(2)), m.group(3)
+        return f"{space} exceeded: {need / 2**20:.1f} MiB asked, {have / 2**20:.1f} MiB there"
+    m = re.search(r"Ran out of memory on HBM[^\n]*", err)
     return m.group(0) if m else ""
 
 

@@ -245,3 +245,16 @@ def test_kernel_cycles_end_to_end_v5e_decode(tmp_path):
     for row in rows:
         assert row["cycles_per_kib"] > 0 and 0 < row["hbm_ceiling"] <= 1
         assert 0 < row["mxu_ceiling"] <= 1
+
+
+def test_a_failed_compile_names_the_memory_it_overflowed():
+    smem = "Allocation (size=2097152) would exceed memory (size=1048576) :: #a [space=smem, size"
+    assert kc._compile_verdict(smem) == "smem exceeded: 2.0 MiB asked, 1.0 MiB there"
+    vmem = "x Ran out of memory in memory space vmem. Used 67.6M of 64.0M vmem. y"
+    assert (
+        kc._compile_verdict(vmem)
+        == "Ran out of memory in memory space vmem. Used 67.6M of 64.0M vmem."
+    )
+    hbm = "RESOURCE_EXHAUSTED: Ran out of memory on HBM, 16.00G of 15.75G\nTraceback"
+    assert kc._compile_verdict(hbm) == "Ran out of memory on HBM, 16.00G of 15.75G"
+    assert kc._compile_verdict("some other failure") == ""
