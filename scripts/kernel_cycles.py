@@ -64,7 +64,7 @@ CHIPS = {
 }
 CASES = ("decode", "prefill", "mixed")
 RPA_PAGES = 16384  # the peer's serving-sized cache
-CACHE_CAP_BYTES = 4 << 30  # paxcache's cache for one layer: at most 4 GiB (v5e has 16)
+CACHE_CAP_BYTES = 4 << 30  # either kernel's cache for one layer: at most 4 GiB (v5e has 16)
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -128,6 +128,11 @@ def _itemsize(dtype: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "float8_e4m3fn": 1}[dtype]
 
 
+def _cache_pages(a: argparse.Namespace, want: int, dtype: str) -> int:
+    """``want`` pages of a one-layer cache of ``dtype``, at most ``CACHE_CAP_BYTES`` of them."""
+    return min(want, CACHE_CAP_BYTES // kv_bytes(a.page, a.kv_heads, a.head_dim, _itemsize(dtype)))
+
+
 # --------------------------------------------------------------------------------------------
 # Compiling (child process: one target, one case, one kernel family)
 # --------------------------------------------------------------------------------------------
@@ -185,9 +190,7 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     # The tables are abstract (no page is addressed at compile time), so a batch whose pages
     # would not fit a chip's HBM (256 x 32K tokens of Llama-3-8B: 32 GiB) shares a cache of
     # at most CACHE_CAP_BYTES, as a served batch's sequences share one cache.
-    page_bytes = kv_bytes(a.page, a.kv_heads, a.head_dim, _itemsize(_kv_dtype(a)))
-    cap = CACHE_CAP_BYTES // page_bytes
-    blocks = min(max(nseq * m + 1, RPA_PAGES), cap)
+    blocks = _cache_pages(a, max(nseq * m + 1, RPA_PAGES), _kv_dtype(a))
     cache = paxcache_cache(kp, device, blocks, a)
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32
@@ -305,8 +308,7 @@ def _compile_rpa(case: str, a: argparse.Namespace, device: Any, generation: int)
     chunk = a.chunk if case != "decode" else None
     # ~16K pages, within the same per-layer cap as paxcache's (16K pages of 64 tokens of a
     # head_dim-256 model are 8 GiB, which with its copy overflows v5e's 16 GiB of HBM)
-    page_bytes = kv_bytes(a.page, a.kv_heads, a.head_dim, _itemsize(a.dtype))
-    pages = min(RPA_PAGES, CACHE_CAP_BYTES // page_bytes)
+    pages = _cache_pages(a, RPA_PAGES, a.dtype)
     shape = rpa.get_kv_cache_shape(pages, a.page, a.kv_heads, a.head_dim, dtype)
     with jax.default_device(device):
         q = _abstract((t, a.heads, a.head_dim), dtype, device)
