@@ -6,7 +6,7 @@ end and for every later push and flush."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from paxcache.models import ByteTokenizer, HFTokenizer, load_pretrained
@@ -83,13 +83,16 @@ def test_a_chunk_gives_the_text_of_one_by_one_pushes(tokenizers, which, chunks, 
     skip=st.booleans(),
     chunks=_chunks,
 )
+@example(which="bytes", skip=False, chunks=[[0xED, 0xA0]])  # a surrogate's lead: CPython holds it
 def test_the_byte_path_streams_a_prefix_of_the_full_decode_and_ends_with_it(
     tokenizers, which, skip, chunks
 ):
     """Byte-level tokenizers take the bytes path; after every chunk the text so far is a prefix
     of ``decode(all ids)`` (nothing emitted is ever wrong) that only an incomplete character's
     bytes (at most 3 ids here) separate from ``decode(ids so far)``, and the flush completes
-    it, special ids dropped or spelled as ``decode`` does."""
+    it, special ids dropped or spelled as ``decode`` does. Held bytes can decode to as many
+    U+FFFD as there are bytes: CPython's incremental decoder holds ``ED A0`` (a surrogate's
+    start, which ``surrogatepass`` would complete) where a whole decode gives two U+FFFD."""
     tok = tokenizers[which]
     dec = IncrementalDecoder(tok, skip_special_tokens=skip)
     assert dec.byte_level
@@ -101,7 +104,7 @@ def test_the_byte_path_streams_a_prefix_of_the_full_decode_and_ends_with_it(
         seen += chunk
         assert full.startswith(text)
         so_far = tok.decode(seen, skip_special_tokens=skip)
-        assert so_far.startswith(text) and len(so_far) - len(text) <= 1, (so_far, text)
+        assert so_far.startswith(text) and len(so_far) - len(text) <= 3, (so_far, text)
     assert text + dec.flush() == full
 
 
