@@ -41,7 +41,7 @@ RULES = (
     Rule("kernels_pallas imports nothing of paxcache", ("kernels_pallas",), ("paxcache",)),
     Rule(
         "the scheduler imports nothing of the engine or the server",
-        ("paxcache.scheduler",),
+        ("paxcache.scheduler", "paxcache.scheduler_checks"),
         ("paxcache.engine", "paxcache.server"),
     ),
     Rule(
