@@ -7,8 +7,9 @@ refused slot unchanged and the manager only commits a new state on success.
 
 Compilation: the jitted callables are module-level, so they are shared by every manager and
 cached per :class:`CacheConfig` (the config is static metadata of the state pytree). Prompts are
-padded to ``max_blocks_per_seq * block_size`` tokens and appended token ids to a power-of-two
-bucket, so steady-state calls never recompile.
+padded to ``max_blocks_per_seq * block_size`` tokens, admissions to a bucket of 1 or 8
+prompts (``ADMIT_BUCKETS``) and appended token ids to a power-of-two bucket, so steady-state
+calls never recompile.
 
 Slots: when every slot is taken, :meth:`BlockManager.allocate` and :meth:`BlockManager.fork`
 raise :class:`~paxcache.errors.NoFreeSlotError`, a subclass of
@@ -22,7 +23,8 @@ now and then, so the map stays bounded however many tenants come and go.
 
 Serving: the engine's scheduler (:mod:`paxcache.scheduler`) owns one manager and is its only
 caller. Admission allocates with ``commit=False`` (blocks become visible to prefix lookups once
-computed) and a ``reserve`` (blocks that must stay free for rows already planned);
+computed) and a ``reserve`` (blocks that must stay free for rows already planned), a step's
+queued prompts in one call (:meth:`BlockManager.allocate_many`);
 :meth:`BlockManager.swap_in` takes the same reserve. The fused device step runs the
 allocator's ``append`` and ``commit`` on :attr:`BlockManager.state` itself and hands the
 resulting state back through :meth:`BlockManager.adopt`. The manager may hold a state placed
@@ -36,7 +38,9 @@ import functools
 from collections.abc import Collection, Hashable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from paxcache import allocator
 from paxcache.allocator.state import SLOT_INFO
@@ -54,12 +58,45 @@ from paxcache.errors import (
 __all__ = ["BlockManager"]
 
 
+ADMIT_BUCKETS = (1, 8)
+"""Item counts one :meth:`BlockManager.allocate_many` call is padded to (a longer list is
+split): one compiled admission program per bucket and ``commit`` flag. A lone admission
+sends one prompt, as before batching; any other call eight, of which only the real ones run:
+padding costs its transfer only, and each bucket costs a compile as long as the allocator's
+(about 1.5 s on a CPU), so there are just two."""
+
+
 @functools.partial(jax.jit, static_argnames=("commit",))
-def _allocate(state, slot, token_ids, num_tokens, salt, *, commit):
-    """``allocator.allocate`` and the free block count after it: an admission reads both in
-    one transfer (the scheduler asks for the count next)."""
-    state, res = allocator.allocate(state, slot, token_ids, num_tokens, salt, commit=commit)
-    return state, res, allocator.num_free_blocks(state)
+def _allocate_many(state, slots, token_ids, num_tokens, salts, count, reserve, *, commit):
+    """Admits the first ``count`` items in order with ``allocator.allocate`` (``reserve``
+    folded into its refusal), stopping at the first it refuses.
+
+    Args: ``slots``, ``num_tokens``, ``salts``: i32[K]; ``token_ids``: i32[K, T]; ``count``,
+    ``reserve``: i32[]. Items from ``count`` on are padding and never run (the loop's trip
+    count is ``count`` at most, so padding costs only its transfer).
+
+    Returns:
+      ``(state, admitted i32[], cached i32[K], free i32[])``: the state after the admitted
+      prefix of the items, its length, each item's cached-token count (valid below
+      ``admitted``) and the free block count after (the scheduler asks for it next).
+    """
+    k = slots.shape[0]
+
+    def more(carry):
+        i, _, refused, _ = carry
+        return (i < count) & ~refused
+
+    def admit(carry):
+        i, st, _, cached = carry
+        st, res = allocator.allocate(
+            st, slots[i], token_ids[i], num_tokens[i], salts[i], commit=commit, reserve=reserve
+        )  # a refusal leaves ``st`` bitwise unchanged
+        return i + 1, st, ~res.ok, cached.at[i].set(res.num_cached_tokens)
+
+    zero = jnp.zeros((), jnp.int32)
+    init = (zero, state, jnp.zeros((), bool), jnp.zeros((k,), jnp.int32))
+    i, state, refused, cached = lax.while_loop(more, admit, init)
+    return state, i - refused.astype(jnp.int32), cached, allocator.num_free_blocks(state)
 
 
 _append = jax.jit(allocator.append, static_argnames=("commit",))
@@ -278,9 +315,11 @@ class BlockManager:
         """Compiles every program the serving calls use, by refused or empty calls (the state
         does not change)."""
         cfg, st = self._cfg, self._state
-        padded = np.zeros(cfg.max_model_len, np.int32)
         none = np.zeros(cfg.max_seqs, bool)
-        _allocate(st, np.int32(-1), padded, np.int32(1), np.int32(0), commit=False)
+        for k in ADMIT_BUCKETS:  # no item: the loop runs no iteration
+            ids = np.zeros(k, np.int32)
+            tokens = np.zeros((k, cfg.max_model_len), np.int32)
+            _allocate_many(st, ids, tokens, ids, ids, np.int32(0), np.int32(0), commit=False)
         _fork(st, np.int32(-1), np.int32(-1))
         _free(st, none)
         if cfg.num_host_blocks > 0:
@@ -292,18 +331,10 @@ class BlockManager:
 
     # -- operations -----------------------------------------------------------------------
 
-    def _salt_id(self, cache_salt: Hashable | None) -> int:
-        """The tenant id of ``cache_salt``, registering a new one (exact, never reused)."""
-        sid = self._peek_salt(cache_salt)
-        if cache_salt is not None and cache_salt not in self._salts:
-            if len(self._salts) >= self._salt_gc_at:
-                self._collect_salts()
-            self._salts[cache_salt] = sid
-            self._next_salt += 1
-        return sid
-
-    def _peek_salt(self, cache_salt: Hashable | None) -> int:
-        """The id ``cache_salt`` has or would get, registering nothing."""
+    def _peek_salt(self, cache_salt: Hashable | None, pending: dict[Hashable, int]) -> int:
+        """The id ``cache_salt`` has or would get, registering nothing in the manager.
+        ``pending``: the new salts of the items before it in one call, with the ids they get
+        (a new one is added)."""
         if cache_salt is None:
             return 0
         try:
@@ -314,9 +345,22 @@ class BlockManager:
             ) from None
         if sid is not None:
             return sid
-        if self._next_salt > np.iinfo(np.int32).max:
+        if cache_salt in pending:
+            return pending[cache_salt]
+        sid = self._next_salt + len(pending)  # new salts take the next ids in order
+        if sid > np.iinfo(np.int32).max:
             raise PaxcacheError("cache salt ids are exhausted (2**31 distinct salts); restart")
-        return self._next_salt
+        pending[cache_salt] = sid
+        return sid
+
+    def _register_salt(self, cache_salt: Hashable | None, sid: int) -> None:
+        """Records ``cache_salt``'s id ``sid`` (from :meth:`_peek_salt`; exact, never reused)."""
+        if cache_salt is None or cache_salt in self._salts:
+            return
+        if len(self._salts) >= self._salt_gc_at:
+            self._collect_salts()
+        self._salts[cache_salt] = sid
+        self._next_salt = max(self._next_salt, sid + 1)
 
     def _collect_salts(self) -> None:
         """Drops the salts whose id no block (cached or held) and no held slot carries: a
@@ -326,20 +370,40 @@ class BlockManager:
         self._salts = {k: v for k, v in self._salts.items() if v in in_use}
         self._salt_gc_at = max(_SALT_GC_THRESHOLD, 2 * len(self._salts))
 
-    def _new_slot(self, seq_id: Hashable) -> int:
+    def _check_new_id(self, seq_id: Hashable, also: Collection[Hashable] = ()) -> None:
+        """Raises unless ``seq_id`` is hashable and neither held nor among ``also``."""
         try:
             hash(seq_id)
         except TypeError:
             raise PaxcacheError(f"sequence id must be hashable, got {seq_id!r}") from None
-        if seq_id in self._slots:
+        if seq_id in self._slots or seq_id in also:
             raise DuplicateSequenceError(f"sequence id {seq_id!r} is already allocated")
-        if len(self._slots) >= self._cfg.max_seqs:
-            raise NoFreeSlotError(f"all {self._cfg.max_seqs} sequence slots are in use")
-        held = set(self._slots.values())
-        return next(i for i in range(self._cfg.max_seqs) if i not in held)  # lowest free
+
+    def _no_free_slot(self) -> NoFreeSlotError:
+        return NoFreeSlotError(f"all {self._cfg.max_seqs} sequence slots are in use")
+
+    def _new_slot(self, seq_id: Hashable) -> int:
+        self._check_new_id(seq_id)
+        free = self.free_slots
+        if not free:
+            raise self._no_free_slot()
+        return free[0]  # the lowest
 
     def _take_slot(self, seq_id: Hashable, slot: int) -> None:
         self._slots[seq_id] = slot
+
+    def _prompt(self, token_ids: TokenIds) -> np.ndarray:
+        """``token_ids`` as i32[n], checked to be an admissible prompt (1 to max_model_len)."""
+        ids = _as_ids(token_ids)
+        cfg = self._cfg
+        if ids.size == 0:
+            raise PaxcacheError("cannot allocate an empty prompt")
+        if ids.size > cfg.max_model_len:
+            raise SequenceTooLongError(
+                f"prompt of {ids.size} tokens exceeds max_model_len={cfg.max_model_len} "
+                f"(max_blocks_per_seq={cfg.max_blocks_per_seq} * block_size={cfg.block_size})"
+            )
+        return ids
 
     def allocate(
         self,
@@ -352,6 +416,8 @@ class BlockManager:
     ) -> int:
         """Admits a prompt; returns how many of its tokens were found in the prefix cache.
 
+        One item of :meth:`allocate_many`, raising when it is not admitted.
+
         Args:
             seq_id: new sequence id (any hashable).
             token_ids: the prompt token ids (1 to ``max_model_len`` of them).
@@ -363,41 +429,125 @@ class BlockManager:
 
         Raises:
             DuplicateSequenceError, NoFreeSlotError, SequenceTooLongError, OutOfBlocksError
-            (watermark and reserve included), PaxcacheError for an empty prompt or an
-            unhashable salt.
+            (watermark and reserve included), PaxcacheError for an empty prompt, an
+            unhashable salt or a negative reserve.
         """
-        ids = _as_ids(token_ids)
-        cfg = self._cfg
-        if ids.size == 0:
-            raise PaxcacheError("cannot allocate an empty prompt")
-        if ids.size > cfg.max_model_len:
-            raise SequenceTooLongError(
-                f"prompt of {ids.size} tokens exceeds max_model_len={cfg.max_model_len} "
-                f"(max_blocks_per_seq={cfg.max_blocks_per_seq} * block_size={cfg.block_size})"
+        got = self.allocate_many([(seq_id, token_ids, cache_salt)], commit=commit, reserve=reserve)
+        if not got:
+            cfg = self._cfg
+            raise OutOfBlocksError(
+                f"cannot allocate {seq_id!r} ({cfg.blocks_for(np.size(token_ids))} blocks, "
+                f"fewer with prefix hits): {self.num_free_blocks} free, {reserve} reserved, "
+                f"watermark {cfg.watermark_blocks}"
             )
-        slot = self._new_slot(seq_id)
-        salt = self._peek_salt(cache_salt)
-        padded = np.zeros(cfg.max_model_len, np.int32)
-        padded[: ids.size] = ids
-        state, res, free = _allocate(
-            self._state, np.int32(slot), padded, np.int32(ids.size), np.int32(salt), commit=commit
+        return got[0]
+
+    def allocate_many(
+        self,
+        items: Sequence[tuple[Hashable, TokenIds, Hashable | None]],
+        *,
+        commit: bool = False,
+        reserve: int = 0,
+    ) -> list[int]:
+        """Admits prompts in order, in one allocator call (one dispatch, one device read) per
+        ``ADMIT_BUCKETS[-1]`` items, and stops at the first that cannot be admitted.
+
+        Item ``i`` is admitted exactly as :meth:`allocate` would admit it right after the
+        items before it: the lowest free slot, its prefix-cache hits (with ``commit`` the
+        earlier items' full blocks among them), and refused when it does not get its blocks
+        with ``reserve`` plus the watermark still free after it. The first refused item and
+        every item after it are not attempted and change nothing.
+
+        Args:
+            items: ``(seq_id, token_ids, cache_salt)`` each: a new sequence id (any hashable),
+                its prompt (1 to ``max_model_len`` token ids, i32[n_i]) and tenant key (see
+                :meth:`allocate`; a new salt gets the same id in every item that has it).
+            commit: as in :meth:`allocate`; default False (the scheduler's admissions).
+            reserve: as in :meth:`allocate`, for every item.
+
+        Returns:
+            The prefix-cache hit (tokens) of each admitted item; the admitted items are the
+            first ``len(result)`` of ``items``.
+
+        Raises:
+            Before anything changes, for the first invalid item, what :meth:`allocate` raises
+            for it (PaxcacheError for an empty or non-integer prompt or an unhashable id or
+            salt, SequenceTooLongError, DuplicateSequenceError: also for an id repeated in
+            ``items``), NoFreeSlotError when ``items`` are more than the free slots, and
+            PaxcacheError for a negative ``reserve``.
+
+        Shapes: one call sends slots, lengths and salts as i32[K] and the prompts as
+        i32[K, max_model_len], ``K`` = 1 for one item and 8 for 2 to 8 (``ADMIT_BUCKETS``;
+        a longer list is split into calls of 8): two compiled programs per ``commit`` flag.
+        """
+        items = list(items)
+        if reserve < 0:
+            raise PaxcacheError(f"reserve must be >= 0, got {reserve}")
+        free = self.free_slots
+        prompts: list[np.ndarray] = []
+        new_ids: set[Hashable] = set()
+        pending: dict[Hashable, int] = {}
+        salts: list[int] = []
+        for i, (seq_id, token_ids, cache_salt) in enumerate(items):
+            prompts.append(self._prompt(token_ids))
+            self._check_new_id(seq_id, new_ids)
+            if i >= len(free):
+                raise self._no_free_slot()
+            new_ids.add(seq_id)
+            salts.append(self._peek_salt(cache_salt, pending))
+        cached: list[int] = []
+        cap = ADMIT_BUCKETS[-1]
+        for start in range(0, len(items), cap):
+            end = min(start + cap, len(items))
+            got = self._allocate_chunk(
+                prompts[start:end], free[start:end], salts[start:end], commit, reserve
+            )
+            for i in range(start, start + len(got)):
+                self._register_salt(items[i][2], salts[i])
+                self._take_slot(items[i][0], free[i])
+            cached += got
+            if len(got) < end - start:
+                break
+        return cached
+
+    def _allocate_chunk(
+        self,
+        prompts: list[np.ndarray],
+        slots: list[int],
+        salts: list[int],
+        commit: bool,
+        reserve: int,
+    ) -> list[int]:
+        """One :func:`_allocate_many` call for up to ``ADMIT_BUCKETS[-1]`` checked items;
+        adopts the state; returns the admitted prefix's cached-token counts."""
+        n = len(prompts)
+        k = next(b for b in ADMIT_BUCKETS if b >= n)
+        tokens = np.zeros((k, self._cfg.max_model_len), np.int32)
+        lens = np.zeros(k, np.int32)
+        for j, ids in enumerate(prompts):
+            tokens[j, : ids.size] = ids
+            lens[j] = ids.size
+        slot_arr = np.full(k, -1, np.int32)
+        slot_arr[:n] = slots
+        salt_arr = np.zeros(k, np.int32)
+        salt_arr[:n] = salts
+        state, admitted, cached, num_free = _allocate_many(
+            self._state,
+            slot_arr,
+            tokens,
+            lens,
+            salt_arr,
+            np.int32(n),
+            np.int32(reserve),
+            commit=commit,
         )
-        read = jax.device_get((res.ok, res.num_cached_tokens, free))  # one transfer
-        ok, cached, num_free = (int(x) for x in read)
-        if not ok:
-            raise OutOfBlocksError(
-                f"cannot allocate {cfg.blocks_for(ids.size)} blocks for {seq_id!r}: "
-                f"{self.num_free_blocks} free, watermark {cfg.watermark_blocks}"
-            )
-        if reserve > 0 and num_free < reserve + cfg.watermark_blocks:
-            raise OutOfBlocksError(
-                f"allocating {seq_id!r} would leave {num_free} free blocks, fewer than the "
-                f"{reserve} reserved plus the watermark {cfg.watermark_blocks}"
-            )
-        self._salt_id(cache_salt)  # registers a new salt (its id is ``salt``)
-        self._set_state(state, num_free)
-        self._take_slot(seq_id, slot)
-        return int(cached)
+        admitted, cached, num_free = jax.device_get((admitted, cached, num_free))  # one read
+        admitted = int(admitted)
+        if admitted:
+            self._set_state(state, int(num_free))
+        else:  # refused: ``state`` is the old one, bitwise; keep it (and the count read)
+            self._num_free_cache = int(num_free)
+        return [int(c) for c in cached[:admitted]]
 
     def append(
         self, seq_id: Hashable, token_ids: TokenIds | int, *, commit: bool = True

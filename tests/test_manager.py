@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import chex
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paxcache import BlockManager, CacheConfig, errors
 
@@ -257,3 +259,113 @@ def test_free_many_equals_freeing_one_by_one_and_refuses_bad_ids_whole(bm):
     assert_ok(bm)
     bm.free_many([])  # nothing to free: nothing changes
     assert bm.num_free_blocks == one.num_free_blocks
+
+
+# -- admitting several prompts in one call -------------------------------------------------
+
+MANY = CacheConfig(num_blocks=16, block_size=4, max_seqs=10, max_blocks_per_seq=6, watermark=0.1)
+TEXTS = (prompt(24, 1), prompt(8, 1) + prompt(16, 50), prompt(24, 200))  # two share a block
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.lists(  # items: prompt length, text, salt
+                st.tuples(
+                    st.integers(1, 20),
+                    st.integers(0, 2),
+                    st.sampled_from([None, None, "a", "b", ("t", 1)]),
+                ),
+                min_size=1,
+                max_size=10,
+            ),
+            st.integers(0, 4),  # reserve
+            st.booleans(),  # commit
+            st.integers(0, 2**10 - 1),  # which held sequences to free afterwards
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_allocate_many_equals_allocate_one_by_one_until_the_first_refusal(rounds):
+    """Batches of up to 10 prompts (two calls past 8) with repeated prompts (prefix hits,
+    within a call too when ``commit``), tenants, a watermark and reserves, on 16 blocks:
+    ``allocate_many`` returns the cached counts ``allocate`` returns item by item up to its
+    first OutOfBlocksError, and leaves the same block state, slots and salt ids."""
+    batch, one = BlockManager(MANY), BlockManager(MANY)
+    n = 0
+    for specs, reserve, commit, to_free in rounds:
+        items = [
+            (f"s{n + i}", TEXTS[text][:length], salt)
+            for i, (length, text, salt) in enumerate(specs[: batch.num_free_slots])
+        ]
+        n += len(items)
+        got = batch.allocate_many(items, commit=commit, reserve=reserve)
+        want = []
+        for seq_id, ids, salt in items:
+            try:
+                want.append(one.allocate(seq_id, ids, salt, commit=commit, reserve=reserve))
+            except errors.OutOfBlocksError:
+                break
+        assert got == want
+        chex.assert_trees_all_equal(batch.state, one.state)
+        assert batch._slots == one._slots and batch._salts == one._salts
+        assert batch.num_free_blocks == one.num_free_blocks
+        assert_ok(batch)
+        for bm in (batch, one):  # the prompts computed: later lookups hit them
+            bm.commit({seq_id: len(ids) for seq_id, ids, _ in items[: len(got)]})
+            bm.free_many([s for j, s in enumerate(sorted(bm._slots)) if to_free >> j & 1])
+
+
+def test_allocate_many_with_an_invalid_item_raises_what_allocate_raises_and_changes_nothing():
+    bm = BlockManager(MANY)
+    bm.allocate("held", prompt(6), cache_salt="old")
+    snap, salts = snapshot(bm), (dict(bm._salts), bm._next_salt)
+    good = [("a", prompt(5), "new"), ("b", prompt(9, 300), None)]
+    too_many = [(f"x{i}", [i + 1], None) for i in range(MANY.max_seqs)]  # one slot is held
+    cases = [
+        ([*good, ("a", prompt(3), None)], errors.DuplicateSequenceError),  # twice in the call
+        ([*good, ("held", prompt(3), None)], errors.DuplicateSequenceError),
+        ([*good, ("c", [], None)], errors.PaxcacheError),
+        ([*good, ("c", [[1, 2]], None)], errors.PaxcacheError),
+        ([*good, ("c", prompt(MANY.max_model_len + 1), None)], errors.SequenceTooLongError),
+        ([*good, (["unhashable"], prompt(3), None)], errors.PaxcacheError),
+        ([*good, ("c", prompt(3), ["unhashable"])], errors.PaxcacheError),
+        (too_many, errors.NoFreeSlotError),
+    ]
+    for items, error in cases:
+        with pytest.raises(errors.PaxcacheError) as raised:
+            bm.allocate_many(items)
+        assert type(raised.value) is error, items
+        if items is not too_many and items[-1][0] != "a":  # allocate raises it for the item
+            with pytest.raises(error):
+                bm.allocate(*items[-1])
+        assert_unchanged(bm, snap)
+        assert (dict(bm._salts), bm._next_salt) == salts
+    with pytest.raises(errors.PaxcacheError, match="reserve"):
+        bm.allocate_many(good, reserve=-1)
+    assert bm.allocate_many([]) == []
+    assert_unchanged(bm, snap)
+
+
+def test_a_new_salt_repeated_in_one_call_is_one_tenant_and_two_new_salts_are_two():
+    bm = BlockManager(MANY)
+    items = [("a", prompt(10), "x"), ("b", prompt(10), "y"), ("c", prompt(10), "x")]
+    assert bm.allocate_many([*items, ("d", prompt(10), None)], commit=True) == [0, 0, 8, 0]
+    assert bm._salts == {"x": 1, "y": 2}
+    assert_ok(bm)
+
+
+def test_a_reserve_refuses_an_admission_that_would_leave_fewer_blocks_free():
+    bm = BlockManager(MANY)  # 16 blocks, watermark 1
+    bm.allocate("a", prompt(20))  # 5 blocks: 11 free
+    snap = snapshot(bm)
+    with pytest.raises(errors.OutOfBlocksError, match="6 reserved"):
+        bm.allocate("b", prompt(20, 300), reserve=6)  # would leave 6 < 6 + 1
+    assert_unchanged(bm, snap)
+    # "b" leaves 6 free (5 reserved + the watermark); "c" would leave 5: refused, and "d" after
+    # it is not tried although a hit would make it take no block.
+    items = [("b", prompt(20, 300), None), ("c", [1], None), ("d", prompt(5), None)]
+    assert bm.allocate_many(items, reserve=5) == [0]
+    assert bm.num_free_blocks == 6 and "c" not in bm and "d" not in bm

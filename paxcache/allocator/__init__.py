@@ -27,7 +27,8 @@ Conventions
   :func:`swap_out` / :func:`swap_in` use the strict form ``ok = cumsum(need) <= available``.
   ``available`` is free + evictable blocks for :func:`append` (no watermark, as vLLM's
   append), free + evictable - watermark for :func:`swap_in`, free host blocks for
-  :func:`swap_out`; :func:`allocate` needs ``free + evictable - cost >= watermark``.
+  :func:`swap_out`; :func:`allocate` needs ``free + evictable - cost >= watermark + reserve``
+  (``reserve``: its argument, default 0).
 * **Copy-on-write.** In :func:`append`, a slot that writes into its last, partially filled
   block while that block's ref count is > 1 gets a fresh block, its table points to it, the
   shared block's ref count drops by one and ``(src, dst)`` is reported. When several slots

@@ -55,6 +55,7 @@ def allocate(
     salt: jax.Array | int = 0,
     *,
     commit: bool = True,
+    reserve: jax.Array | int = 0,
 ) -> tuple[BlockState, AllocateResult]:
     """Admits a prompt of ``num_tokens`` tokens into the empty ``slot``.
 
@@ -67,12 +68,14 @@ def allocate(
         salt: i32[] cache salt (tenant id): prompts with different salts never share blocks.
         commit: static. True: the prompt's full blocks are visible to later lookups at once.
             False: only once :func:`commit` says they are computed.
+        reserve: i32[] blocks that must stay free on top of the watermark (may be traced;
+            negative counts as 0): the blocks the scheduler promised to this step's rows.
 
     Returns:
         ``(state, AllocateResult)``. Refused (``ok=False``, state bitwise unchanged) when the
         slot is out of range or taken, ``num_tokens`` is out of range, or the free blocks
         minus the blocks needed (fresh blocks plus revived evictable hits) would fall below
-        ``cfg.watermark_blocks``.
+        ``cfg.watermark_blocks + reserve``.
     """
     cfg = state.cfg
     n, s, b, m = cfg.num_blocks, cfg.block_size, cfg.max_seqs, cfg.max_blocks_per_seq
@@ -105,7 +108,8 @@ def allocate(
     num_revived = jnp.sum(revived.astype(I32))
     needed = nblk - num_hit
     avail_after = num_free_blocks(state) - num_revived - needed
-    ok = valid & (avail_after >= cfg.watermark_blocks) & (avail_after >= 0)
+    floor = cfg.watermark_blocks + jnp.maximum(i32(reserve), 0)
+    ok = valid & (avail_after >= floor) & (avail_after >= 0)
 
     # Every update below is masked by `ok` (scatters go out of bounds and are dropped), so a
     # refused call returns the old state bitwise without an O(state) select.
