@@ -368,7 +368,7 @@ class Scheduler:
             self._release([seq])
             seq.num_computed = seq.num_allocated = 0
             seq.shared_last = False
-            while not self._admit([seq], reserve=0):
+            while not self._admit([[seq]], reserve=0):
                 newest = max(self.running, key=lambda s: s.age)
                 if newest is not seq:
                     self._preempt(self._unit_of(newest), plan)
@@ -485,72 +485,122 @@ class Scheduler:
         return rows, preempted
 
     def _resume(self, rows: list[tuple[Sequence, int]], budget: int, plan: StepPlan) -> None:
-        """R4-R6: resumes or admits queued units, oldest first, each with a row this step."""
-        bm = self.block_manager
-        while budget > 0:
-            unit = self._queue_head()
-            if unit is None:
-                return
-            if len(self.running) + len(unit) > self.max_num_seqs:
-                return
-            if self.running and any(s.preempted_at >= self.num_departures for s in unit):
-                return  # R5: no departure since it was preempted
-            lead = unit[0]
-            reserve = self.blocks_needed(rows)  # R6
-            if lead.state == SeqState.SWAPPED:
-                own = self.blocks_needed([(lead, 1)])  # its decode may start a new block
-                try:
-                    pairs = bm.swap_in(lead, reserve=reserve + own)
-                except OutOfBlocksError:
+        """R4-R6: resumes or admits queued units, oldest first, each with a row this step.
+
+        A swapped unit comes back alone; waiting units are admitted a run at a time, one
+        allocator call per run (:meth:`_waiting_run`), with the decisions of admitting them
+        one by one: a unit of a run is admitted iff it would have been, after the ones before
+        it."""
+        while budget > 0 and self.queued:
+            unit = self.queued[0]
+            if unit[0].state == SeqState.SWAPPED:
+                if not self._may_resume(unit, len(self.running)) or not self._swap_in(
+                    unit[0], rows, plan
+                ):
                     return
-                self.queued.popleft()
-                plan.swap_in += pairs
-                plan.swapped_in.append(lead)
-                self.num_swapped_in_seqs += 1
-                self.num_swapped_in_blocks += len(pairs)
-            else:
-                # The prompt (or history) is allocated whole at admission: its first chunk
-                # takes no further block.
-                if bm.num_free_slots < len(unit) or not self._admit(unit, reserve):
-                    return
-                self.queued.popleft()
-                plan.admitted += unit
+                budget = self._start([unit], rows, budget)
+                continue
+            run = self._waiting_run(budget)
+            if not run:
+                return
+            # R6. The run's own rows take no block (a history is allocated whole at
+            # admission, so a first row only computes what it holds: ``blocks_needed`` counts
+            # 0 for it): each unit of the run reserves what the units before it would.
+            admitted = self._admit(run, self.blocks_needed(rows))
+            for _ in admitted:
+                plan.admitted += self.queued.popleft()
+            budget = self._start(admitted, rows, budget)
+            if len(admitted) < len(run):
+                return
+
+    def _may_resume(self, unit: list[Sequence], running: int) -> bool:
+        """Whether ``unit`` may join ``running`` running sequences: within ``max_num_seqs``,
+        and not before a departure since its preemption (R5; with nothing running one has
+        happened)."""
+        if running + len(unit) > self.max_num_seqs:
+            return False
+        return not running or all(s.preempted_at < self.num_departures for s in unit)
+
+    def _waiting_run(self, budget: int) -> list[list[Sequence]]:
+        """The waiting units at the queue's head that :meth:`_resume` would try to admit one
+        after the other if each before it were admitted with no prefix hit: a unit is tried
+        while budget is left, and a hit only leaves more (a row feeds what its unit does not
+        hold yet). A unit with followers ends the run: they fork into the next free slots
+        before a later unit takes one (the slots stay those of one-by-one admissions)."""
+        run: list[list[Sequence]] = []
+        running, slots = len(self.running), self.block_manager.num_free_slots
+        for unit in self.queued:
+            if budget <= 0 or unit[0].state == SeqState.SWAPPED or slots < len(unit):
+                break
+            if not self._may_resume(unit, running):
+                break
+            run.append(unit)
+            running, slots = running + len(unit), slots - len(unit)
+            budget -= min(len(unit[0].token_ids), budget)
+            if len(unit) > 1:
+                break
+        return run
+
+    def _swap_in(self, lead: Sequence, rows: list[tuple[Sequence, int]], plan: StepPlan) -> bool:
+        """Brings the swapped ``lead`` at the queue's head back (R6: leaving the planned rows'
+        blocks and its own decode's free); False, changing nothing, when it does not fit."""
+        own = self.blocks_needed([(lead, 1)])  # its decode may start a new block
+        try:
+            pairs = self.block_manager.swap_in(lead, reserve=self.blocks_needed(rows) + own)
+        except OutOfBlocksError:
+            return False
+        self.queued.popleft()
+        plan.swap_in += pairs
+        plan.swapped_in.append(lead)
+        self.num_swapped_in_seqs += 1
+        self.num_swapped_in_blocks += len(pairs)
+        return True
+
+    def _start(
+        self, units: list[list[Sequence]], rows: list[tuple[Sequence, int]], budget: int
+    ) -> int:
+        """Runs resumed ``units``, each lead with a row of what the budget leaves; returns the
+        budget left."""
+        for unit in units:
             for s in unit:
                 s.state = SeqState.RUNNING
                 self.running.append(s)
+            lead = unit[0]
             q = min(lead.remaining, budget)
             rows.append((lead, q))
             budget -= q
+        return budget
 
-    def _admit(self, unit: list[Sequence], reserve: int) -> bool:
-        """Allocates a unit's history (blocks visible to lookups once computed) and forks its
-        followers from it; refused (nothing changes) unless ``reserve`` blocks plus the
-        watermark stay free."""
+    def _admit(self, units: list[list[Sequence]], reserve: int) -> list[list[Sequence]]:
+        """Allocates each unit's history (blocks visible to lookups once computed), in order
+        and in one allocator call, and forks its followers from it; stops at the first unit
+        refused because ``reserve`` blocks plus the watermark would not stay free after it.
+        Only the last unit may have followers (they fork after the call). Returns the
+        admitted units, a prefix of ``units``."""
         bm = self.block_manager
-        lead = unit[0]
         limit = self.rope_switch_len
-        long = limit is not None and len(lead.token_ids) > limit
+        longs = [limit is not None and len(u[0].token_ids) > limit for u in units]
         # Blocks computed with longrope's long factors never serve a short sequence's prefix,
         # nor the other way round: their keys differ.
-        salt = (_LONG_ROPE_SALT, lead.cache_salt) if long else lead.cache_salt
-        try:
-            cached = bm.allocate(
-                lead, lead.token_ids, cache_salt=salt, commit=False, reserve=reserve
-            )
-        except OutOfBlocksError:
-            return False
-        for s in unit:
-            s.rope_long = long
-        if lead.num_cached_tokens is None:
-            lead.num_cached_tokens = cached
-        n = len(lead.token_ids)
-        lead.num_computed, lead.num_allocated = cached, n
-        lead.shared_last = len(unit) > 1
-        for f in unit[1:]:
-            bm.fork(lead, f)  # cannot fail: the slots were counted
-            f.num_computed, f.num_allocated = cached, n
-            f.shared_last = True
-        return True
+        items = [
+            (u[0], u[0].token_ids, (_LONG_ROPE_SALT, u[0].cache_salt) if long else u[0].cache_salt)
+            for u, long in zip(units, longs, strict=True)
+        ]
+        cached = bm.allocate_many(items, commit=False, reserve=reserve)
+        for unit, long, hit in zip(units, longs, cached, strict=False):  # the admitted ones
+            lead = unit[0]
+            for s in unit:
+                s.rope_long = long
+            if lead.num_cached_tokens is None:
+                lead.num_cached_tokens = hit
+            n = len(lead.token_ids)
+            lead.num_computed, lead.num_allocated = hit, n
+            lead.shared_last = len(unit) > 1
+            for f in unit[1:]:
+                bm.fork(lead, f)  # cannot fail: the slots were counted
+                f.num_computed, f.num_allocated = hit, n
+                f.shared_last = True
+        return units[: len(cached)]
 
     # -- after the step -------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paxcache import BlockManager, CacheConfig, SamplingParams, allocator
+from paxcache import BlockManager, CacheConfig, SamplingParams, allocator, errors, manager
 from paxcache.outputs import INTERNAL_ERROR, OutputProcessor
 from paxcache.scheduler import Scheduler, SeqState, StepPlan, StepResult
 from paxcache.sequence import new_request
@@ -27,7 +27,13 @@ _num_free = jax.jit(allocator.num_free_blocks)
 
 
 def _scheduler(
-    num_blocks=16, host_blocks=0, budget=32, max_seqs=4, mode="recompute", rope_switch_len=None
+    num_blocks=16,
+    host_blocks=0,
+    budget=32,
+    max_seqs=4,
+    mode="recompute",
+    rope_switch_len=None,
+    cls=Scheduler,
 ):
     cfg = CacheConfig(
         num_blocks=num_blocks,
@@ -37,7 +43,7 @@ def _scheduler(
         num_host_blocks=host_blocks,
         watermark=0.0,
     )
-    return Scheduler(
+    return cls(
         BlockManager(cfg),
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
@@ -249,3 +255,149 @@ def test_random_workloads_recompute_sequences_that_outgrow_the_rope_switch(
     fine = [s for s in seqs if s.finish_reason != "error"]
     assert all(s.num_generated == s.params.max_tokens for s in fine)
     assert sched.num_rope_recomputes <= crossings
+
+
+class _OneByOne(Scheduler):
+    """The oracle: ``Scheduler._resume`` as it was before admissions were batched (one
+    allocator call per unit, its reserve computed just before it), kept here only to prove
+    the batched one decides the same."""
+
+    def _resume(self, rows, budget, plan):
+        bm = self.block_manager
+        while budget > 0:
+            unit = self._queue_head()
+            if unit is None:
+                return
+            if len(self.running) + len(unit) > self.max_num_seqs:
+                return
+            if self.running and any(s.preempted_at >= self.num_departures for s in unit):
+                return
+            lead = unit[0]
+            reserve = self.blocks_needed(rows)
+            if lead.state == SeqState.SWAPPED:
+                own = self.blocks_needed([(lead, 1)])
+                try:
+                    pairs = bm.swap_in(lead, reserve=reserve + own)
+                except errors.OutOfBlocksError:
+                    return
+                self.queued.popleft()
+                plan.swap_in += pairs
+                plan.swapped_in.append(lead)
+                self.num_swapped_in_seqs += 1
+                self.num_swapped_in_blocks += len(pairs)
+            else:
+                if bm.num_free_slots < len(unit) or not self._admit([unit], reserve):
+                    return
+                self.queued.popleft()
+                plan.admitted += unit
+            for s in unit:
+                s.state = SeqState.RUNNING
+                self.running.append(s)
+            q = min(lead.remaining, budget)
+            rows.append((lead, q))
+            budget -= q
+
+
+def _summary(plan: StepPlan) -> tuple:
+    def names(seqs):
+        return [(s.request_id, s.index) for s in seqs]
+
+    return (
+        [(s.request_id, s.index, q) for s, q in plan.rows],
+        plan.slots,
+        [(s.request_id, s.index, row) for s, row in plan.samples],
+        names(plan.admitted),
+        names(plan.preempted),
+        names(plan.swapped_out),
+        names(plan.swapped_in),
+        names(plan.failed),
+        plan.swap_out,
+        plan.swap_in,
+    )
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.sampled_from([0, 0, 2, 5]),  # the step it arrives at
+            st.integers(1, 18),  # prompt tokens, cut from one of two texts (prefix hits)
+            st.integers(0, 1),
+            st.integers(1, 6),  # max_tokens
+            st.sampled_from([1, 1, 2, 3]),  # n
+            st.sampled_from([None, None, "tenant"]),
+        ),
+        min_size=2,
+        max_size=12,
+    ),
+    budget=st.sampled_from([6, 16, 48]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    rope_switch_len=st.sampled_from([None, 10]),
+)
+def test_batched_admission_plans_exactly_what_one_by_one_admission_plans(
+    requests, budget, mode, rope_switch_len
+):
+    """Random workloads under tight memory (10 blocks of 4, the configuration of the longrope
+    test above: its compiled programs serve; prefix hits, n > 1, both preemption modes,
+    longrope's salt): the scheduler that admits a run of queued units in one allocator call
+    and the one-by-one oracle make the same plan every step (rows, slots, samples,
+    admissions, preemptions, swaps, failures) and leave the same block state, bit for bit."""
+    texts = [list(range(1, 40)), list(range(1, 9)) + list(range(100, 131))]
+    scheds = [
+        _scheduler(10, 16, budget, mode=mode, rope_switch_len=rope_switch_len, cls=cls)
+        for cls in (Scheduler, _OneByOne)
+    ]
+    for step in range(300):
+        for i, (at, n_prompt, text, max_tokens, n, salt) in enumerate(requests):
+            if at == step:
+                params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
+                for sched in scheds:
+                    sched.add(
+                        new_request(
+                            f"r{i}",
+                            texts[text][:n_prompt],
+                            params,
+                            seed=0,
+                            cache_salt=salt,
+                            make_decoder=_Decoder,
+                        )
+                    )
+        if step > max(at for at, *_ in requests) and not scheds[0].has_work():
+            break
+        plans = [sched.schedule() for sched in scheds]
+        assert _summary(plans[0]) == _summary(plans[1]), f"step {step}"
+        jax.tree.map(
+            np.testing.assert_array_equal, *(sched.block_manager.state for sched in scheds)
+        )
+        for sched, plan in zip(scheds, plans, strict=True):
+            if plan.rows:
+                sched.postprocess(plan, _fake_step(sched, plan))
+        assert all(scheds[0].check_invariants().values())
+    else:
+        raise AssertionError("work left")
+    assert not scheds[1].has_work()
+
+
+@pytest.mark.parametrize("num_blocks,admitted", [(32, 5), (7, 3)])
+def test_a_steps_admissions_make_one_allocator_call(monkeypatch, num_blocks, admitted):
+    """Five queued requests of two blocks each, in one step: one allocator dispatch (and one
+    read) admits all of them, or, when only three fit, the three oldest, and the refused
+    fourth is not tried again; the one-by-one oracle makes a call per admission and one for
+    the refusal."""
+    calls = []
+    real = manager._allocate_many
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "_allocate_many", counted)
+    oracle = [1] * min(5, admitted + 1)
+    for cls, expected in ((Scheduler, [8]), (_OneByOne, oracle)):
+        sched = _scheduler(num_blocks=num_blocks, budget=64, max_seqs=6, cls=cls)
+        for i in range(5):
+            _add(sched, f"r{i}", 6, start=10 * i)
+        calls.clear()
+        plan = sched.schedule()
+        assert len(plan.admitted) == len(plan.rows) == admitted
+        assert calls == expected
