@@ -320,7 +320,8 @@ def paged_attention_pages(
 
         return paged_attention_tpu(
             q, kv, lengths, tables, layer=layer, interpret=interpret, sinks=_one(sink),
-            kv_scales=_tpu_scales(kv, ks, vs), **kw,
+            kv_scales=_tpu_scales(kv, ks, vs),
+            device_kind=getattr(_dispatch.target_device(), "device_kind", None), **kw,
         )  # fmt: skip
 
     def gpu(q, kv, lengths, tables, layer, ks, vs):
@@ -496,11 +497,12 @@ def ragged_paged_attention_pages(
 
         sink, new = (rest[:-2], tuple(rest[-2:])) if fused else (rest, None)
         kw_tpu = dict(kw, sinks=_one(sink), kv_scales=_tpu_scales(kv, ks, vs))
+        device_kind = getattr(_dispatch.target_device(), "device_kind", None)
         if max_q_len == 1:
             return routing.decode_rows(
-                q, kv, kv_lens, tables, n, layer, interpret, kw_tpu, new, unique_slots
-            )
-        device_kind = getattr(_dispatch.target_device(), "device_kind", None)
+                q, kv, kv_lens, tables, n, layer, interpret, kw_tpu, new, unique_slots,
+                device_kind,
+            )  # fmt: skip
         return routing.mixed_rows(
             q, kv, kv_lens, tables, cu, n, layer, interpret, kw_tpu, device_kind, new, unique_slots
         )

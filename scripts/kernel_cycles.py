@@ -199,7 +199,12 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     blocks = rag.ragged_blocks(device.device_kind)  # the op's choice for this chip
     pages = default_pages_per_compute_block(a.page, m, blocks.keys, **sizes)
     if hasattr(dec, "decode_pages_per_step"):
-        dec_pages = dec.decode_pages_per_step(a.page, m, **sizes)
+        try:  # the chip's budget (older builds: one budget for every chip)
+            dec_pages = dec.decode_pages_per_step(
+                a.page, m, **sizes, device_kind=device.device_kind
+            )
+        except TypeError:
+            dec_pages = dec.decode_pages_per_step(a.page, m, **sizes)
     else:
         dec_pages = default_pages_per_compute_block(a.page, m, 128, **sizes)
     meta = dict(page=a.page, kv_heads=a.kv_heads, max_blocks=m, pages_per_step=pages)

@@ -1,4 +1,5 @@
-"""The TPU ragged kernel's block sizes per chip (no libtpu needed: the rule only)."""
+"""The TPU kernels' block sizes per chip: the ragged kernel's query rows, the decode kernel's
+pages per step (no libtpu needed: the rules only)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,49 @@ def test_block_rows_keep_every_query_block_within_the_row_budget(kv_heads, head_
     assert rows * per_row <= rag.ROW_VMEM_BUDGET or rows == 8
     assert rows == blocks.rows or (rows + 8) * per_row > rag.ROW_VMEM_BUDGET
     assert rag.block_rows(blocks, 8, 128, 2) == 1024  # Llama-3-8B: the table's own
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    kv_heads=hypothesis.strategies.integers(1, 32),
+    head_dim=hypothesis.strategies.sampled_from([64, 128, 256]),
+    itemsize=hypothesis.strategies.sampled_from([1, 2, 4]),
+    page=hypothesis.strategies.sampled_from([8, 16, 32, 64, 128]),
+    device_kind=hypothesis.strategies.sampled_from(
+        ["TPU v5 lite", "TPU v6 lite", "TPU7x", "TPU v4", None]
+    ),
+)
+def test_decode_steps_take_up_to_2048_keys_within_the_chips_budget(
+    kv_heads, head_dim, itemsize, page, device_kind
+):
+    """The decode kernel's pages per step: ~2048 keys, as many as two slots of them fit the
+    chip's KV budget (32 MiB where VMEM is 64 MiB or more, else 16 MiB), at least one page."""
+    from kernels_pallas.tpu import _attention_common as common
+    from kernels_pallas.tpu import paged_attention as dec
+
+    max_blocks = 32768 // page
+    pages = dec.decode_pages_per_step(
+        page, max_blocks, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
+        device_kind=device_kind,
+    )  # fmt: skip
+    budget = dec.decode_kv_vmem_budget(device_kind)
+    assert budget == (32 if device_kind in ("TPU v5 lite", "TPU v6 lite", "TPU7x") else 16) << 20
+    per_page = 2 * common.kv_page_bytes(page, common.combined_rows_of(kv_heads, itemsize), head_dim)
+    assert 1 <= pages <= max(1, 2048 // page)
+    assert pages == 1 or pages * per_page <= budget
+    assert pages == max(1, 2048 // page) or (pages + 1) * per_page > budget
+
+
+def test_wide_kv_pages_take_twice_the_keys_per_decode_step_on_chips_with_64_mib_of_vmem():
+    """32 kv heads of head dim 128 (16 KiB of K and V per token): 1024 keys per step on v5e,
+    v6e and TPU7x, 512 elsewhere; Llama-3-8B's 8 kv heads take 2048 keys on every chip."""
+    from kernels_pallas.tpu import paged_attention as dec
+
+    def keys(kv_heads, kind):
+        size = dict(kv_heads=kv_heads, head_dim=128, itemsize=2, device_kind=kind)
+        return 16 * dec.decode_pages_per_step(16, 2048, **size)
+
+    assert [keys(32, k) for k in ("TPU v5 lite", "TPU v6 lite", "TPU7x", "TPU v4", None)] == [
+        1024, 1024, 1024, 512, 512
+    ]  # fmt: skip
+    assert {keys(8, k) for k in ("TPU v5 lite", "TPU v4", None)} == {2048}

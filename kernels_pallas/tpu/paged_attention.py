@@ -7,7 +7,7 @@ the bundles per KiB of KV below the HBM time (the static schedule of libtpu's fi
   each take half the sequences; one-core chips run the halves in turn), the sequences of a
   half in order (``"arbitrary"``). Program ``(c, i)`` handles sequence ``b = c * B / C + i``
   and walks its kv range in steps of ``P`` pages (:func:`decode_pages_per_step`: ~2048 keys
-  within ``DECODE_KV_VMEM_BUDGET``, sizes padded to the VMEM tiles), all ``K`` kv heads at
+  within the chip's VMEM budget, sizes padded to the VMEM tiles), all ``K`` kv heads at
   once; the ``G = H // K`` query heads of a kv head are processed together (GQA/MQA).
 * Scalar prefetch (SMEM): ``layer i32[1]``, ``lengths i32[B]``. Block tables stay in HBM;
   each program DMAs the *next* sequence's table row into SMEM while it computes
@@ -28,10 +28,12 @@ the bundles per KiB of KV below the HBM time (the static schedule of libtpu's fi
   (RPA v3: 0.6133, 0.5694); the step loop 8342 -> 7926 bundles on v5e. Bounds checks are off
   when compiled (every address is in range: the wrapper clips the table to ``[0, N)``, one
   elementwise op per call, so a page's DMA takes its block id as read, no clamp per page).
-* The heads are unrolled. A step whose keys are all visible (the steady state) runs with no
-  mask at all; only the step holding the length (or the window's first key) masks logits and
-  zeroes the value rows no query may see, so NaN garbage in unwritten slots cannot leak
-  (keys need no such care: their logits are replaced by ``where``). A length-0 row copies
+* The heads are unrolled, each head's P.V issued after the next head's Q.K^T and softmax
+  (``attend_step(stagger=True)``; v5e cycles per KiB, 32 kv heads 0.5089 -> 0.4305,
+  Llama-3-8B 0.5470 -> 0.5049). A step whose keys are all visible (the steady state) runs
+  with no mask at all; only the step holding the length (or the window's first key) masks
+  logits and zeroes the value rows no query may see, so NaN garbage in unwritten slots cannot
+  leak (keys need no such care: their logits are replaced by ``where``). A length-0 row copies
   nothing and returns zeros; negative block ids are clipped to 0 for addressing, and table
   entries past a length are never read.
 * Matmuls take the pages' dtype (bf16 on the MXU) with float32 accumulation and a float32
@@ -77,27 +79,57 @@ from kernels_pallas.tpu._attention_common import (
 )
 from kernels_pallas.tpu.kv_ops import live_slots
 
-__all__ = ["DECODE_KV_VMEM_BUDGET", "decode_pages_per_step", "paged_attention_tpu"]
+__all__ = [
+    "DECODE_KV_VMEM_BUDGET",
+    "DECODE_KV_VMEM_BUDGETS",
+    "decode_kv_vmem_budget",
+    "decode_pages_per_step",
+    "paged_attention_tpu",
+]
 
 _CORES = 2  # TensorCores of a megacore chip (v4, v5p)
 
-#: VMEM for the decode kernel's KV double buffer (two slots of pages). Decode reads each KV
-#: byte once and does little math per byte, so it wants big steps: fixed per-step costs (the
-#: wait, the state update, the loop) are paid once per ``P * S`` keys.
+#: VMEM for the decode kernel's KV double buffer (two slots of pages) on a chip not in
+#: :data:`DECODE_KV_VMEM_BUDGETS`. Decode reads each KV byte once and does little math per
+#: byte, so it wants big steps: fixed per-step costs (the wait, the state update, the loop)
+#: are paid once per ``P * S`` keys.
 DECODE_KV_VMEM_BUDGET = 16 * 1024 * 1024
+#: The budget by ``device_kind``, for the chips with 64 MiB of VMEM or more (the scoped limit
+#: is the buffer plus 8 MiB): pages of many or wide heads get twice the keys per step. Static
+#: schedule (``scripts/kernel_cycles.py --fused``, 64 sequences at ctx 2048, page 16, v5e
+#: cycles per KiB, 32 kv heads: 16 KiB per token): 0.5461 at 512 keys, 0.5089 at 1024 (0.4305
+#: with :func:`~kernels_pallas.tpu._attention_common.attend_step`'s staggered P.V; RPA v3,
+#: its 1024-key blocks: 0.4563). Llama-3-8B's and Qwen2-7B's 2048 keys fit 16 MiB: unchanged.
+DECODE_KV_VMEM_BUDGETS = {
+    "TPU v5 lite": 32 * 1024 * 1024,
+    "TPU v6 lite": 32 * 1024 * 1024,
+    "TPU7x": 32 * 1024 * 1024,
+}
 #: Keys per step the decode kernel aims for (capped by the budget and the table width).
 _DECODE_TARGET_KEYS = 2048
 
 
+def decode_kv_vmem_budget(device_kind: str | None) -> int:
+    """The decode kernel's KV buffer budget on a chip (:data:`DECODE_KV_VMEM_BUDGETS`, else
+    :data:`DECODE_KV_VMEM_BUDGET`)."""
+    return DECODE_KV_VMEM_BUDGETS.get(device_kind or "", DECODE_KV_VMEM_BUDGET)
+
+
 def decode_pages_per_step(
-    block_size: int, max_blocks: int, *, kv_heads: int, head_dim: int, itemsize: int
+    block_size: int,
+    max_blocks: int,
+    *,
+    kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    device_kind: str | None = None,
 ) -> int:
-    """``P``: pages per decode step, ~``_DECODE_TARGET_KEYS`` keys within the VMEM budget
-    (``head_dim`` the stored ``Dp``)."""
+    """``P``: pages per decode step, ~``_DECODE_TARGET_KEYS`` keys within the chip's VMEM
+    budget (:func:`decode_kv_vmem_budget`; ``head_dim`` the stored ``Dp``)."""
     c = combined_rows_of(kv_heads, itemsize)
     per_page = 2 * kv_page_bytes(block_size, c, head_dim)  # two slots
     p = min(max_blocks, max(1, _DECODE_TARGET_KEYS // block_size))
-    return int(max(1, min(p, DECODE_KV_VMEM_BUDGET // per_page)))
+    return int(max(1, min(p, decode_kv_vmem_budget(device_kind) // per_page)))
 
 
 def _decode_kernel(
@@ -247,7 +279,7 @@ def _decode_kernel(
         whole = (base + keys <= length) & (base >= first_key)
         attend = functools.partial(
             attend_step, q_ref, kv_buf, slot, state, sm_scale=sm_scale, soft_cap=soft_cap,
-            k_scale=k_scale, interpret=interpret,
+            k_scale=k_scale, interpret=interpret, stagger=True,
         )  # fmt: skip
 
         @pl.when(whole)
@@ -291,6 +323,7 @@ def _vmem_limit(pages: int, block_size: int, combined_rows: int, head_dim: int) 
         "pages_per_compute_block",
         "num_kv_heads",
         "unique_slots",
+        "device_kind",
     ),
 )
 def paged_attention_tpu(
@@ -310,6 +343,7 @@ def paged_attention_tpu(
     kv_scales: jax.Array | None = None,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     unique_slots: bool = False,
+    device_kind: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Paged decode attention on TPU (arguments already validated by the public wrapper).
 
@@ -326,7 +360,7 @@ def paged_attention_tpu(
       layer: the layer of ``kv_pages`` (int or traced i32 scalar; None: 0).
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``), e.g. on CPU.
       pages_per_compute_block: pages per DMA/compute step ``P`` (default
-        :func:`decode_pages_per_step`: ~2048 keys within ``DECODE_KV_VMEM_BUDGET``).
+        :func:`decode_pages_per_step`: ~2048 keys within the chip's VMEM budget).
       sinks: optional ``f32[H]`` attention sinks: one logit per query head in the softmax's
         denominator, with no value (gpt-oss).
       kv_scales: 8-bit (int8 / float8_e4m3fn) pages: ``f32[2]``, the layer's K and V scales
@@ -341,6 +375,8 @@ def paged_attention_tpu(
         counts. ``kv_pages`` is aliased to the returned pages (donate it under jit).
       unique_slots: a promise that no two live ``new_kv`` slots are equal (a served step's
         are not): skips the sort that makes the last duplicate win.
+      device_kind: the target chip's ``device_kind`` (picks the default ``P``'s budget,
+        :func:`decode_kv_vmem_budget`); None: :data:`DECODE_KV_VMEM_BUDGET`.
 
     Returns:
       ``[B, H, Dp]`` in ``q.dtype``; with ``new_kv``, ``(out, kv_pages)`` with the new
@@ -354,8 +390,9 @@ def paged_attention_tpu(
     kh = num_kv_heads
     g = h // kh
     p = pages_per_compute_block or decode_pages_per_step(
-        s, block_tables.shape[1], kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize
-    )
+        s, block_tables.shape[1], kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize,
+        device_kind=device_kind,
+    )  # fmt: skip
     block_tables = dma_tables(block_tables, n_blocks)  # ids used as read by the DMAs
     m = block_tables.shape[1]
     cores = _CORES if b >= _CORES else 1

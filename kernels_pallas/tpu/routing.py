@@ -53,6 +53,7 @@ def decode_rows(
     kw: dict,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     unique_slots: bool = False,
+    device_kind: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """A decode-only ragged batch on the TPU decode kernel: row ``s`` is sequence ``s``.
 
@@ -78,7 +79,7 @@ def decode_rows(
         fused = (kv_new[:rows], slots[:rows])
     result = paged_attention_tpu(
         q[:rows], kv_pages, lengths, tables[:rows], layer=layer, interpret=interpret,
-        new_kv=fused, unique_slots=True, **kw,
+        new_kv=fused, unique_slots=True, device_kind=device_kind, **kw,
     )  # fmt: skip
     out, kv_pages = result if fused is not None else (result, kv_pages)
     if rows < t:
@@ -129,7 +130,9 @@ def mixed_rows(
         rag_needed |= jnp.any(rag_new[1] >= 0)
 
     def decode_part(kv):
-        return decode_rows(q, kv, kv_lens, tables, n_dec, layer, interpret, kw, dec_new, True)
+        return decode_rows(
+            q, kv, kv_lens, tables, n_dec, layer, interpret, kw, dec_new, True, device_kind
+        )
 
     def ragged_part(kv):
         return ragged_paged_attention_tpu(
