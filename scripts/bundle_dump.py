@@ -141,6 +141,7 @@ def parse_dump(text: str, name: str = "") -> Dump:
     ]
     delay = _delay_slots(bundles, [i for i, _ in branches])
     loops, regions = [], []
+    branch_of: dict[int, int] = {}  # id(region) -> its branch's bundle
     for i, region in branches:
         t = starts.get(region)
         if t is None:
@@ -149,6 +150,7 @@ def parse_dump(text: str, name: str = "") -> Dump:
             loops.append(Loop(t, min(i + delay, len(bundles) - 1)))
         elif t > i + delay + 1:
             regions.append(Region(i + delay + 1, t))
+            branch_of[id(regions[-1])] = i
     loops.sort(key=lambda lp: (lp.start, -lp.end))
     roots: list[Loop] = []
     stack: list[Loop] = []
@@ -172,11 +174,15 @@ def parse_dump(text: str, name: str = "") -> Dump:
     for rg in sorted(regions, key=lambda r: (r.start, -r.end)):
         rg.dma_start = any(_DMA_START.search(bundles[j].text) for j in range(rg.start, rg.end))
         rg.dma_wait = any(_DMA_WAIT.search(bundles[j].text) for j in range(rg.start, rg.end))
-        owner = _innermost(roots, rg.start, rg.end - 1)
+        # A region belongs to the innermost loop holding its branch too: a loop's guard
+        # whose delay slots hold the loop's first bundle (TPU7x: 3 slots) skips the rest
+        # of the loop from outside it, so it is the guard, not a region of the loop.
+        first = min(branch_of[id(rg)], rg.start)
+        owner = _innermost(roots, first, rg.end - 1)
         rg.loops = [
             c
             for c in (owner.children if owner else roots)
-            if rg.start <= c.start and c.end < rg.end
+            if first <= c.start and c.end < rg.end + delay
         ]
         siblings = owner.regions if owner else top
         # a region inside another region of the same loop is nested in it

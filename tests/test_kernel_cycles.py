@@ -93,6 +93,38 @@ def test_forward_branch_makes_regions_and_a_guard_owned_by_the_parent(dump):
     assert (guard.start, guard.end) == (6, 0x14) and guard.loops == [loop]
 
 
+# TPU7x: 3 delay slots, and a loop's guard whose delay slots hold the loop's first bundle.
+GUARD_IN_DELAY_SLOTS = """     0   :  { %s1_s0 = smov 0 }
+   0x1   :  { %3 = sbr.rel (%p0_p0) target = $region9 }
+   0x2   :  {}
+   0x3   :  {}
+   0x4 LB: > { %s4_s2 = sadd.s32 1, %s1_s0 } /* Start region 5 */
+   0x5   : > { %v9_v0 = vmatmul.bf16.vlgmr.msra.gmra.mxu0 %v1_v1 }
+   0x6   : > { %10 = sbr.rel (!%p2_p2) target = $region5 }
+   0x7   : > {}
+   0x8   : > {}
+   0x9   : > {} /* End region 5 */
+   0xa PF:  { %s5_s3 = smov 1 } /* Start/End empty region 9 */
+   0xb   :  { %11 = sbr.rel (%p3_p3) target = $region11 }
+   0xc   :  {}
+   0xd   :  {}
+   0xe   :  {}
+   0xf PF:  { %s6_s4 = smov 2 } /* Start/End empty region 11 */
+"""
+
+
+def test_a_guard_whose_delay_slots_hold_the_loops_first_bundle_is_the_parents():
+    """The guard's region starts after the loop's first bundle, yet its branch is outside the
+    loop: it guards the loop (owned by the parent), it is not a region of every iteration."""
+    dump = bd.parse_dump(GUARD_IN_DELAY_SLOTS, "kernel")
+    assert dump.delay == 3
+    (loop,) = dump.loops
+    assert (loop.start, loop.end) == (4, 9) and loop.regions == []
+    (guard,) = dump.regions
+    assert (guard.start, guard.end) == (5, 0xA) and guard.loops == [loop]
+    assert bd.iteration_cycles(loop, lambda _: None, lambda *_: 0.0) == loop.span
+
+
 def test_iteration_cycles_weighs_regions_by_the_fraction_that_runs(dump):
     (loop,) = dump.loops
     assert bd.iteration_cycles(loop, lambda _: None) == 14
