@@ -370,12 +370,15 @@ def child_main(a: argparse.Namespace) -> None:
         info = {}
     if a.child == "paxcache":
         if a.ragged_blocks:  # a sweep: this chip's table entry replaced for this compile
+            import dataclasses
+
             from kernels_pallas.tpu import ragged_paged_attention as rag
 
             rows, keys, headroom = (int(x) for x in a.ragged_blocks.split(","))
-            rag.RAGGED_BLOCKS[device.device_kind] = rag.RaggedBlocks(
-                rows=rows, keys=keys, headroom=headroom * 1024 * 1024
-            )
+            rag.RAGGED_BLOCKS[device.device_kind] = dataclasses.replace(
+                rag.ragged_blocks(device.device_kind),  # the chip's other limits kept
+                rows=rows, keys=keys, headroom=headroom * 1024 * 1024,
+            )  # fmt: skip
         kernels = _compile_paxcache(a.case, a, device)
     else:
         kernels = _compile_rpa(a.case, a, device, chip["generation"])

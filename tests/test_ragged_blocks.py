@@ -11,19 +11,28 @@ import hypothesis
     kv_heads=hypothesis.strategies.integers(1, 32),
     head_dim=hypothesis.strategies.sampled_from([64, 128, 256]),
     itemsize=hypothesis.strategies.sampled_from([2, 4]),
+    device_kind=hypothesis.strategies.sampled_from(["TPU v5 lite", "TPU v6 lite", "TPU7x", None]),
 )
-def test_block_rows_keep_every_query_block_within_the_row_budget(kv_heads, head_dim, itemsize):
+def test_block_rows_keep_every_query_block_within_the_row_budget(
+    kv_heads, head_dim, itemsize, device_kind
+):
     """The ragged kernel's query rows per block: the table's, fewer when a model's kv heads or
-    head dim would take more VMEM than Llama-3-8B's 1024 rows; a multiple of 8, at least 8."""
+    head dim would take more VMEM than the chip's row budget (40 MiB on v5e and v6e, 20 MiB,
+    Llama-3-8B's 1024 rows, elsewhere); a multiple of 8, at least 8."""
     from kernels_pallas.tpu import ragged_paged_attention as rag
 
-    blocks = rag.RAGGED_BLOCKS["TPU v5 lite"]
+    blocks = rag.ragged_blocks(device_kind)
     rows = rag.block_rows(blocks, kv_heads, head_dim, itemsize)
     per_row = kv_heads * (4 * head_dim * itemsize + 4 * head_dim + 1024)
+    budget = (40 if device_kind in ("TPU v5 lite", "TPU v6 lite") else 20) << 20
+    assert blocks.row_budget == budget
     assert rows % 8 == 0 and 8 <= rows <= blocks.rows
-    assert rows * per_row <= rag.ROW_VMEM_BUDGET or rows == 8
-    assert rows == blocks.rows or (rows + 8) * per_row > rag.ROW_VMEM_BUDGET
-    assert rag.block_rows(blocks, 8, 128, 2) == 1024  # Llama-3-8B: the table's own
+    assert rows * per_row <= budget or rows == 8
+    assert rows == blocks.rows or (rows + 8) * per_row > budget
+    tpu_blocks = rag.ragged_blocks("TPU v5 lite")
+    assert rag.block_rows(tpu_blocks, 8, 128, 2) == 1024  # Llama-3-8B: the table's own
+    assert rag.block_rows(tpu_blocks, 8, 256, 2) == 1024  # head_dim 256: 640 in 20 MiB
+    assert rag.block_rows(rag.ragged_blocks("TPU7x"), 8, 256, 2) == 640
 
 
 @hypothesis.settings(max_examples=40, deadline=None)

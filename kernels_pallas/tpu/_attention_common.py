@@ -112,12 +112,17 @@ def default_pages_per_compute_block(
     return int(max(1, p))
 
 
-def vmem_limit_bytes(headroom: int, scratch_bytes: int) -> int:
+#: The most scoped VMEM a kernel asks for on a chip not known to have more: 60 MiB (TPU7x
+#: has 64 MiB).
+VMEM_LIMIT_CAP = 60 * 1024 * 1024
+
+
+def vmem_limit_bytes(headroom: int, scratch_bytes: int, cap: int = VMEM_LIMIT_CAP) -> int:
     """The scoped VMEM limit for a kernel with ``scratch_bytes`` of scratch: that plus
     ``headroom`` for pipelined blocks and temporaries, at least the 32 MiB default of v6e, at
-    most 60 MiB (TPU7x has 64 MiB)."""
+    most ``cap``."""
     mib = 1024 * 1024
-    return int(min(max(scratch_bytes + headroom, 32 * mib), 60 * mib))
+    return int(min(max(scratch_bytes + headroom, 32 * mib), cap))
 
 
 #: Table columns a row is padded to: an HBM -> SMEM row copy moves a multiple of 512 B.

@@ -83,6 +83,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
+    VMEM_LIMIT_CAP,
     KVStream,
     TableRows,
     attend_step,
@@ -105,6 +106,13 @@ _SUBLANES = 8  # rows of a TPU (8, 128) tile: a query block's TQ * G must be a m
 _MIB = 1024 * 1024
 
 
+#: VMEM a query block's rows may take (q and out blocks double-buffered, f32 accumulator,
+#: lane-dense softmax statistics, per kv head) on a chip whose :class:`RaggedBlocks` says no
+#: other: Llama-3-8B's 1024 rows take 20 MiB. A model with more kv heads or a wider head dim
+#: gets fewer rows (:func:`block_rows`: head_dim 256 with 8 kv heads, 640).
+ROW_VMEM_BUDGET = 20 * _MIB
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedBlocks:
     """Block sizes of the ragged kernel on one TPU generation.
@@ -114,11 +122,15 @@ class RaggedBlocks:
       keys: target keys per compute step (capped by ``KV_VMEM_BUDGET``).
       headroom: scoped VMEM beyond the scratch buffers, for the step's temporaries (logits,
         probabilities of ``rows x keys`` per unrolled head).
+      row_budget: VMEM a query block's rows may take (:func:`block_rows`).
+      vmem_cap: the most scoped VMEM the kernel asks for.
     """
 
     rows: int
     keys: int
     headroom: int
+    row_budget: int = ROW_VMEM_BUDGET
+    vmem_cap: int = VMEM_LIMIT_CAP
 
 
 #: Tuned per ``device_kind`` from the static schedule (``scripts/kernel_cycles.py --fused
@@ -130,19 +142,21 @@ class RaggedBlocks:
 #: scoped VMEM (over the 60 MiB cap). TPU7x (64 MiB of VMEM; RPA v3's default prefill blocks
 #: do not fit it): 1.359e-05 at 128 x 512 (the default rule), 9.408e-06 at 1024 x 512. Any other
 #: chip (v4, v5p, unknown) gets :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles.
+#: v5e and v6e (128 MiB of VMEM) give a block's rows 40 MiB and the kernel up to 100 MiB, so
+#: head_dim 256 with 8 kv heads keeps 1024 rows (640 in 20 MiB): a 2048-token chunk at ctx 8192
+#: reads its context 232 MiB instead of 404 (RPA v3: 232), at 7.754e-06 / 3.770e-06 bundles per
+#: useful flop (8.842e-06 / 4.060e-06 at 640 rows; RPA v3 8.119e-06 / 4.035e-06); it needs
+#: 61.2 MiB of scoped VMEM. Models whose 1024 rows fit 20 MiB (Llama-3-8B, Qwen2-7B) keep them.
 RAGGED_BLOCKS = {
-    "TPU v5 lite": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
-    "TPU v6 lite": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
+    "TPU v5 lite": RaggedBlocks(
+        rows=1024, keys=512, headroom=40 * _MIB, row_budget=40 * _MIB, vmem_cap=100 * _MIB
+    ),
+    "TPU v6 lite": RaggedBlocks(
+        rows=1024, keys=512, headroom=40 * _MIB, row_budget=40 * _MIB, vmem_cap=100 * _MIB
+    ),
     "TPU7x": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
 }
 DEFAULT_RAGGED_BLOCKS = RaggedBlocks(rows=128, keys=512, headroom=16 * _MIB)
-
-
-#: VMEM a query block's rows may take (q and out blocks double-buffered, f32 accumulator,
-#: lane-dense softmax statistics, per kv head): Llama-3-8B's 1024 rows take 20 MiB. A model
-#: with more kv heads or a wider head dim gets fewer rows (:func:`block_rows`: head_dim 256 with
-#: 8 kv heads, 640), so no block holds more than Llama-3-8B's, whatever the table says.
-ROW_VMEM_BUDGET = 20 * _MIB
 
 
 def ragged_blocks(device_kind: str | None) -> RaggedBlocks:
@@ -152,9 +166,9 @@ def ragged_blocks(device_kind: str | None) -> RaggedBlocks:
 
 def block_rows(blocks: RaggedBlocks, kv_heads: int, head_dim: int, itemsize: int) -> int:
     """Query rows per block: ``blocks.rows``, fewer when their VMEM would pass
-    :data:`ROW_VMEM_BUDGET` (``itemsize``: the queries' bytes per element)."""
+    ``blocks.row_budget`` (``itemsize``: the queries' bytes per element)."""
     per_row = kv_heads * (4 * head_dim * itemsize + 4 * head_dim + 2 * 4 * 128)
-    return max(_SUBLANES, min(blocks.rows, ROW_VMEM_BUDGET // per_row // _SUBLANES * _SUBLANES))
+    return max(_SUBLANES, min(blocks.rows, blocks.row_budget // per_row // _SUBLANES * _SUBLANES))
 
 
 def masked_step_widths(pages: int, block_size: int, lane_aligned: bool = True) -> list[int]:
@@ -641,6 +655,7 @@ def ragged_paged_attention_tpu(
                     combined_rows=c,
                 )
                 + (0 if sinks is None else 2 * kh * vmem_tile_bytes(tq * g, 1, 4)),
+                blocks.vmem_cap,
             ),
             disable_bounds_checks=not interpret,  # every DMA address is in range (clipped)
         ),
