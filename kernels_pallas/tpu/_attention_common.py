@@ -480,10 +480,11 @@ def attend_step(
         refs).
       stagger: issue each head's P.V after the next head's Q.K^T and softmax (the last
         head's at the end), as RPA v3 orders its heads. The decode kernel's choice: with a
-        few query rows per head the step is MXU pushes of K and V, and in this order libtpu
-        schedules them without spilling each head's K and V to VMEM first (static schedule,
+        few query rows per head the step is MXU pushes of K and V, and libtpu packs this
+        order into fewer bundles (unstaggered, 32 kv heads stored 3280 vregs per 1024 keys
+        where RPA v3's step stores 496, at the same pushes). Static schedule,
         ``scripts/kernel_cycles.py --fused``, 64 sequences at ctx 2048, page 16, v5e cycles
-        per KiB: 32 kv heads 0.5089 -> 0.4305, Llama-3-8B 0.5470 -> 0.5049). The ragged
+        per KiB: 32 kv heads 0.5089 -> 0.4305, Llama-3-8B 0.5470 -> 0.5049. The ragged
         kernel's query blocks (up to 1024 rows) keep the plain order: staggered, its
         2048-token prefill takes 6% more bundles on v5e.
 
