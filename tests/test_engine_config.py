@@ -71,13 +71,14 @@ def test_keywords_and_config_build_the_same_engine_with_the_same_outputs(model):
 @pytest.mark.parametrize("freeze", [False, True])
 def test_warmup_freezes_the_gc_heap_only_when_asked(model, freeze):
     """``freeze_gc`` (default on): warm-up ends by moving what is alive to the permanent GC
-    generation (a full collection while serving skips it); off, the heap is left as it was."""
+    generation (a full collection while serving skips it); off, nothing is moved there (the
+    count may still fall: objects an earlier test's warm-up froze can die meanwhile)."""
     eng = Engine(model, ByteTokenizer(), **{**OPTIONS, "freeze_gc": freeze})
     assert EngineConfig().freeze_gc
     before = gc.get_freeze_count()
     eng.warmup()
     after = gc.get_freeze_count()
-    assert after > before if freeze else after == before
+    assert after > before if freeze else after <= before
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     assert len(eng.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3
 

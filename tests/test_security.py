@@ -551,10 +551,16 @@ def test_the_cache_salt_map_stays_bounded_and_never_reuses_an_id(engine, monkeyp
     bm = engine.block_manager  # the salt map moved from the engine to its block manager
     monkeypatch.setattr(paxcache.manager, "_SALT_GC_THRESHOLD", 8)
     monkeypatch.setattr(bm, "_salt_gc_at", 8)
+
+    def salt_id(salt: str) -> int:  # the id admission gives a new salt, registered
+        sid = bm._peek_salt(salt, {})
+        bm._register_salt(salt, sid)
+        return sid
+
     seen: dict = {}
     for i in range(40):
         salt = f"tenant-{i}"
-        sid = bm._salt_id(salt)
+        sid = salt_id(salt)
         assert sid not in seen.values()
         seen[salt] = sid
     assert len(bm._salts) <= 16
@@ -564,7 +570,7 @@ def test_the_cache_salt_map_stays_bounded_and_never_reuses_an_id(engine, monkeyp
     engine.add_request("k1", prompt, SamplingParams(max_tokens=1), cache_salt="keeper")
     _drain(engine, ["k1"])
     for i in range(40):
-        bm._salt_id(f"filler-{i}")
+        salt_id(f"filler-{i}")
     engine.add_request("k2", prompt, SamplingParams(max_tokens=1), cache_salt="keeper")
     assert _drain(engine, ["k2"])["k2"].num_cached_tokens > 0
 
