@@ -177,12 +177,12 @@ def parse_dump(text: str, name: str = "") -> Dump:
         # A region belongs to the innermost loop holding its branch too: a loop's guard
         # whose delay slots hold the loop's first bundle (TPU7x: 3 slots) skips the rest
         # of the loop from outside it, so it is the guard, not a region of the loop.
-        first = min(branch_of[id(rg)], rg.start)
-        owner = _innermost(roots, first, rg.end - 1)
-        rg.loops = [
+        branch = branch_of[id(rg)]  # before rg.start: the region follows its delay slots
+        owner = _innermost(roots, branch, rg.end - 1)
+        rg.loops = [  # the loops whose back edge (``c.end - delay``) lies in the region
             c
             for c in (owner.children if owner else roots)
-            if first <= c.start and c.end < rg.end + delay
+            if branch <= c.start and c.end - delay < rg.end
         ]
         siblings = owner.regions if owner else top
         # a region inside another region of the same loop is nested in it

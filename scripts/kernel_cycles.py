@@ -199,12 +199,13 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     blocks = rag.ragged_blocks(device.device_kind)  # the op's choice for this chip
     pages = default_pages_per_compute_block(a.page, m, blocks.keys, **sizes)
     if hasattr(dec, "decode_pages_per_step"):
-        try:  # the chip's budget (older builds: one budget for every chip)
-            dec_pages = dec.decode_pages_per_step(
-                a.page, m, **sizes, device_kind=device.device_kind
-            )
-        except TypeError:
-            dec_pages = dec.decode_pages_per_step(a.page, m, **sizes)
+        import inspect
+
+        if "device_kind" in inspect.signature(dec.decode_pages_per_step).parameters:
+            sizes_dec = dict(sizes, device_kind=device.device_kind)  # the chip's budget
+        else:  # older builds: one budget for every chip
+            sizes_dec = sizes
+        dec_pages = dec.decode_pages_per_step(a.page, m, **sizes_dec)
     else:
         dec_pages = default_pages_per_compute_block(a.page, m, 128, **sizes)
     meta = dict(page=a.page, kv_heads=a.kv_heads, max_blocks=m, pages_per_step=pages)
