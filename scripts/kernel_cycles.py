@@ -197,7 +197,10 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     opaque = not isinstance(cache, tuple)
     sizes = dict(kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=_itemsize(_kv_dtype(a)))
     blocks = rag.ragged_blocks(device.device_kind)  # the op's choice for this chip
-    pages = default_pages_per_compute_block(a.page, m, blocks.keys, **sizes)
+    kv_budget = getattr(blocks, "kv_budget", None)  # older builds: one budget for every chip
+    pages = default_pages_per_compute_block(
+        a.page, m, blocks.keys, **sizes, **({"kv_budget": kv_budget} if kv_budget else {})
+    )
     if hasattr(dec, "decode_pages_per_step"):
         import inspect
 
@@ -375,10 +378,12 @@ def child_main(a: argparse.Namespace) -> None:
 
             from kernels_pallas.tpu import ragged_paged_attention as rag
 
-            rows, keys, headroom = (int(x) for x in a.ragged_blocks.split(","))
+            rows, keys, headroom, *more = (int(x) for x in a.ragged_blocks.split(","))
+            limits = ("kv_budget", "vmem_cap")[: len(more)]  # optional, in MiB
+            extra = {k: x * 1024 * 1024 for k, x in zip(limits, more, strict=True)}
             rag.RAGGED_BLOCKS[device.device_kind] = dataclasses.replace(
                 rag.ragged_blocks(device.device_kind),  # the chip's other limits kept
-                rows=rows, keys=keys, headroom=headroom * 1024 * 1024,
+                rows=rows, keys=keys, headroom=headroom * 1024 * 1024, **extra,
             )  # fmt: skip
         kernels = _compile_paxcache(a.case, a, device)
     else:
@@ -610,8 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="paxcache with the step's KV write fused (new_kv=), as the engine's step runs it",
     )  # fmt: skip
     p.add_argument(
-        "--ragged-blocks", default=None, metavar="ROWS,KEYS,HEADROOM_MIB",
-        help="sweep: the ragged kernel's block sizes for the target instead of its table entry",
+        "--ragged-blocks", default=None, metavar="ROWS,KEYS,HEADROOM_MIB[,KV_MIB[,CAP_MIB]]",
+        help="sweep: the ragged kernel's block sizes (and optionally its KV double buffer's "
+        "and the kernel's VMEM limits) for the target instead of its table entry",
     )  # fmt: skip
     p.add_argument("--rpa-wheel", default=None, help="tpu-inference .whl or unpacked folder")
     p.add_argument("--json", default=None, help="write the rows here")
@@ -630,6 +636,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.case != ["decode"] and a.chunk > a.ctx:
         p.error(f"--chunk {a.chunk} exceeds --ctx {a.ctx}")
+    fields = a.ragged_blocks.split(",") if a.ragged_blocks else []
+    if fields and not (3 <= len(fields) <= 5 and all(f.strip().isdigit() for f in fields)):
+        p.error(f"--ragged-blocks {a.ragged_blocks!r}: 3 to 5 whole numbers, comma-separated")
     rows: list[dict] = []
     failed = []
     for target in a.target:

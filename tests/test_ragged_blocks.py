@@ -79,3 +79,32 @@ def test_wide_kv_pages_take_twice_the_keys_per_decode_step_on_chips_with_64_mib_
         1024, 1024, 1024, 512, 512
     ]  # fmt: skip
     assert {keys(8, k) for k in ("TPU v5 lite", "TPU v4", None)} == {2048}
+
+
+def test_ragged_steps_take_1024_keys_where_the_chip_gives_their_kv_16_mib():
+    """The ragged kernel's pages per step: about ``keys`` of the chip's table, as many as
+    two slots fit its KV budget: on v5e and v6e (128 MiB of VMEM) 1024 keys for Llama-3-8B
+    and for head_dim 256 with 8 kv heads (16 MiB: RPA v3's 1024-key blocks); 512 on TPU7x
+    and any other chip (8 MiB); 8-bit pages take the same keys in half the bytes."""
+    from kernels_pallas.tpu import _attention_common as common
+    from kernels_pallas.tpu import ragged_paged_attention as rag
+
+    def keys(kind, kv_heads, head_dim, itemsize=2, page=16):
+        blocks = rag.ragged_blocks(kind)
+        pages = common.default_pages_per_compute_block(
+            page, 2048, blocks.keys, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
+            kv_budget=blocks.kv_budget,
+        )  # fmt: skip
+        per_page = 2 * common.kv_page_bytes(
+            page, common.combined_rows_of(kv_heads, itemsize), head_dim
+        )
+        assert pages * per_page <= blocks.kv_budget
+        return pages * page
+
+    kinds = ("TPU v5 lite", "TPU v6 lite", "TPU7x", "TPU v4", None)
+    assert [keys(k, 8, 128) for k in kinds] == [1024, 1024, 512, 512, 512]
+    assert [keys(k, 8, 256) for k in kinds] == [1024, 1024, 512, 512, 512]
+    assert [keys(k, 8, 256, itemsize=1) for k in kinds] == [1024, 1024, 512, 512, 512]
+    assert keys("TPU v5 lite", 32, 128) == 512  # 32 kv heads: 16 MiB holds 512
+    assert rag.ragged_blocks("TPU v5 lite").kv_budget == 16 << 20
+    assert rag.ragged_blocks("TPU7x").kv_budget == common.KV_VMEM_BUDGET == 8 << 20

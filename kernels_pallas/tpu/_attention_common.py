@@ -102,13 +102,13 @@ def combined_rows_of(kv_heads: int, itemsize: int) -> int:
 
 def default_pages_per_compute_block(
     block_size: int, max_blocks: int, target_tokens: int, *, kv_heads: int, head_dim: int,
-    itemsize: int,
+    itemsize: int, kv_budget: int = KV_VMEM_BUDGET,
 ) -> int:  # fmt: skip
     """Pages per compute step: about ``target_tokens`` keys, at most ``max_blocks`` pages,
-    and small enough that two slots of pages fit :data:`KV_VMEM_BUDGET` (``head_dim`` the
-    stored ``Dp``)."""
+    and small enough that two slots of pages fit ``kv_budget`` bytes (default
+    :data:`KV_VMEM_BUDGET`; ``head_dim`` the stored ``Dp``)."""
     per_page = 2 * kv_page_bytes(block_size, combined_rows_of(kv_heads, itemsize), head_dim)
-    p = min(max_blocks, max(1, target_tokens // block_size), KV_VMEM_BUDGET // per_page)
+    p = min(max_blocks, max(1, target_tokens // block_size), kv_budget // per_page)
     return int(max(1, p))
 
 

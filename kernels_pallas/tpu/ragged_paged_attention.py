@@ -83,6 +83,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.tpu._attention_common import (
+    KV_VMEM_BUDGET,
     VMEM_LIMIT_CAP,
     KVStream,
     TableRows,
@@ -119,11 +120,13 @@ class RaggedBlocks:
 
     Attributes:
       rows: target query rows (tokens x heads of a group) per program.
-      keys: target keys per compute step (capped by ``KV_VMEM_BUDGET``).
+      keys: target keys per compute step (capped by ``kv_budget``).
       headroom: scoped VMEM beyond the scratch buffers, for the step's temporaries (logits,
         probabilities of ``rows x keys`` per unrolled head).
       row_budget: VMEM a query block's rows may take (:func:`block_rows`).
       vmem_cap: the most scoped VMEM the kernel asks for.
+      kv_budget: VMEM the step's two KV buffers may take
+        (:func:`default_pages_per_compute_block`).
     """
 
     rows: int
@@ -131,6 +134,7 @@ class RaggedBlocks:
     headroom: int
     row_budget: int = ROW_VMEM_BUDGET
     vmem_cap: int = VMEM_LIMIT_CAP
+    kv_budget: int = KV_VMEM_BUDGET
 
 
 #: Tuned per ``device_kind`` from the static schedule (``scripts/kernel_cycles.py --fused
@@ -138,22 +142,29 @@ class RaggedBlocks:
 #: flop and KV bytes read, 2026-12-05): 512 x 1024 gave v5e 1.165e-05 / v6e 8.58e-06 reading
 #: the context 68 MiB (128-token query blocks each re-read it up to their last row); 1024 x 512
 #: gives 1.178e-05 / 9.135e-06 and 36 MiB, RPA v3's bytes (its 256-token blocks), still under
-#: its 1.356e-05 / 9.901e-06. Both targets hold only at 1024 rows; 1024 x 1024 needs 64 MiB of
-#: scoped VMEM (over the 60 MiB cap). TPU7x (64 MiB of VMEM; RPA v3's default prefill blocks
-#: do not fit it): 1.359e-05 at 128 x 512 (the default rule), 9.408e-06 at 1024 x 512. Any other
-#: chip (v4, v5p, unknown) gets :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles.
-#: v5e and v6e (128 MiB of VMEM) give a block's rows 40 MiB and the kernel up to 100 MiB, so
-#: head_dim 256 with 8 kv heads keeps 1024 rows (640 in 20 MiB): a 2048-token chunk at ctx 8192
-#: reads its context 232 MiB instead of 404 (RPA v3: 232), at 7.754e-06 / 3.770e-06 bundles per
-#: useful flop (8.842e-06 / 4.060e-06 at 640 rows; RPA v3 8.119e-06 / 4.035e-06); it needs
-#: 61.2 MiB of scoped VMEM. Models whose 1024 rows fit 20 MiB (Llama-3-8B, Qwen2-7B) keep them.
+#: its 1.356e-05 / 9.901e-06. Both targets hold only at 1024 rows. TPU7x (64 MiB of VMEM; RPA
+#: v3's default prefill blocks do not fit it): 1.359e-05 at 128 x 512 (the default rule),
+#: 9.408e-06 at 1024 x 512. Any other chip (v4, v5p, unknown) gets
+#: :data:`DEFAULT_RAGGED_BLOCKS`, the sizes every chip compiles.
+#:
+#: v5e and v6e (128 MiB of VMEM; RPA v3 asks for all of it) take 1024 rows x 1024 keys: a
+#: block's rows get 40 MiB (head_dim 256 with 8 kv heads keeps 1024 rows, 640 in 20 MiB), the
+#: KV double buffer 16 MiB (1024 keys of head_dim 256 with 8 kv heads, RPA v3's 1024-key KV
+#: blocks; 8 MiB held 512) and the kernel up to 120 MiB. Head_dim 256 with 8 kv heads, a
+#: 2048-token chunk at ctx 2048 (2026-12-05): v5e 1.073e-05 -> 1.056e-05, v6e 5.506e-06 ->
+#: 5.226e-06 (RPA v3 1.063e-05 / 5.358e-06; the same 40 MiB read), in ~107 MiB of scoped VMEM
+#: (60 MiB of headroom: with 64 libtpu's v5e schedule came out at 1.067e-05); Llama-3-8B
+#: 1.178e-05 -> 1.142e-05 / 9.135e-06 -> 8.559e-06; its mixed batch (64 decodes at ctx 4096 +
+#: a 512-token chunk) 2.220e-05 -> 2.183e-05 / 1.925e-05 -> 1.850e-05. A 1024-key step
+#: computed in two 512-key halves (RPA v3's compute chunks) took as much scoped VMEM (106
+#: MiB) and 11% more bundles (v6e Llama 9.523e-06): not kept.
+_V5E_V6E_BLOCKS = RaggedBlocks(
+    rows=1024, keys=1024, headroom=60 * _MIB, row_budget=40 * _MIB, vmem_cap=120 * _MIB,
+    kv_budget=16 * _MIB,
+)  # fmt: skip
 RAGGED_BLOCKS = {
-    "TPU v5 lite": RaggedBlocks(
-        rows=1024, keys=512, headroom=40 * _MIB, row_budget=40 * _MIB, vmem_cap=100 * _MIB
-    ),
-    "TPU v6 lite": RaggedBlocks(
-        rows=1024, keys=512, headroom=40 * _MIB, row_budget=40 * _MIB, vmem_cap=100 * _MIB
-    ),
+    "TPU v5 lite": _V5E_V6E_BLOCKS,
+    "TPU v6 lite": _V5E_V6E_BLOCKS,
     "TPU7x": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
 }
 DEFAULT_RAGGED_BLOCKS = RaggedBlocks(rows=128, keys=512, headroom=16 * _MIB)
@@ -504,8 +515,8 @@ def ragged_paged_attention_tpu(
       sliding_window: optional window (a query at ``p`` sees keys in ``(p - window, p]``).
       layer: the layer of ``kv_pages`` (int or traced i32 scalar; None: 0).
       interpret: run in TPU interpret mode (``pltpu.InterpretParams()``).
-      pages_per_compute_block: pages per DMA/compute step ``P`` (default: about 1024 keys,
-        capped so the KV buffers fit ``KV_VMEM_BUDGET``).
+      pages_per_compute_block: pages per DMA/compute step ``P`` (default: the chip's
+        :class:`RaggedBlocks` ``keys``, capped so the KV buffers fit its ``kv_budget``).
       queries_per_block: query tokens per program ``TQ`` (default
         :func:`default_queries_per_block`). Compiled, ``TQ * G`` must be a multiple of 8
         unless ``TQ`` covers all tokens (interpret mode takes any ``TQ``).
@@ -543,8 +554,9 @@ def ragged_paged_attention_tpu(
     m = block_tables.shape[1]
     blocks = ragged_blocks(device_kind)
     p = pages_per_compute_block or default_pages_per_compute_block(
-        s, m, blocks.keys, kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize
-    )
+        s, m, blocks.keys, kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize,
+        kv_budget=blocks.kv_budget,
+    )  # fmt: skip
     rows = block_rows(blocks, kh, d, q.dtype.itemsize)
     tq = queries_per_block or default_queries_per_block(t, g, rows)
     if tq < t and (tq * g) % _SUBLANES and not interpret:
