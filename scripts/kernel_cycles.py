@@ -198,8 +198,12 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     sizes = dict(kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=_itemsize(_kv_dtype(a)))
     blocks = rag.ragged_blocks(device.device_kind)  # the op's choice for this chip
     kv_budget = getattr(blocks, "kv_budget", None)  # older builds: one budget for every chip
+    keys = blocks.keys
+    if hasattr(rag, "step_keys"):  # the keys the op targets for this model's query rows
+        q_rows = rag.block_rows(blocks, a.kv_heads, a.head_dim, jnp.dtype(a.dtype).itemsize)
+        keys = rag.step_keys(blocks, a.kv_heads, q_rows)
     pages = default_pages_per_compute_block(
-        a.page, m, blocks.keys, **sizes, **({"kv_budget": kv_budget} if kv_budget else {})
+        a.page, m, keys, **sizes, **({"kv_budget": kv_budget} if kv_budget else {})
     )
     if hasattr(dec, "decode_pages_per_step"):
         import inspect

@@ -85,14 +85,19 @@ def test_ragged_steps_take_1024_keys_where_the_chip_gives_their_kv_16_mib():
     """The ragged kernel's pages per step: about ``keys`` of the chip's table, as many as
     two slots fit its KV budget: on v5e and v6e (128 MiB of VMEM) 1024 keys for Llama-3-8B
     and for head_dim 256 with 8 kv heads (16 MiB: RPA v3's 1024-key blocks); 512 on TPU7x
-    and any other chip (8 MiB); 8-bit pages take the same keys in half the bytes."""
+    and any other chip (8 MiB); 8-bit pages take the same keys in half the bytes. On v5e and
+    v6e the step's f32 logits of every kv head stay within 32 MiB: 16 or 32 kv heads take
+    512 keys (at 1024 keys 16 kv heads need 106 MiB of scoped VMEM)."""
     from kernels_pallas.tpu import _attention_common as common
     from kernels_pallas.tpu import ragged_paged_attention as rag
 
     def keys(kind, kv_heads, head_dim, itemsize=2, page=16):
         blocks = rag.ragged_blocks(kind)
+        rows = rag.block_rows(blocks, kv_heads, head_dim, 2)
+        target = rag.step_keys(blocks, kv_heads, rows)
+        assert blocks.logits_budget is None or 4 * rows * kv_heads * target <= (32 << 20)
         pages = common.default_pages_per_compute_block(
-            page, 2048, blocks.keys, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
+            page, 2048, target, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
             kv_budget=blocks.kv_budget,
         )  # fmt: skip
         per_page = 2 * common.kv_page_bytes(
@@ -105,6 +110,29 @@ def test_ragged_steps_take_1024_keys_where_the_chip_gives_their_kv_16_mib():
     assert [keys(k, 8, 128) for k in kinds] == [1024, 1024, 512, 512, 512]
     assert [keys(k, 8, 256) for k in kinds] == [1024, 1024, 512, 512, 512]
     assert [keys(k, 8, 256, itemsize=1) for k in kinds] == [1024, 1024, 512, 512, 512]
+    assert [keys(k, 16, 128) for k in kinds] == [512] * 5  # the logits' 32 MiB on v5e, v6e
     assert keys("TPU v5 lite", 32, 128) == 512  # 32 kv heads: 16 MiB holds 512
+    assert keys("TPU v6 lite", 4, 128) == 1024  # Qwen2-7B: 1008 rows
     assert rag.ragged_blocks("TPU v5 lite").kv_budget == 16 << 20
     assert rag.ragged_blocks("TPU7x").kv_budget == common.KV_VMEM_BUDGET == 8 << 20
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    kv_heads=hypothesis.strategies.integers(1, 64),
+    rows=hypothesis.strategies.integers(1, 128).map(lambda r: 8 * r),
+    device_kind=hypothesis.strategies.sampled_from(["TPU v5 lite", "TPU v6 lite", "TPU7x", None]),
+)
+def test_step_keys_keep_the_logits_within_budget_in_whole_lane_tiles(kv_heads, rows, device_kind):
+    """The ragged kernel's keys per step: the table's, or the most whole 128-key tiles whose
+    float32 logits of every kv head fit the chip's logits budget (at least one tile)."""
+    from kernels_pallas.tpu import ragged_paged_attention as rag
+
+    blocks = rag.ragged_blocks(device_kind)
+    keys = rag.step_keys(blocks, kv_heads, rows)
+    if blocks.logits_budget is None:
+        assert keys == blocks.keys
+        return
+    assert keys % 128 == 0 and 128 <= keys <= blocks.keys
+    assert keys == 128 or 4 * rows * kv_heads * keys <= blocks.logits_budget
+    assert keys == blocks.keys or 4 * rows * kv_heads * (keys + 128) > blocks.logits_budget

@@ -127,6 +127,9 @@ class RaggedBlocks:
       vmem_cap: the most scoped VMEM the kernel asks for.
       kv_budget: VMEM the step's two KV buffers may take
         (:func:`default_pages_per_compute_block`).
+      logits_budget: bytes the step's float32 logits of every kv head (``rows x keys x K``)
+        may take: fewer keys for a model with many kv heads (:func:`step_keys`); None: no
+        cap.
     """
 
     rows: int
@@ -135,6 +138,7 @@ class RaggedBlocks:
     row_budget: int = ROW_VMEM_BUDGET
     vmem_cap: int = VMEM_LIMIT_CAP
     kv_budget: int = KV_VMEM_BUDGET
+    logits_budget: int | None = None
 
 
 #: Tuned per ``device_kind`` from the static schedule (``scripts/kernel_cycles.py --fused
@@ -157,10 +161,13 @@ class RaggedBlocks:
 #: 1.178e-05 -> 1.142e-05 / 9.135e-06 -> 8.559e-06; its mixed batch (64 decodes at ctx 4096 +
 #: a 512-token chunk) 2.220e-05 -> 2.183e-05 / 1.925e-05 -> 1.850e-05. A 1024-key step
 #: computed in two 512-key halves (RPA v3's compute chunks) took as much scoped VMEM (106
-#: MiB) and 11% more bundles (v6e Llama 9.523e-06): not kept.
+#: MiB) and 11% more bundles (v6e Llama 9.523e-06): not kept. 16 kv heads of head_dim 128 at
+#: 1024 x 1024 need 106 MiB (scratch 41 + temporaries): a step's f32 logits of every kv head
+#: are held to 32 MiB (:func:`step_keys`; 8 kv heads x 1024 rows x 1024 keys), so 16 or 32 kv
+#: heads take 512 keys.
 _V5E_V6E_BLOCKS = RaggedBlocks(
     rows=1024, keys=1024, headroom=60 * _MIB, row_budget=40 * _MIB, vmem_cap=120 * _MIB,
-    kv_budget=16 * _MIB,
+    kv_budget=16 * _MIB, logits_budget=32 * _MIB,
 )  # fmt: skip
 RAGGED_BLOCKS = {
     "TPU v5 lite": _V5E_V6E_BLOCKS,
@@ -180,6 +187,18 @@ def block_rows(blocks: RaggedBlocks, kv_heads: int, head_dim: int, itemsize: int
     ``blocks.row_budget`` (``itemsize``: the queries' bytes per element)."""
     per_row = kv_heads * (4 * head_dim * itemsize + 4 * head_dim + 2 * 4 * 128)
     return max(_SUBLANES, min(blocks.rows, blocks.row_budget // per_row // _SUBLANES * _SUBLANES))
+
+
+def step_keys(blocks: RaggedBlocks, kv_heads: int, rows: int) -> int:
+    """Target keys per compute step: ``blocks.keys``, fewer (a multiple of 128, at least 128)
+    when the step's float32 logits of ``kv_heads`` heads over ``rows`` query rows would pass
+    ``blocks.logits_budget`` (the kernel's temporaries grow with them: 16 kv heads of
+    head_dim 128 at 1024 rows x 1024 keys need 106 MiB of scoped VMEM on v5e, 8 kv heads of
+    head_dim 256 ~107 MiB)."""
+    if blocks.logits_budget is None:
+        return blocks.keys
+    fit = blocks.logits_budget // (4 * rows * kv_heads) // 128 * 128  # whole lane tiles
+    return max(128, min(blocks.keys, fit))
 
 
 def masked_step_widths(pages: int, block_size: int, lane_aligned: bool = True) -> list[int]:
@@ -553,11 +572,11 @@ def ragged_paged_attention_tpu(
     g = h // kh
     m = block_tables.shape[1]
     blocks = ragged_blocks(device_kind)
-    p = pages_per_compute_block or default_pages_per_compute_block(
-        s, m, blocks.keys, kv_heads=kh, head_dim=d, itemsize=kv_pages.dtype.itemsize,
-        kv_budget=blocks.kv_budget,
-    )  # fmt: skip
     rows = block_rows(blocks, kh, d, q.dtype.itemsize)
+    p = pages_per_compute_block or default_pages_per_compute_block(
+        s, m, step_keys(blocks, kh, rows), kv_heads=kh, head_dim=d,
+        itemsize=kv_pages.dtype.itemsize, kv_budget=blocks.kv_budget,
+    )  # fmt: skip
     tq = queries_per_block or default_queries_per_block(t, g, rows)
     if tq < t and (tq * g) % _SUBLANES and not interpret:
         raise ValueError(
