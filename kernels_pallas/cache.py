@@ -289,20 +289,20 @@ def kv_cache_vmem_bytes(
     dtype: Any,
     *,
     max_blocks_per_seq: int,
+    device_kind: str | None = None,
 ) -> int:
-    """VMEM the TPU attention kernels' KV double buffers take for this cache geometry."""
-    from kernels_pallas.tpu._attention_common import default_pages_per_compute_block
+    """VMEM the TPU attention kernels' KV double buffers take for this cache geometry on the
+    chip of ``device_kind`` (None: one with no block sizes of its own): the larger kernel's
+    (:func:`kernels_pallas.tpu.routing.kv_pages_per_step`; bfloat16 queries on 8-bit pages)."""
+    from kernels_pallas.tpu.routing import kv_pages_per_step
 
     itemsize = jnp.dtype(dtype).itemsize
     head_dim = stored_head_dim(head_dim, "tpu")
-    pages = default_pages_per_compute_block(
-        block_size,
-        max_blocks_per_seq,
-        128,
-        kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        itemsize=itemsize,
-    )
+    q_itemsize = 2 if is_quantized_dtype(dtype) else itemsize
+    pages = kv_pages_per_step(
+        block_size, max_blocks_per_seq, kv_heads=num_kv_heads, head_dim=head_dim,
+        q_itemsize=q_itemsize, kv_itemsize=itemsize, device_kind=device_kind,
+    )  # fmt: skip
     rows = kv_layout.combined_rows(num_kv_heads, dtype) * kv_layout.kv_packing(dtype)
     return 2 * pages * block_size * rows * head_dim * itemsize  # two buffers of P pages
 

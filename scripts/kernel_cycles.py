@@ -195,16 +195,17 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
     dtype = jnp.dtype(a.dtype)
     i32 = jnp.int32
     opaque = not isinstance(cache, tuple)
-    sizes = dict(kv_heads=a.kv_heads, head_dim=a.head_dim, itemsize=_itemsize(_kv_dtype(a)))
+    # the kernels' head dim is the one the pages store (head_dim 64 is lane-padded to 128)
+    stored = kp.stored_head_dim(a.head_dim, "tpu") if hasattr(kp, "stored_head_dim") else a.head_dim
+    sizes = dict(kv_heads=a.kv_heads, head_dim=stored, itemsize=_itemsize(_kv_dtype(a)))
     blocks = rag.ragged_blocks(device.device_kind)  # the op's choice for this chip
-    kv_budget = getattr(blocks, "kv_budget", None)  # older builds: one budget for every chip
-    keys = blocks.keys
-    if hasattr(rag, "step_keys"):  # the keys the op targets for this model's query rows
-        q_rows = rag.block_rows(blocks, a.kv_heads, a.head_dim, jnp.dtype(a.dtype).itemsize)
-        keys = rag.step_keys(blocks, a.kv_heads, q_rows)
-    pages = default_pages_per_compute_block(
-        a.page, m, keys, **sizes, **({"kv_budget": kv_budget} if kv_budget else {})
-    )
+    if hasattr(rag, "step_pages"):  # the op's own rule
+        pages = rag.step_pages(
+            blocks, a.page, m, kv_heads=a.kv_heads, head_dim=stored,
+            q_itemsize=dtype.itemsize, kv_itemsize=sizes["itemsize"],
+        )  # fmt: skip
+    else:  # older builds: the table's keys within one KV budget for every chip
+        pages = default_pages_per_compute_block(a.page, m, blocks.keys, **sizes)
     if hasattr(dec, "decode_pages_per_step"):
         import inspect
 
@@ -252,7 +253,7 @@ def _compile_paxcache(case: str, a: argparse.Namespace, device: Any) -> list[dic
         jax.jit(ragged, donate_argnums=(1,) if a.fused else ()).trace(*args).lower().compile()
         rows = blocks.rows  # the kernel's own rule when it has one (older builds: the table)
         if hasattr(rag, "block_rows"):
-            rows = rag.block_rows(blocks, a.kv_heads, a.head_dim, jnp.dtype(a.dtype).itemsize)
+            rows = rag.block_rows(blocks, a.kv_heads, stored, dtype.itemsize)
         tq = rag.default_queries_per_block(t, a.heads // a.kv_heads, rows)
         if case == "mixed":
             dec_lengths = [a.ctx] * a.batch + [0] * (min(t, nseq) - a.batch)
@@ -383,8 +384,10 @@ def child_main(a: argparse.Namespace) -> None:
             from kernels_pallas.tpu import ragged_paged_attention as rag
 
             rows, keys, headroom, *more = (int(x) for x in a.ragged_blocks.split(","))
-            limits = ("kv_budget", "vmem_cap")[: len(more)]  # optional, in MiB
+            limits = ("kv_budget", "vmem_cap", "logits_budget")[: len(more)]  # optional, MiB
             extra = {k: x * 1024 * 1024 for k, x in zip(limits, more, strict=True)}
+            if extra.get("logits_budget") == 0:  # 0: the step's keys not capped by logits
+                extra["logits_budget"] = None
             rag.RAGGED_BLOCKS[device.device_kind] = dataclasses.replace(
                 rag.ragged_blocks(device.device_kind),  # the chip's other limits kept
                 rows=rows, keys=keys, headroom=headroom * 1024 * 1024, **extra,
@@ -619,9 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="paxcache with the step's KV write fused (new_kv=), as the engine's step runs it",
     )  # fmt: skip
     p.add_argument(
-        "--ragged-blocks", default=None, metavar="ROWS,KEYS,HEADROOM_MIB[,KV_MIB[,CAP_MIB]]",
-        help="sweep: the ragged kernel's block sizes (and optionally its KV double buffer's "
-        "and the kernel's VMEM limits) for the target instead of its table entry",
+        "--ragged-blocks", default=None,
+        metavar="ROWS,KEYS,HEADROOM_MIB[,KV_MIB[,CAP_MIB[,LOGITS_MIB]]]",
+        help="sweep: the ragged kernel's block sizes (and optionally its KV double buffer's, "
+        "the kernel's VMEM and the step's f32 logits limits; LOGITS_MIB 0: none) for the "
+        "target instead of its table entry; the limits not given are the entry's, so KEYS "
+        "is still capped by its logits budget (v5e, v6e: 32 MiB) unless LOGITS_MIB is given",
     )  # fmt: skip
     p.add_argument("--rpa-wheel", default=None, help="tpu-inference .whl or unpacked folder")
     p.add_argument("--json", default=None, help="write the rows here")
@@ -641,8 +647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.case != ["decode"] and a.chunk > a.ctx:
         p.error(f"--chunk {a.chunk} exceeds --ctx {a.ctx}")
     fields = a.ragged_blocks.split(",") if a.ragged_blocks else []
-    if fields and not (3 <= len(fields) <= 5 and all(f.strip().isdigit() for f in fields)):
-        p.error(f"--ragged-blocks {a.ragged_blocks!r}: 3 to 5 whole numbers, comma-separated")
+    if fields and not (3 <= len(fields) <= 6 and all(f.strip().isdigit() for f in fields)):
+        p.error(f"--ragged-blocks {a.ragged_blocks!r}: 3 to 6 whole numbers, comma-separated")
     rows: list[dict] = []
     failed = []
     for target in a.target:

@@ -237,7 +237,7 @@ def test_cli_takes_comma_lists_and_rejects_unknown_values():
     assert a.target == ["v5e", "tpu7x"] and a.case == ["decode"]
     with pytest.raises(SystemExit):
         kc.build_parser().parse_args(["--case=train"])
-    for sweep in ("1024,512", "1024,1024,60,16,120,512", "1024,x,60"):  # 3 to 5 numbers
+    for sweep in ("1024,512", "1024,1024,60,16,120,32,9", "1024,x,60"):  # 3 to 6 numbers
         with pytest.raises(SystemExit):
             kc.main(["--target=v5e", "--case=prefill", f"--ragged-blocks={sweep}"])
 

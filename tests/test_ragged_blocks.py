@@ -100,6 +100,10 @@ def test_ragged_steps_take_1024_keys_where_the_chip_gives_their_kv_16_mib():
             page, 2048, target, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
             kv_budget=blocks.kv_budget,
         )  # fmt: skip
+        assert pages == rag.step_pages(
+            blocks, page, 2048, kv_heads=kv_heads, head_dim=head_dim, q_itemsize=2,
+            kv_itemsize=itemsize,
+        )  # the op's one rule (step_pages) is this composition
         per_page = 2 * common.kv_page_bytes(
             page, common.combined_rows_of(kv_heads, itemsize), head_dim
         )
@@ -136,3 +140,30 @@ def test_step_keys_keep_the_logits_within_budget_in_whole_lane_tiles(kv_heads, r
     assert keys % 128 == 0 and 128 <= keys <= blocks.keys
     assert keys == 128 or 4 * rows * kv_heads * keys <= blocks.logits_budget
     assert keys == blocks.keys or 4 * rows * kv_heads * (keys + 128) > blocks.logits_budget
+
+
+def test_kv_cache_vmem_bytes_is_the_larger_kernels_kv_double_buffer_on_the_chip():
+    """``kp.kv_cache_vmem_bytes``: two slots of the pages per step of whichever TPU kernel
+    takes more on the chip (the decode kernel's ~2048 keys within its budget, the ragged
+    kernel's ``step_pages``), never more than the sequence's own pages; head_dim 64 is
+    stored in 128 lanes."""
+    import jax.numpy as jnp
+
+    import kernels_pallas as kp
+
+    bf16 = jnp.bfloat16
+    llama = dict(block_size=16, num_kv_heads=8, head_dim=128, dtype=bf16)  # 4 KiB per token
+
+    def vmem(max_blocks, kind=None, **model):
+        return kp.kv_cache_vmem_bytes(**model, max_blocks_per_seq=max_blocks, device_kind=kind)
+
+    for kind in ("TPU v5 lite", "TPU v6 lite", "TPU7x", "TPU v4", None):
+        assert vmem(2048, kind, **llama) == 2 * 2048 * 4096  # decode: 2048 keys
+        assert vmem(4, kind, **llama) == 2 * 64 * 4096  # a 64-token sequence: its 4 pages
+    assert vmem(4, **dict(llama, head_dim=64)) == 2 * 64 * 4096  # lane-padded to 128
+    wide = dict(llama, num_kv_heads=32)  # MHA: 16 KiB per token
+    assert vmem(2048, "TPU v6 lite", **wide) == 2 * 1024 * 16384  # decode's 32 MiB: 1024 keys
+    assert vmem(2048, "TPU v4", **wide) == 2 * 512 * 16384  # 16 MiB: 512 keys
+    gemma = dict(llama, head_dim=256)  # 8 KiB per token: decode 2048 keys in 32 MiB
+    assert vmem(2048, "TPU v5 lite", **gemma) == 2 * 2048 * 8192
+    assert vmem(2048, "TPU v5 lite", **dict(gemma, dtype=jnp.int8)) == 2 * 2048 * 4096

@@ -201,6 +201,21 @@ def step_keys(blocks: RaggedBlocks, kv_heads: int, rows: int) -> int:
     return max(128, min(blocks.keys, fit))
 
 
+def step_pages(
+    blocks: RaggedBlocks, block_size: int, max_blocks: int, *, kv_heads: int, head_dim: int,
+    q_itemsize: int, kv_itemsize: int,
+) -> int:  # fmt: skip
+    """``P``: pages per compute step of the ragged kernel, the op's rule in one place: the
+    block's query rows (:func:`block_rows`) cap the step's keys (:func:`step_keys`), which
+    give pages within ``blocks.kv_budget`` (``head_dim`` the stored ``Dp``; itemsizes of the
+    queries and of the pages)."""
+    rows = block_rows(blocks, kv_heads, head_dim, q_itemsize)
+    return default_pages_per_compute_block(
+        block_size, max_blocks, step_keys(blocks, kv_heads, rows), kv_heads=kv_heads,
+        head_dim=head_dim, itemsize=kv_itemsize, kv_budget=blocks.kv_budget,
+    )  # fmt: skip
+
+
 def masked_step_widths(pages: int, block_size: int, lane_aligned: bool = True) -> list[int]:
     """The widths (in pages) a masked compute step of ``pages`` pages is compiled at: a
     quarter, a half, three quarters (compiled: when a multiple of 128 keys, the lane tile)
@@ -573,9 +588,9 @@ def ragged_paged_attention_tpu(
     m = block_tables.shape[1]
     blocks = ragged_blocks(device_kind)
     rows = block_rows(blocks, kh, d, q.dtype.itemsize)
-    p = pages_per_compute_block or default_pages_per_compute_block(
-        s, m, step_keys(blocks, kh, rows), kv_heads=kh, head_dim=d,
-        itemsize=kv_pages.dtype.itemsize, kv_budget=blocks.kv_budget,
+    p = pages_per_compute_block or step_pages(
+        blocks, s, m, kv_heads=kh, head_dim=d, q_itemsize=q.dtype.itemsize,
+        kv_itemsize=kv_pages.dtype.itemsize,
     )  # fmt: skip
     tq = queries_per_block or default_queries_per_block(t, g, rows)
     if tq < t and (tq * g) % _SUBLANES and not interpret:

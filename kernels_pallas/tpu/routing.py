@@ -24,7 +24,30 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["decode_rows", "leading_decode_seqs", "mixed_rows"]
+__all__ = ["decode_rows", "kv_pages_per_step", "leading_decode_seqs", "mixed_rows"]
+
+
+def kv_pages_per_step(
+    block_size: int, max_blocks: int, *, kv_heads: int, head_dim: int, q_itemsize: int,
+    kv_itemsize: int, device_kind: str | None = None,
+) -> int:  # fmt: skip
+    """The most pages either kernel's KV double buffer holds per slot on the chip of
+    ``device_kind``: the decode kernel's (:func:`~kernels_pallas.tpu.paged_attention.
+    decode_pages_per_step`) or the ragged kernel's (:func:`~kernels_pallas.tpu.
+    ragged_paged_attention.step_pages`); ``head_dim`` the stored ``Dp``."""
+    from kernels_pallas.tpu.paged_attention import decode_pages_per_step
+    from kernels_pallas.tpu.ragged_paged_attention import ragged_blocks, step_pages
+
+    size = dict(kv_heads=kv_heads, head_dim=head_dim)
+    return max(
+        decode_pages_per_step(
+            block_size, max_blocks, itemsize=kv_itemsize, device_kind=device_kind, **size
+        ),
+        step_pages(
+            ragged_blocks(device_kind), block_size, max_blocks, q_itemsize=q_itemsize,
+            kv_itemsize=kv_itemsize, **size,
+        ),
+    )  # fmt: skip
 
 
 def leading_decode_seqs(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
