@@ -35,6 +35,7 @@ import numpy as np
 from paxcache import allocator
 from paxcache.sampling import SampleOutput, sequence_keys
 from paxcache.scheduler import Scheduler, StepPlan
+from paxcache.sequence import stop_ids
 
 __all__ = [
     "MAX_STOP_IDS",
@@ -104,15 +105,9 @@ def eligible(plan: StepPlan, eos_ids: Collection[int]) -> bool:
     for j, ((seq, q), (sampler, row)) in enumerate(zip(plan.rows, plan.samples, strict=True)):
         if q != 1 or row != j or sampler is not seq or seq.matcher is not None:
             return False
-        if len(_stop_ids(seq, eos_ids)) > MAX_STOP_IDS:
+        if len(stop_ids(seq, eos_ids)[0]) > MAX_STOP_IDS:
             return False
     return True
-
-
-def _stop_ids(seq: Any, eos_ids: Collection[int]) -> list[int]:
-    p = seq.params
-    eos = [] if p.ignore_eos else sorted(eos_ids)
-    return eos + [int(t) for t in p.stop_token_ids or ()]
 
 
 def prepare(
@@ -132,18 +127,30 @@ def prepare(
     reaches one token past it: the scheduler recomputes it before its next token
     (``Scheduler._recompute_outgrown``)."""
     r = max_rows
-    stop_ids = np.full((r, MAX_STOP_IDS), -1, np.int32)
+    seqs = [seq for seq, _ in plan.samples]
+    n = len(seqs)
+    stops = np.full((r, MAX_STOP_IDS), -1, np.int32)
+    ids = [stop_ids(seq, eos_ids)[0] for seq in seqs]
+    widths = set(map(len, ids))
+    if len(widths) == 1:  # one array op (every row has as many stop ids: the usual case)
+        width = widths.pop()
+        stops[:n, :width] = np.asarray(ids, np.int32).reshape(n, width)
+    else:
+        for j, row_ids in enumerate(ids):
+            stops[j, : len(row_ids)] = row_ids
     max_new = np.ones(r, np.int32)
-    for j, (seq, _) in enumerate(plan.samples):
-        ids = _stop_ids(seq, eos_ids)
-        stop_ids[j, : len(ids)] = ids
-        left = min(seq.params.max_tokens - seq.num_generated, max_model_len - len(seq.token_ids))
-        if rope_switch_len is not None and not seq.rope_long:
-            left = min(left, rope_switch_len - len(seq.token_ids) + 1)
-        max_new[j] = max(1, left)
+    if n:
+        lens = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, n)
+        generated = lens - np.fromiter((seq.num_prompt for seq in seqs), np.int64, n)
+        max_tokens = np.fromiter((seq.params.max_tokens for seq in seqs), np.int64, n)
+        left = np.minimum(max_tokens - generated, max_model_len - lens)
+        if rope_switch_len is not None:  # short-factor rows stop one token past the switch
+            short = np.fromiter((not seq.rope_long for seq in seqs), bool, n)
+            left = np.where(short, np.minimum(left, rope_switch_len - lens + 1), left)
+        max_new[:n] = np.maximum(1, left)
     return DecodeLoopInputs(
-        keys=sequence_keys([seq for seq, _ in plan.samples], r, range(num_steps)),
-        stop_ids=stop_ids,
+        keys=sequence_keys(seqs, r, range(num_steps)),
+        stop_ids=stops,
         max_new=max_new,
         exit_on_finish=np.asarray(exit_on_finish),
         active=np.arange(r) < len(plan.samples),

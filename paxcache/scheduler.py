@@ -92,7 +92,7 @@ from paxcache.manager import BlockManager
 from paxcache.outputs import INTERNAL_ERROR
 from paxcache.plan import StepPlan, StepResult, record_prompt_logprobs
 from paxcache.scheduler_checks import check_scheduler
-from paxcache.sequence import SeqState, Sequence, check_stop, is_stop_token, reached_length
+from paxcache.sequence import SeqState, Sequence, check_stop, stop_ids
 
 __all__ = ["Scheduler", "SeqState", "Sequence", "StepPlan", "StepResult"]
 
@@ -661,9 +661,10 @@ class Scheduler:
         slow = np.zeros(len(steps), bool)
         steps_of_row = steps.tolist()
         tokens_of_sample = np.asarray(result.tokens).T.tolist()  # [R][K] Python ints, at once
+        done = SeqState.FINISHED
         for j, (seq, row) in enumerate(plan.samples):
             n = steps_of_row[row]
-            if n == 0 or seq.request_id in failed or seq.is_finished:
+            if n == 0 or seq.request_id in failed or seq.state == done:
                 continue
             toks = tokens_of_sample[j][:n]
             if not self._take_chunk(seq, toks, result, j):
@@ -685,14 +686,16 @@ class Scheduler:
         exactly as ``len(toks)`` single steps would; False, changing nothing, when that is
         not certain (a grammar, a stop or length condition before the last token). Stop
         strings are the output processor's, as after a single step (:meth:`stop_at`)."""
-        p = seq.params
         if seq.matcher is not None:
             return False
-        eos, n = self.eos_token_ids, len(toks)
-        if any(is_stop_token(p, t, eos) for t in toks[:-1]):
-            return False
-        if reached_length(seq, self.max_model_len, more=n - 1):
+        eos, max_len, n = self.eos_token_ids, self.max_model_len, len(toks)
+        max_tokens = seq.params.max_tokens
+        total = len(seq.token_ids) + n  # once appended; reached_length's rule, inlined:
+        if total - 1 - seq.num_prompt >= max_tokens or total - 1 >= max_len:
             return False  # a length stop before the last token
+        stops = stop_ids(seq, eos)[1]  # is_stop_token's ids
+        if n > 1 and not stops.isdisjoint(toks[:-1]):
+            return False  # a stop token before the last token
         self._feed(seq, n)
         seq.token_ids.extend(toks)
         seq.new_ids.extend(toks)
@@ -701,7 +704,9 @@ class Scheduler:
             lps = zip(r.logprob[:n, j], r.top_ids[:n, j], r.top_logprobs[:n, j], strict=True)
             seq.logprobs.extend((t, *lp) for t, lp in zip(toks, lps, strict=True))
         self.num_generated_tokens += n
-        check_stop(seq, toks[-1], eos, self.max_model_len)
+        last = toks[-1]
+        if last in stops or total - seq.num_prompt >= max_tokens or total >= max_len:
+            check_stop(seq, last, eos, max_len)  # it finishes: the one rule decides how
         return True
 
     def stop_at(self, hits: list[tuple[Sequence, int]]) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "is_stop_token",
     "new_request",
     "reached_length",
+    "stop_ids",
 ]
 
 
@@ -102,6 +103,7 @@ class Sequence:
       matcher: its grammar state (:class:`paxcache.grammar.Matcher`) when the request is
         constrained, else None. It has consumed exactly the generated tokens, so preemption
         (recompute or swap, which keep ``token_ids``) leaves it consistent.
+      stop_cache: :func:`stop_ids`' answer, made at its first call.
     """
 
     request_id: str
@@ -137,6 +139,8 @@ class Sequence:
     stop_reason: int | str | None = None
     new_ids: list[int] = dataclasses.field(default_factory=list)
     matcher: Any = None
+    # (the EOS ids and params it was made for, the ids, the ids as a frozenset)
+    stop_cache: tuple[Any, Any, tuple[int, ...], frozenset[int]] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -229,6 +233,19 @@ def is_stop_token(params: SamplingParams, tok: int, eos_ids: Collection[int]) ->
     """Whether ``tok`` ends a sequence of ``params`` by itself: EOS (unless ``ignore_eos``) or
     one of its stop token ids (neither is detokenized)."""
     return (tok in eos_ids and not params.ignore_eos) or tok in (params.stop_token_ids or ())
+
+
+def stop_ids(seq: Sequence, eos_ids: Collection[int]) -> tuple[tuple[int, ...], frozenset[int]]:
+    """The token ids that end ``seq`` by themselves (:func:`is_stop_token`: EOS, sorted, unless
+    ``ignore_eos``, then its ``stop_token_ids``), as a tuple and as a frozenset; made once
+    per sequence (for one ``eos_ids`` object and ``params``)."""
+    cache, p = seq.stop_cache, seq.params
+    if cache is not None and cache[0] is eos_ids and cache[1] is p:
+        return cache[2], cache[3]
+    eos = [] if p.ignore_eos else sorted(int(t) for t in eos_ids)
+    ids = (*eos, *(int(t) for t in p.stop_token_ids or ()))
+    seq.stop_cache = (eos_ids, p, ids, frozenset(ids))
+    return ids, seq.stop_cache[3]
 
 
 def reached_length(seq: Sequence, max_model_len: int, more: int = 0) -> bool:
