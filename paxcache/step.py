@@ -330,19 +330,22 @@ def prepare_tokens(plan: StepPlan, shapes: StepShapes) -> tuple[dict[str, np.nda
     kv_lens = np.zeros(r, np.int32)
     rope_lens = np.zeros(r, np.int32)
     grows = np.zeros(r, bool)
-    row_ends = []
-    off = 0
-    for i, ((seq, q), slot) in enumerate(zip(plan.rows, plan.slots, strict=True)):
-        c = seq.num_computed
-        tokens[off : off + q] = seq.token_ids[c : c + q]
-        off += q
-        row_ends.append(off - 1)
-        slot_ids[i], q_lens[i], kv_lens[i] = slot, q, c + q
-        rope_lens[i] = len(seq.token_ids)
-        extra = c + q - seq.num_allocated
-        if extra > 0:
-            assert extra == 1, "at most one new token per step beyond the allocation"
-            grows[i] = True
+    rows, n = plan.rows, len(plan.rows)
+    assert len(plan.slots) == n, "one slot per row"
+    computed = [seq.num_computed for seq, _ in rows]
+    q_list = [q for _, q in rows]
+    fed: list[int] = []  # each row's tokens, in row order (a decode row's one token)
+    for (seq, q), c in zip(rows, computed, strict=True):
+        fed.extend(seq.token_ids[c : c + q])
+    assert len(fed) == sum(q_list), "a row feeds tokens past its sequence's end"
+    tokens[: len(fed)] = fed
+    row_ends = (np.cumsum(q_list, dtype=np.int64) - 1).tolist()
+    slot_ids[:n], q_lens[:n] = plan.slots, q_list
+    kv_lens[:n] = np.add(computed, q_list)
+    rope_lens[:n] = [len(seq.token_ids) for seq, _ in rows]
+    extra = kv_lens[:n] - np.asarray([seq.num_allocated for seq, _ in rows], np.int64)
+    assert not np.any(extra > 1), "at most one new token per step beyond the allocation"
+    grows[:n] = extra > 0
     arrays = dict(
         token_ids=tokens,
         slot_ids=slot_ids,

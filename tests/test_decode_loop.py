@@ -316,3 +316,71 @@ def test_an_overlapped_multi_step_decode_is_continued_on_the_device_with_the_sam
     st_ = overlapped.stats()
     assert st_["num_overlapped_steps"] > 0 and st_["num_wasted_rows"] > 0
     assert st_["num_free_blocks"] == st_["num_total_blocks"]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    prompt_len=st.integers(1, 6),
+    done=st.integers(0, 6),
+    max_tokens=st.integers(1, 12),
+    max_model_len=st.integers(8, 20),
+    ignore_eos=st.booleans(),
+    stop_ids=st.sampled_from([None, [5], [EOS], [5, 6]]),
+    toks=st.lists(st.sampled_from([1, 2, 5, 6, EOS]), min_size=1, max_size=8),
+)
+def test_a_rows_chunk_is_taken_exactly_as_token_by_token_stop_checks(
+    prompt_len, done, max_tokens, max_model_len, ignore_eos, stop_ids, toks
+):
+    """The multi-step fast path (``Scheduler._take_chunk``: stop ids as a set, the length
+    rule in arithmetic) takes a row's K tokens exactly when one ``check_stop`` per token would
+    take them all (no EOS or stop id, no ``max_tokens`` / ``max_model_len`` before the last
+    token, a stop id or EOS at the K-th position taken), with the same finish; otherwise it
+    changes nothing (the iteration-by-iteration path then applies the rule)."""
+    from paxcache import BlockManager, CacheConfig
+    from paxcache.plan import StepResult
+    from paxcache.scheduler import Scheduler
+    from paxcache.sequence import check_stop
+
+    cfg = CacheConfig(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=8)
+    sched = Scheduler(
+        BlockManager(cfg),
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        max_model_len=max_model_len,
+        eos_token_ids=[EOS],
+    )
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids)
+
+    def fresh():
+        (seq,) = new_request("r", [3] * prompt_len, params, seed=0)
+        seq.token_ids += [1] * done
+        seq.num_computed = seq.num_allocated = len(seq.token_ids) - 1
+        return seq
+
+    if done >= max_tokens or prompt_len + done >= max_model_len:
+        return  # that sequence would have finished before this step
+    # The rule, one token at a time.
+    ref = fresh()
+    taken = 0
+    for t in toks:
+        ref.token_ids.append(t)
+        taken += 1
+        check_stop(ref, t, sched.eos_token_ids, max_model_len)
+        if ref.finish_reason is not None:
+            break
+    seq = fresh()
+    before = (list(seq.token_ids), seq.num_computed, seq.finish_reason)
+    result = StepResult(state=None, num_free_blocks=0, row_ok=np.ones(1, bool), tokens=None)
+    took = sched._take_chunk(seq, list(toks), result, 0)
+    assert took == (taken == len(toks))
+    if took:
+        assert seq.token_ids == ref.token_ids and seq.new_ids == toks
+        assert seq.num_computed == before[1] + len(toks)
+        assert (seq.finish_reason, seq.stop_reason, seq.ends_on_stop_token) == (
+            ref.finish_reason,
+            ref.stop_reason,
+            ref.ends_on_stop_token,
+        )
+    else:
+        assert (seq.token_ids, seq.num_computed, seq.finish_reason) == before
+        assert seq.new_ids == [] and seq.stop_reason is None and not seq.ends_on_stop_token
