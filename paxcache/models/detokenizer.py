@@ -94,7 +94,7 @@ class IncrementalDecoder:
         either). Otherwise it pushes them one by one (two decodes each), here, so the caller
         never does.
         """
-        ids = [int(i) for i in ids]
+        ids = list(map(int, ids))
         if not ids:
             return ""
         if self._utf8 is not None:
