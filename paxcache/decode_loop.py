@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxcache import allocator
+from paxcache import allocator, packing
 from paxcache.sampling import SampleOutput, sequence_keys
 from paxcache.scheduler import Scheduler, StepPlan
 from paxcache.sequence import stop_ids
@@ -320,13 +320,15 @@ def next_inputs(
 
     Args:
       inputs: the loop's :class:`~paxcache.step.StepInputs` (``decode_loop`` set; on the
-        device).
+        device), or them packed (:mod:`paxcache.packing`): the result is then packed too.
       state: the block state the loop returned.
       tokens: ``i32[K, R]`` its samples; ``steps``: ``i32[R]`` iterations each row ran.
       keys: ``u32[2K, R, 2]`` each row's keys from the loop's first sample on
         (:func:`~paxcache.sampling.sequence_keys` before the loop is read).
       keep: ``bool[R]`` rows whose sequence the host still runs.
     """
+    if isinstance(inputs, packing.PackedInputs):  # the engine's form, and the step's
+        return packing.pack(next_inputs(inputs.unpack(), state, tokens, steps, keys, keep))
     loop = inputs.decode_loop
     num_steps, r = tokens.shape
     rows = jnp.arange(r)

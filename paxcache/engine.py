@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from paxcache import allocator, decode_loop, grammar, kv_cache, kv_quant, overlap, sizing
+from paxcache import allocator, decode_loop, grammar, kv_cache, kv_quant, overlap, packing, sizing
 from paxcache import compile_cache as compile_cache_lib
 from paxcache import step as step_lib
 from paxcache.config import CacheConfig
@@ -503,16 +503,16 @@ class Engine:
         self,
         plan: StepPlan,
         *,
-        inputs: step_lib.StepInputs | None = None,
+        inputs: step_lib.StepInputs | packing.PackedInputs | None = None,
         state: Any = None,
         free_after: int | None = None,
     ) -> overlap.InFlight | None:
         """Runs ``plan``'s swaps' KV copies, then dispatches its step (JAX returns before the
         device finishes) on ``state`` (default: the block manager's) with ``inputs`` (default
-        built from the plan). None when the plan has no rows. The block manager does not
-        adopt the new state here (``postprocess`` does), so a failure at the transfer leaves
-        it holding the donated input, which :meth:`_recover` then sees is gone. Raises
-        StepFailed (the cause chained)."""
+        built from the plan; packed: built on the device). None when the plan has no rows.
+        The block manager does not adopt the new state here (``postprocess`` does), so a
+        failure at the transfer leaves it holding the donated input, which :meth:`_recover`
+        then sees is gone. Raises StepFailed (the cause chained)."""
         try:
             self._move_kv(plan)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
@@ -524,23 +524,29 @@ class Engine:
             inputs, failed = step_lib.prepare_inputs(plan, self._shapes)
             loop = decode_loop.for_plan(plan, self.scheduler, self._shapes)  # None: one step
             inputs = inputs.replace(decode_loop=loop)
+        # What the host knows of them (inputs built on the device: their shapes only).
+        host = inputs.structure() if isinstance(inputs, packing.PackedInputs) else inputs
         # Only a single-step continuation reads it (a multi-step one checks on the device).
-        if free_after is None and self._pipeline is not None and inputs.decode_loop is None:
+        if free_after is None and self._pipeline is not None and host.decode_loop is None:
             need = self.scheduler.blocks_needed(plan.rows)
             free_after = self.block_manager.num_free_blocks - need
         state = self.block_manager.state if state is None else state
         try:
-            inputs = self._place_inputs(inputs)
+            placed = self._place_inputs(inputs)
             with step_lib.tracing_for(self._on_trace):
-                state, kv, out = self._jit_step(state, self._device_kv(), self._params, inputs)
+                state, kv, out = self._jit_step(state, self._device_kv(), self._params, placed)
         except Exception as e:  # noqa: BLE001 - handled by step(): fails this step's requests
             raise StepFailed(failed) from e
         self._kv = self._with_host_pool(kv)
-        return overlap.InFlight(plan, inputs, failed, state, out, free_after)
+        return overlap.InFlight(plan, host, failed, state, out, free_after, placed=placed)
 
-    def _place_inputs(self, inputs: step_lib.StepInputs) -> step_lib.StepInputs:
-        """``inputs`` committed to the device, as every step call gets them (a continuation's
-        tokens are a device array: :mod:`.overlap`; placement is part of the executable)."""
+    def _place_inputs(self, inputs: Any) -> packing.PackedInputs:
+        """``inputs`` (:class:`~paxcache.step.StepInputs`, or packed) packed and committed to
+        the device, as every step call gets them: one transfer (:mod:`.packing`; a
+        continuation's tokens are a device array: :mod:`.overlap`; placement is part of the
+        executable)."""
+        if not isinstance(inputs, packing.PackedInputs):
+            inputs = packing.pack(inputs)
         if self.mesh is None:
             return jax.device_put(inputs, jax.local_devices()[0])
         from paxcache import sharding
@@ -602,10 +608,9 @@ class Engine:
             self.add_request(rid, p, sp)
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        while wanted - final.keys():
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+        while len(final) < len(ids):
+            done = (o for o in self.step() if o.finished and o.request_id in wanted)
+            final.update((o.request_id, o) for o in done)
         return [final[i] for i in ids]
 
     def stream(
@@ -623,9 +628,9 @@ class Engine:
 
     def _empty_step_args(self, t: int, *variant: bool, **flags: bool) -> tuple:
         """``(state, kv, params, inputs)`` of a step with T=t that runs nothing (warm-up,
-        AOT compilation, HLO inspection): ``self._jit_step(*args)``; ``masked``, ``decode``,
-        ``prompt_logprobs``: the variants (:func:`step.empty_inputs`)."""
-        inputs = step_lib.empty_inputs(self._shapes, t, *variant, **flags)
+        AOT compilation, HLO inspection), inputs packed as serving's: ``self._jit_step(*args)``;
+        ``masked``, ``decode``, ``prompt_logprobs``: the variants (:func:`step.empty_inputs`)."""
+        inputs = packing.pack(step_lib.empty_inputs(self._shapes, t, *variant, **flags))
         return self.block_manager.state, self._device_kv(), self._params, inputs
 
     def warmup(self) -> None:
@@ -657,21 +662,18 @@ class Engine:
                     overlap.warmup_gather(
                         out.sampled.tokens, self._shapes, self.scheduler.max_num_batched_tokens
                     )
-                if self._pipeline is not None and inputs.decode_loop is not None:
+                if self._pipeline is not None and variant.loop:
                     overlap.warmup_loop_continuation(inputs, state, out)
                 row_ok, num_free = jax.device_get((out.row_ok, out.num_free_blocks))
                 # An empty plan: the block manager adopts the (unchanged) state, nothing else.
                 self.scheduler.postprocess(
                     StepPlan(), StepResult(state, int(num_free), row_ok, np.zeros(0, np.int32))
                 )
+                cached = " (compile cache)" if compile_cache_lib.cache_hits() > hb else ""
                 logger.info(
-                    "warm-up %d/%d: %s ready in %.1fs%s",
-                    i + 1,
-                    len(variants),
-                    variant.describe(),
-                    time.perf_counter() - tb,
-                    " (compile cache)" if compile_cache_lib.cache_hits() > hb else "",
-                )
+                    "warm-up %d/%d: %s ready in %.1fs%s", i + 1, len(variants),
+                    variant.describe(), time.perf_counter() - tb, cached,
+                )  # fmt: skip
         self.block_manager.warmup()
         byte_decoder = getattr(self.tokenizer, "byte_decoder", None)
         if byte_decoder is not None:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxcache import decode_loop
+from paxcache.packing import PackedInputs
 from paxcache.sampling import sequence_keys
 from paxcache.scheduler import Scheduler, StepPlan
 from paxcache.step import StepInputs, StepShapes, read_result
@@ -78,12 +79,15 @@ class InFlight:
 
     Attributes:
       plan: its plan.
-      inputs: its inputs (host arrays, but ``token_ids`` for a continuation).
+      inputs: its :class:`~paxcache.step.StepInputs` as the host built them (host arrays, but
+        ``token_ids`` for a continuation); for inputs built on the device (a multi-step
+        decode's continuation), their shapes only (``PackedInputs.structure``).
       failed: requests whose host work for it failed (:func:`paxcache.step.prepare_inputs`).
       state: the block state it returns (on the device).
       out: its :class:`~paxcache.step.StepOutputs` (on the device).
       free_after: free device blocks after it, by the scheduler's arithmetic (None for a
         synchronous engine, which never continues a step).
+      placed: the inputs it runs on (:class:`~paxcache.packing.PackedInputs`, on the device).
       continuable: False once the multi-step decode it continues was read and ran nothing
         (its blocks were not free): it runs nothing either, and the scheduler plans after it.
       slack: ``id(seq)`` -> tokens a row's sequence had allocated and not computed when it
@@ -98,6 +102,7 @@ class InFlight:
     state: Any
     out: Any
     free_after: int | None
+    placed: Any
     continuable: bool = True
     slack: dict[int, int] | None = None
 
@@ -140,7 +145,7 @@ def warmup_gather(sampled_tokens: jax.Array, shapes: StepShapes, max_batched_tok
 
 def loop_continuation(
     prev: InFlight, scheduler: Scheduler, state: Any
-) -> tuple[StepPlan, StepInputs] | None:
+) -> tuple[StepPlan, PackedInputs] | None:
     """The multi-step decode after ``prev`` (a multi-step decode) when it needs no host
     decision, as ``(plan, inputs on the device)``; None when the scheduler must plan it after
     reading ``prev``. It needs nothing queued (no admission, no swap-in) and every running
@@ -165,20 +170,20 @@ def loop_continuation(
     # what it was when prev was planned.
     keys = sequence_keys([seq for seq, _ in plan.samples], r, range(2 * num_steps))
     nxt = decode_loop.next_inputs(
-        inputs, state, prev.out.sampled.tokens, prev.out.steps, keys, keep_rows
+        prev.placed, state, prev.out.sampled.tokens, prev.out.steps, keys, keep_rows
     )
     return StepPlan(rows=plan.rows, slots=plan.slots, samples=plan.samples), nxt
 
 
-def warmup_loop_continuation(inputs: StepInputs, state: Any, out: Any) -> None:
+def warmup_loop_continuation(placed: PackedInputs, state: Any, out: Any) -> None:
     """Compiles :func:`paxcache.decode_loop.next_inputs` for a warm-up multi-step decode's
-    ``inputs`` and outputs (its placement is what serving passes)."""
-    loop = inputs.decode_loop
+    inputs (``placed``: packed and placed as serving passes them) and outputs."""
+    loop = placed.structure().decode_loop
     num_steps, r = loop.keys.shape[0], loop.active.shape[0]
     keys = np.zeros((2 * num_steps, r, 2), np.uint32)
     decode_loop.next_inputs(
-        inputs, state, out.sampled.tokens, out.steps, keys, np.zeros(r, bool)
-    ).token_ids.block_until_ready()
+        placed, state, out.sampled.tokens, out.steps, keys, np.zeros(r, bool)
+    ).words.block_until_ready()
 
 
 def continuation(

@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas.buckets import power_of_two_buckets
-from paxcache import allocator, decode_loop, kv_cache
+from paxcache import allocator, decode_loop, kv_cache, packing
 from paxcache.attention import metadata_from_state
 from paxcache.sampling import MAX_LOGPROBS, SampleOutput, request_keys, sample, token_logprobs
 from paxcache.scheduler import StepPlan, StepResult
@@ -661,12 +661,14 @@ def step(
       state: the allocator's block state (the rows' sequences already hold their slots).
       kv: the KV cache, device pages only (``[L, N, S, C, P, D]``).
       params: the model's parameters (``nnx.split(model)[1]``, maybe sharded).
-      inputs: the step's :class:`StepInputs`.
+      inputs: the step's :class:`StepInputs`, or them packed (:mod:`paxcache.packing`).
       config: static :class:`StepConfig`.
 
     Returns:
       ``(state, kv, outputs)``.
     """
+    if isinstance(inputs, packing.PackedInputs):  # the engine's form: one transfer
+        inputs = inputs.unpack()
     model = nnx.merge(config.graphdef, params)
     if inputs.decode_loop is not None:
 
@@ -702,27 +704,16 @@ def _iteration(
         counts, new_tokens = _append_requests(inputs, live, num_slots)
         state, app = allocator.append(state, counts, new_tokens, commit=False)
         kv = kv_cache.apply_copies(
-            kv,
-            app.copy_src,
-            app.copy_dst,
-            impl=config.impl,
-            interpret=config.interpret,
+            kv, app.copy_src, app.copy_dst, impl=config.impl, interpret=config.interpret,
             mesh=config.mesh,
-        )
+        )  # fmt: skip
         row_ok = app.ok[inputs.slot_ids] & live
     else:
         row_ok = live
     md = metadata_from_state(
-        state,
-        inputs.slot_ids,
-        inputs.q_lens,
-        inputs.num_rows,
-        inputs.token_ids.shape[0],
-        inputs.kv_lens,
-        impl=config.impl,
-        interpret=config.interpret,
-        mesh=config.mesh,
-    )
+        state, inputs.slot_ids, inputs.q_lens, inputs.num_rows, inputs.token_ids.shape[0],
+        inputs.kv_lens, impl=config.impl, interpret=config.interpret, mesh=config.mesh,
+    )  # fmt: skip
     # A refused row writes nothing (its blocks are not there).
     md = md.replace(slot_mapping=jnp.where(row_ok[md.row_seq], md.slot_mapping, -1))
     if inputs.decode_only:  # one token per row: the attention's decode kernel
@@ -776,7 +767,9 @@ def tracing_for(on_trace: Callable[[StepInputs], None]) -> Iterator[None]:
 def _traced_step(*args: Any, config: StepConfig) -> Any:
     """:func:`step` on ``(state, kv, params, inputs)``, telling the trace hook first."""
     if _trace_hook.on_trace is not None:  # runs only while tracing: a new program
-        _trace_hook.on_trace(args[3])
+        inputs = args[3]
+        packed = isinstance(inputs, packing.PackedInputs)
+        _trace_hook.on_trace(inputs.structure() if packed else inputs)
     return step(*args, config=config)
 
 

@@ -420,7 +420,7 @@ def test_accelerator_sizing_reserves_for_the_multi_step_loop_when_it_needs_more(
     probed = []
 
     def reserve_of(jitted, args):
-        probed.append(int(args[3].decode_loop is not None))  # 1: the multi-step loop
+        probed.append(int(args[3].structure().decode_loop is not None))  # 1: the multi-step loop
         return reserves[probed[-1]]
 
     monkeypatch.setattr(sizing, "probe_reserve", reserve_of)
