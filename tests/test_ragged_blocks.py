@@ -100,10 +100,12 @@ def test_ragged_steps_take_1024_keys_where_the_chip_gives_their_kv_16_mib():
             page, 2048, target, kv_heads=kv_heads, head_dim=head_dim, itemsize=itemsize,
             kv_budget=blocks.kv_budget,
         )  # fmt: skip
-        assert pages == rag.step_pages(
+        # The op's one rule (step_pages) is this composition.
+        op_pages = rag.step_pages(
             blocks, page, 2048, kv_heads=kv_heads, head_dim=head_dim, q_itemsize=2,
             kv_itemsize=itemsize,
-        )  # the op's one rule (step_pages) is this composition
+        )  # fmt: skip
+        assert pages == op_pages
         per_page = 2 * common.kv_page_bytes(
             page, common.combined_rows_of(kv_heads, itemsize), head_dim
         )
