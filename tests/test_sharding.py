@@ -141,7 +141,7 @@ def test_tp_1_2_4_give_the_same_greedy_tokens(tp_report):
 
 
 def test_swap_preemption_under_tp2_keeps_tokens_and_frees_everything(tp_report):
-    rep = tp_report["k2_tp2_swap"]
+    rep = tp_report["k2_tp2"]  # 8 blocks of 8 tokens for 5 prompts of 3-20 (+8) tokens
     assert rep["tokens"] == tp_report["k2_tp1"]["tokens"]
     assert rep["stats"]["num_swaps"] > 0
     assert rep["stats"]["num_free_blocks"] == rep["stats"]["num_total_blocks"]
@@ -153,7 +153,7 @@ def test_kv_pages_are_split_over_kv_heads(tp_report):
     rep = tp_report["k2_tp2"]
     assert rep["kv_spec"] == "P(None, None, None, 'tp')"  # [L, N, S, C, P, Dp]: split on C
     assert rep["kv_devices"] == 2
-    assert rep["kv_heads"] == 2 and rep["kv_shape"][:3] == [2, 32, 8]
+    assert rep["kv_heads"] == 2 and rep["kv_shape"][:3] == [2, 8, 8]
     assert rep["kv_heads_per_device"] == 1  # one kv head (its K and V) per device
 
 
@@ -182,7 +182,7 @@ def test_block_state_is_replicated(tp_report, tp):
     assert tp_report[f"k2_tp{tp}"]["state_replicated"]
 
 
-@pytest.mark.parametrize("case", ["k2_tp2", "k2_tp4", "k2_tp2_swap"])
+@pytest.mark.parametrize("case", ["k2_tp2", "k2_tp4"])
 def test_compiled_step_gathers_no_kv_cache_and_no_weight(tp_report, case):
     hlo = tp_report[case]["hlo"]
     assert hlo["bad"] == [], hlo
