@@ -58,6 +58,8 @@ def _start(process_id: int, coord_port: int, http_port: int, log: Path) -> subpr
         str(ENGINE_ARGS["max_num_seqs"]),
         "--max-num-batched-tokens",
         str(ENGINE_ARGS["max_num_batched_tokens"]),
+        "--no-structured-warmup",  # neither is requested here: one step program to warm up
+        "--no-prompt-logprobs-warmup",
     ]
     with log.open("w") as f:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
