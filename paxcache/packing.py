@@ -106,22 +106,15 @@ class PackedInputs:
         return rest.replace(token_ids=token_ids, allowed=allowed)
 
 
-def _host_words(path: Any, leaf: Any) -> np.ndarray:
-    x = np.asarray(leaf)
+def _words(path: Any, leaf: Any, xp: Any) -> Any:
+    """``leaf`` as a flat ``i32`` vector of its bits (booleans as 0/1), with ``xp`` numpy on
+    the host or ``jax.numpy`` inside a trace."""
+    x = xp.asarray(leaf).reshape(-1)
     if x.dtype == np.bool_:
-        return x.reshape(-1).astype(np.int32)
+        return x.astype(np.int32)
     if x.dtype.itemsize != 4:
         raise TypeError(f"step input {jax.tree_util.keystr(path)} is {x.dtype}: not 32-bit")
-    return np.ascontiguousarray(x).reshape(-1).view(np.int32)
-
-
-def _device_words(path: Any, leaf: Any) -> jax.Array:
-    x = jnp.asarray(leaf)
-    if x.dtype == jnp.bool_:
-        return x.reshape(-1).astype(jnp.int32)
-    if x.dtype.itemsize != 4:
-        raise TypeError(f"step input {jax.tree_util.keystr(path)} is {x.dtype}: not 32-bit")
-    return jax.lax.bitcast_convert_type(x.reshape(-1), jnp.int32)
+    return x.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
 def pack(inputs: Any) -> PackedInputs:
@@ -137,12 +130,9 @@ def pack(inputs: Any) -> PackedInputs:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(rest)
     leaves = [leaf for _, leaf in with_paths]
     layout = Layout(treedef, tuple((np.shape(x), _dtype(x)) for x in leaves))
-    if any(isinstance(x, jax.Array) for x in leaves):
-        words = [_device_words(p, x) for p, x in with_paths]
-        packed = jnp.concatenate(words) if words else jnp.zeros(0, jnp.int32)
-    else:
-        words = [_host_words(p, x) for p, x in with_paths]
-        packed = np.concatenate(words) if words else np.zeros(0, np.int32)
+    xp = jnp if any(isinstance(x, jax.Array) for x in leaves) else np
+    words = [_words(p, x, xp) for p, x in with_paths]
+    packed = xp.concatenate(words) if words else xp.zeros(0, np.int32)
     return PackedInputs(packed, inputs.token_ids, inputs.allowed, layout)
 
 
