@@ -160,6 +160,34 @@ class EngineRound:
         return cls(d["stop"], tuple(d["aborts"]), tuple(adds), d["stats"])
 
 
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """``jax.distributed.initialize`` with the settings lockstep serving needs; call it first.
+
+    Two settings come before it. CPU devices talk over gloo (a no-op for TPU and GPU devices).
+    And each op's location is its innermost user frame only
+    (``jax_include_full_tracebacks_in_locations=False``): with full tracebacks, the compiled
+    step carries the Python call stack that traced it, which differs between process 0 (the
+    server's engine thread) and a follower (:func:`run_follower` in its main thread), and from
+    JAX 0.12.1 on the two processes' CPU collectives then never meet (the programs differ only
+    in that metadata; both processes hang in the first step). The innermost frame is the same
+    model code on every process.
+    """
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    dist = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    jax.distributed.initialize(**{k: v for k, v in dist.items() if v is not None})
+
+
 def process_count() -> int:
     """``jax.process_count()`` if JAX is already imported (never imports it: fake engines)."""
     jax = sys.modules.get("jax")

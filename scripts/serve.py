@@ -398,14 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     if args.multihost:
-        # CPU devices talk over gloo (a no-op setting for TPU/GPU devices).
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        dist = {
-            "coordinator_address": args.coordinator_address,
-            "num_processes": args.num_processes,
-            "process_id": args.process_id,
-        }
-        jax.distributed.initialize(**{k: v for k, v in dist.items() if v is not None})
+        from paxcache import multihost
+
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     import jax.numpy as jnp
     import uvicorn
 

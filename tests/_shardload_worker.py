@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from paxcache import Engine, SamplingParams, sharding  # noqa: E402
+from paxcache import Engine, SamplingParams, multihost, sharding  # noqa: E402
 from paxcache.models.loading import load_model, load_pretrained  # noqa: E402
 
 IDS = [5, 17, 3, 60, 9, 22, 41, 0, 13, 7, 33, 2]
@@ -269,8 +269,7 @@ def main() -> None:
             report[f"tp{tp}"] = rep
     elif suite == "multihost":
         path, pid, port = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
+        multihost.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
         report["num_devices"] = len(jax.devices())
         report["num_local_devices"] = len(jax.local_devices())
         report["tp4"] = measured_load(path, 4)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import kernels_pallas as kpl  # noqa: E402
 from kernels_pallas.kv_layout import merge_kv, split_kv  # noqa: E402
-from paxcache import Engine, SamplingParams, sharding  # noqa: E402
+from paxcache import Engine, SamplingParams, multihost, sharding  # noqa: E402
 from paxcache.attention import build_metadata, paged_attention_op  # noqa: E402
 from paxcache.models import ByteTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -220,8 +220,7 @@ def main() -> None:
     t0 = time.perf_counter()
     if suite == "multihost":
         pid, port = int(sys.argv[3]), int(sys.argv[4])
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
+        multihost.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
     report: dict = {"num_devices": len(jax.devices())}
     ps = prompts()
     if suite == "fast":
