@@ -33,6 +33,12 @@ torn executable (a crash seen once in this project's test suite). :func:`enable`
 sets a size limit (:data:`DEFAULT_MAX_BYTES`, unless one is set already), which makes JAX take
 a file lock around every read and write (and evict least-recently-used entries beyond it).
 
+Processes joined by ``jax.distributed`` on CPU devices (multi-host tests and development) run
+without the cache: on JAX 0.12.1 their gloo collectives never meet when one process loads a
+program from the cache and another compiles it (seen as a hang in the first step of a
+two-process server whose cache held part of its programs; both loading, or both compiling,
+works). On TPU and GPU the cache stays on.
+
 Counters: :func:`cache_hits` counts executables loaded from the cache in this process (JAX's
 ``/jax/compilation_cache/cache_hits`` event); :func:`backend_compiles` counts every XLA
 backend compilation (JAX's compile event, which also fires for an executable loaded from the
@@ -203,6 +209,14 @@ def enable(path: str | os.PathLike[str] | None = None) -> Path | None:
       The directory in use, or None when it cannot be created or written (then the cache
       stays off and a warning says why: a read-only home must not stop the engine).
     """
+    if _multi_process_cpu():
+        logger.warning(
+            "persistent compile cache off: processes joined by jax.distributed on CPU devices "
+            "must all compile or all load each program (JAX 0.12.1's gloo collectives hang "
+            "when one process loads an executable another compiled)"
+        )
+        disable()
+        return None
     target = Path(path).expanduser() if path is not None else default_dir()
     try:
         target.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -222,6 +236,13 @@ def enable(path: str | os.PathLike[str] | None = None) -> Path | None:
         cc.reset_cache()  # JAX initializes its cache once; make it pick up the new directory
         logger.info("persistent compile cache: %s", target)
     return target
+
+
+def _multi_process_cpu() -> bool:
+    """Whether this process is one of several joined by ``jax.distributed`` on CPU devices."""
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return False
+    return jax.devices()[0].platform == "cpu"
 
 
 def disable() -> None:

@@ -81,6 +81,17 @@ def test_enabled_cache_is_locked_across_processes(tmp_path, restore_cache_dir):
     assert (tmp_path / "locked" / ".lockfile").exists()
 
 
+def test_processes_joined_on_cpu_run_without_the_cache(tmp_path, restore_cache_dir, monkeypatch):
+    """jax.distributed on CPU devices: the cache is turned off, even a directory already set
+    (mixed loaded and compiled programs hang gloo collectives on JAX 0.12.1)."""
+    compile_cache.enable(tmp_path / "on")
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert compile_cache.enable(tmp_path / "asked") is None
+    assert compile_cache.current_dir() is None
+    assert not (tmp_path / "asked").exists()
+
+
 def test_resolve_arguments(tmp_path, restore_cache_dir):
     assert compile_cache.resolve(False) is None
     assert compile_cache.resolve(tmp_path) == tmp_path

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from paxcache import Engine, SamplingParams
 
@@ -33,7 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(process_id: int, coord_port: int, http_port: int, log: Path) -> subprocess.Popen:
+def _start(
+    process_id: int, coord_port: int, http_port: int, log: Path, decode_steps: int
+) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     cmd = [
@@ -60,6 +63,8 @@ def _start(process_id: int, coord_port: int, http_port: int, log: Path) -> subpr
         str(ENGINE_ARGS["max_num_batched_tokens"]),
         "--no-structured-warmup",  # neither is requested here: one step program to warm up
         "--no-prompt-logprobs-warmup",
+        "--decode-steps",
+        str(decode_steps),
     ]
     with log.open("w") as f:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
@@ -69,11 +74,16 @@ def _logs(paths: list[Path]) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in paths)
 
 
-def test_two_process_tp2_server_serves_greedy_like_one_process_and_exits_cleanly(tmp_path):
+# K = 4: the accelerators' default (multi-step decode, its next loop's inputs built on device
+# while the one in flight is read) across two processes; ~20 s more warm-up, so -m slow.
+@pytest.mark.parametrize("decode_steps", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_two_process_tp2_server_serves_greedy_like_one_process_and_exits_cleanly(
+    tmp_path, decode_steps
+):
     coord, http = _free_port(), _free_port()
     base = f"http://127.0.0.1:{http}"
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
-    procs = [_start(i, coord, http, logs[i]) for i in range(2)]
+    procs = [_start(i, coord, http, logs[i], decode_steps) for i in range(2)]
     try:
         # The single-process reference, computed while the two servers start.
         ref = Engine.from_pretrained("tiny", **ENGINE_ARGS).generate(
