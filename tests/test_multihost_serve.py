@@ -74,8 +74,9 @@ def _logs(paths: list[Path]) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in paths)
 
 
-# K = 4: the accelerators' default (multi-step decode, its next loop's inputs built on device
-# while the one in flight is read) across two processes; ~20 s more warm-up, so -m slow.
+# K = 4: multi-step decode with async scheduling, as accelerators run by default (K = 8 there):
+# the next loop's inputs built on device while the one in flight is read, across two
+# processes; ~20 s more warm-up, so -m slow.
 @pytest.mark.parametrize("decode_steps", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_two_process_tp2_server_serves_greedy_like_one_process_and_exits_cleanly(
     tmp_path, decode_steps
