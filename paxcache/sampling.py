@@ -324,8 +324,9 @@ def request_keys(
     """
     if isinstance(seeds, np.ndarray) and seeds.dtype == np.uint64:
         s = seeds.ravel()
-    else:
-        s = np.asarray([int(v) & _U64 for v in np.ravel(seeds)], dtype=np.uint64)
+    else:  # Python ints, exactly: np.ravel of a list mixing ints past 2**63 makes floats
+        flat = seeds.ravel().tolist() if isinstance(seeds, np.ndarray) else seeds
+        s = np.asarray([int(v) & _U64 for v in flat], dtype=np.uint64)
     t = np.asarray(steps, dtype=np.int64).ravel().astype(np.uint64)
     j = np.asarray(indices, dtype=np.int64).ravel().astype(np.uint64)
     if not (s.shape == t.shape == j.shape):

@@ -364,3 +364,12 @@ def test_order_key_preserves_float_order():
     x = jnp.asarray([-jnp.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, 7.5e30, jnp.inf], jnp.float32)
     k = np.asarray(_order_key(x)).astype(np.int64)
     assert np.all(np.diff(k) >= 0) and k[0] < k[1] < k[2] and k[-2] < k[-1]
+
+
+def test_batched_keys_of_seeds_past_2_to_the_63_equal_each_rows_own_key():
+    """A list mixing seeds past 2**63 with small ones (numpy would make it float64)."""
+    from paxcache.sampling import request_key, request_keys
+
+    seeds, steps, index = [2**64 - 1, 3, 2**63 + 1, -5], [0, 1, 2, 3], [0, 1, 0, 1]
+    want = np.stack([request_key(s, t, j) for s, t, j in zip(seeds, steps, index, strict=True)])
+    np.testing.assert_array_equal(request_keys(seeds, steps, index), want)
