@@ -84,6 +84,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_U64 = (1 << 64) - 1  # a request seed is taken modulo 2**64
+
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     """The token-count buckets of a step budget: powers of two from ``smallest``, then the
@@ -415,21 +417,34 @@ def prepare_sampling(
     top_p = np.ones(r, np.float32)
     min_p = np.zeros(r, np.float32)
     failed: set[str] = set()
-    for j, (seq, row) in enumerate(plan.samples):
-        logits_rows[j] = row_ends[row]
-        try:
-            p = seq.params
-            seeds[j], steps[j], index[j] = seq.seed & (2**64 - 1), seq.num_generated, seq.index
-            temperature[j], top_k[j] = p.temperature, min(p.top_k, shapes.vocab_size)
-            top_p[j], min_p[j] = p.top_p, p.min_p
-        except Exception:  # noqa: BLE001 - this request fails, the batch runs
-            temperature[j], top_k[j], top_p[j], min_p[j] = 0.0, 0, 1.0, 0.0
-            if seq.request_id not in failed:
-                logger.exception(
-                    "request %s failed while preparing its sampling inputs; failing it alone",
-                    seq.request_id,
-                )
-                failed.add(seq.request_id)
+    samples, n = plan.samples, len(plan.samples)
+    logits_rows[:n] = [row_ends[row] for _, row in samples]
+    try:  # every sample at once: one array assignment per field (the usual case)
+        seqs = [seq for seq, _ in samples]
+        params = [seq.params for seq in seqs]
+        seeds[:n] = [seq.seed & _U64 for seq in seqs]
+        steps[:n] = [len(seq.token_ids) - seq.num_prompt for seq in seqs]  # num_generated
+        index[:n] = [seq.index for seq in seqs]
+        temperature[:n] = [p.temperature for p in params]
+        vocab = shapes.vocab_size
+        top_k[:n] = [min(p.top_k, vocab) for p in params]
+        top_p[:n] = [p.top_p for p in params]
+        min_p[:n] = [p.min_p for p in params]
+    except Exception:  # noqa: BLE001 - a value that cannot be represented: find whose, below
+        for j, (seq, _) in enumerate(samples):  # row by row: the failing request alone
+            try:
+                p = seq.params
+                seeds[j], steps[j], index[j] = seq.seed & _U64, seq.num_generated, seq.index
+                temperature[j], top_k[j] = p.temperature, min(p.top_k, shapes.vocab_size)
+                top_p[j], min_p[j] = p.top_p, p.min_p
+            except Exception:  # noqa: BLE001 - this request fails, the batch runs
+                temperature[j], top_k[j], top_p[j], min_p[j] = 0.0, 0, 1.0, 0.0
+                if seq.request_id not in failed:
+                    logger.exception(
+                        "request %s failed while preparing its sampling inputs; failing it alone",
+                        seq.request_id,
+                    )
+                    failed.add(seq.request_id)
     sampling = SamplingInputs(
         logits_rows=logits_rows,
         temperature=temperature,

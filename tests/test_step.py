@@ -141,3 +141,15 @@ def test_multi_step_decodes_get_one_program_per_row_bucket_and_k_keys_per_sample
         np.testing.assert_array_equal(loop.keys[k, 0], request_keys([a.seed], [2 + k], [0])[0])
     assert list(loop.stop_ids[0, :3]) == [3, 7, -1]
     assert int(loop.max_new[0]) == 9 - 2
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**63, -5])
+def test_sample_keys_take_any_seed_modulo_two_to_the_64(seed):
+    (a,) = _seq("a", 4, 0, 4)
+    (b,) = _seq("b", 4, 0, 4)
+    a.seed = seed
+    plan = StepPlan(rows=[(a, 4), (b, 4)], slots=[0, 1], samples=[(a, 0), (b, 1)])
+    inputs, failed = prepare_inputs(plan, SHAPES)
+    assert not failed
+    want = request_keys([seed % 2**64, 3], [0, 0], [0, 0])
+    np.testing.assert_array_equal(inputs.sampling.keys[:2], want)
