@@ -73,7 +73,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 __all__ = [
     "FAMILIES",
@@ -244,7 +244,7 @@ def compile_probes() -> Iterator[None]:
 
 def _abstract(x: Any, device: jax.Device) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(
-        jnp.shape(x), jnp.result_type(x), sharding=SingleDeviceSharding(device)
+        jnp.shape(x), jnp.result_type(x), sharding=make_single_device_sharding(device)
     )
 
 

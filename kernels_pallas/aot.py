@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh, Sharding, SingleDeviceSharding
+from jax.sharding import AbstractDevice, AbstractMesh, Sharding, make_single_device_sharding
 
 from kernels_pallas import _dispatch
 
@@ -192,7 +192,7 @@ def spec(
     shape: Sequence[int], dtype: Any, where: jax.Device | Sharding, memory_kind: str | None = None
 ) -> jax.ShapeDtypeStruct:
     """A ``ShapeDtypeStruct`` placed on a device (or with a sharding), e.g. abstract TPU."""
-    sharding = SingleDeviceSharding(where) if isinstance(where, jax.Device) else where
+    sharding = make_single_device_sharding(where) if isinstance(where, jax.Device) else where
     if memory_kind is not None:
         sharding = sharding.with_memory_kind(memory_kind)
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)

@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, make_single_device_sharding
 
 from kernels_pallas import kv_layout
 
@@ -312,7 +312,7 @@ def _scale_sharding(sharding: Sharding) -> Sharding:
     if isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
     device = next(iter(sharding.device_set))
-    return SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+    return make_single_device_sharding(device, memory_kind=sharding.memory_kind)
 
 
 def init_kv_cache(
@@ -375,7 +375,7 @@ def init_kv_cache(
     if dt == jnp.int8 and not math.isfinite(float(fill_value)):
         raise ValueError(f"{name}: an int8 cache cannot hold fill_value={fill_value}")
     if sharding is None:
-        sharding = SingleDeviceSharding(jax.devices()[0])
+        sharding = make_single_device_sharding(jax.devices()[0])
     dp = stored_head_dim(head_dim, platform or _platform_of(sharding))
     shape = kv_layout.page_shape(num_layers, num_blocks, block_size, num_kv_heads, dp, dt)
     pad = kv_layout.kv_head_pad(num_kv_heads, dt)

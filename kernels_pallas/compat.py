@@ -7,6 +7,10 @@ means changing this file (and its tests, ``tests/test_compat.py``) only.
 
 Differences covered, by the release that changed them:
 
+* ``jax.sharding.SingleDeviceSharding`` is deprecated in 0.12.1 (build one with
+  ``jax.sharding.make_single_device_sharding``, present on every supported version); its
+  replacement for ``isinstance`` checks, ``jax.sharding.is_single_device_sharding``, is in
+  0.12.1 but not 0.10.2: :func:`is_single_device_sharding`.
 * ``compute_on`` (host offload, used by the GPU swap path): up to 0.10 it is a context manager
   ``compute_on("device_host")``, and the function form is ``compute_on2``; from 0.11 the
   function form is ``compute_on(f, *, compute_type=..., out_memory_spaces=...)`` and the
@@ -59,6 +63,7 @@ __all__ = [
     "MIN_JAX",
     "NEWEST_TESTED_JAX",
     "compute_on_host",
+    "is_single_device_sharding",
     "jax_version",
     "mosaic_gpu_compiler_params",
     "mosaic_gpu_interpret_params",
@@ -89,6 +94,25 @@ JAX_VERSION = jax_version()
 MIN_JAX = (0, 10, 2)
 #: Newest JAX release the whole test suite has passed on (CI's ``.ci/newest_jax.sh``).
 NEWEST_TESTED_JAX = (0, 12, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Shardings
+# --------------------------------------------------------------------------------------------
+
+
+def is_single_device_sharding(sharding: Any) -> bool:
+    """Whether ``sharding`` is the single-device kind that
+    ``jax.sharding.make_single_device_sharding`` builds.
+
+    ``jax.sharding.is_single_device_sharding`` where JAX has it (0.12.1; JAX says it will
+    answer False once ``make_single_device_sharding`` returns a ``NamedSharding``), otherwise
+    an ``isinstance`` check on 0.10's ``SingleDeviceSharding`` (deprecated in 0.12.1).
+    """
+    check = getattr(jax.sharding, "is_single_device_sharding", None)
+    if check is not None:
+        return bool(check(sharding))
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, make_single_device_sharding
 
 import kernels_pallas
 from kernels_pallas import aot, compat
@@ -154,7 +154,7 @@ class AbstractPlacement(Placement):
         sharding.validate_tp(model.config, tp, num_devices=len(self.devices))
         sharding.validate_ep(model.config, tp, ep, num_devices=len(self.devices))
         if tp == ep == 1:
-            one = SingleDeviceSharding(self.devices[0])
+            one = make_single_device_sharding(self.devices[0])
             mesh, placed = None, jax.tree.map(lambda x: _abstract(x, one), params)
         else:
             mesh = sharding.make_mesh(tp, self.devices, ep=ep)
@@ -165,7 +165,11 @@ class AbstractPlacement(Placement):
 
     def init_state(self, cache_config: Any, mesh: Any) -> Any:
         state = jax.eval_shape(lambda: allocator.init(cache_config))
-        where = SingleDeviceSharding(self.devices[0]) if mesh is None else sharding.replicated(mesh)
+        where = (
+            make_single_device_sharding(self.devices[0])
+            if mesh is None
+            else sharding.replicated(mesh)
+        )
         return jax.tree.map(lambda x: _abstract(x, where), state)
 
     def create_kv(self, mesh: Any, **dims: Any) -> kv_cache.KVCache:
@@ -180,7 +184,7 @@ class AbstractPlacement(Placement):
                 platform=self.devices[0].platform,
             )
             if mesh is None:
-                where = SingleDeviceSharding(self.devices[0], memory_kind=memory_kind)
+                where = make_single_device_sharding(self.devices[0], memory_kind=memory_kind)
                 return jax.tree.map(lambda x: _abstract(x, where), shape)
             specs = kernels_pallas.kv_cache_specs(sharding.TP_AXIS, like=shape)
             return jax.tree.map(

@@ -28,7 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Sharding, SingleDeviceSharding
+from jax.sharding import Sharding, make_single_device_sharding
 
 import kernels_pallas as kp
 from kernels_pallas.buckets import next_power_of_two, power_of_two_buckets
@@ -154,7 +154,7 @@ class KVCache:
                 f"KVCache.create: num_host_blocks must be an int >= 0, got {num_host_blocks!r}"
             )
         if sharding is None:
-            sharding = SingleDeviceSharding(jax.devices()[0])
+            sharding = make_single_device_sharding(jax.devices()[0])
         dims = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         kw = dict(
             dtype=dtype, k_scale=k_scale, v_scale=v_scale, fill_value=fill_value, platform=platform

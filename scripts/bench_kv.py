@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 from kernels_pallas import kv_ops
 from paxcache.kv_cache import KVCache, host_memory_kind
@@ -93,8 +93,8 @@ def main() -> None:
         n,
         nh,
     )
-    dev_sh = SingleDeviceSharding(dev)
-    host_sh = SingleDeviceSharding(dev, memory_kind=hkind)
+    dev_sh = make_single_device_sharding(dev)
+    host_sh = make_single_device_sharding(dev, memory_kind=hkind)
     rng = np.random.default_rng(0)
     rows = []
     state = {"kv": cache.device.kv, "hkv": cache.host.kv}

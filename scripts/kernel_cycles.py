@@ -140,9 +140,9 @@ def _cache_pages(a: argparse.Namespace, want: int, dtype: str) -> int:
 
 def _abstract(shape: Sequence[int], dtype: Any, device: Any) -> Any:
     import jax
-    from jax.sharding import SingleDeviceSharding
+    from jax.sharding import make_single_device_sharding
 
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=SingleDeviceSharding(device))
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=make_single_device_sharding(device))
 
 
 def paxcache_cache(kp: Any, device: Any, blocks: int, a: argparse.Namespace) -> Any:

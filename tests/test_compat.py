@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, make_single_device_sharding
 
 from kernels_pallas import compat
 
@@ -45,9 +46,21 @@ def test_no_module_but_compat_compares_jax_versions():
     assert not offenders, offenders
 
 
+def test_is_single_device_sharding_tells_single_device_from_named_shardings():
+    dev = jax.devices()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # 0.12.1 deprecates the old class
+        assert compat.is_single_device_sharding(make_single_device_sharding(dev))
+        pinned = make_single_device_sharding(dev, memory_kind="pinned_host")
+        assert compat.is_single_device_sharding(pinned)
+        assert compat.is_single_device_sharding(jax.device_put(np.zeros(2), dev).sharding)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+        assert not compat.is_single_device_sharding(NamedSharding(mesh, PartitionSpec()))
+
+
 def test_compute_on_host_runs_on_host_memory_and_returns_host_arrays():
     dev = jax.devices()[0]
-    host = SingleDeviceSharding(dev, memory_kind="pinned_host")
+    host = make_single_device_sharding(dev, memory_kind="pinned_host")
     x = jax.device_put(np.arange(8, dtype=np.float32), host)
 
     @jax.jit

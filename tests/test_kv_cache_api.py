@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 import kernels_pallas as kp
 from kernels_pallas import reference
@@ -550,8 +550,8 @@ def test_8bit_write_kv_and_copy_blocks_through_the_tpu_kernels_equal_the_xla_pat
     chex.assert_trees_all_equal(got[0], got[1])
 
 
-def _pinned() -> SingleDeviceSharding:
-    return SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+def _pinned() -> jax.sharding.Sharding:
+    return make_single_device_sharding(jax.devices()[0], memory_kind="pinned_host")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

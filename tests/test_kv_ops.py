@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 import kernels_pallas as kp
 from kernels_pallas import _dispatch, kv_ops, reference
@@ -66,7 +66,9 @@ def _host(x) -> np.ndarray:
 
 
 def _pinned(x):
-    return jax.device_put(x, SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    return jax.device_put(
+        x, make_single_device_sharding(jax.devices()[0], memory_kind="pinned_host")
+    )
 
 
 # --------------------------------------------------------------------------------------------

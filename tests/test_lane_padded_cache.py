@@ -119,7 +119,9 @@ def test_lane_padded_8bit_pages_swap_to_the_host_and_back_exactly():
     rng = np.random.default_rng(2)
     scales = dict(k_scale=np.float32(1 / 100), v_scale=np.float32(1 / 90))
     device = kp.init_kv_cache(L, N, S, K, D, jnp.int8, platform="tpu", **scales)
-    host_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    host_sharding = jax.sharding.make_single_device_sharding(
+        jax.devices()[0], memory_kind="pinned_host"
+    )
     host = kp.init_kv_cache(L, 4, S, K, D, jnp.int8, platform="tpu", sharding=host_sharding,
                             **scales)  # fmt: skip
     k, v = _kv(rng, S)

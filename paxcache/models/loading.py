@@ -524,7 +524,7 @@ def _param_targets(
     tp = 1 if mesh is None else mesh.shape[sharding.TP_AXIS]
     ep = 1 if mesh is None else mesh.shape.get(sharding.EP_AXIS, 1)
     specs = sharding.param_specs(state, cfg, tp, ep)
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    one_device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
     out = []
     spec_leaves = jax.tree_util.tree_leaves_with_path(
         specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)

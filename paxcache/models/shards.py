@@ -21,7 +21,7 @@ one device when there is no mesh). :func:`place_param` then builds the ``jax.Arr
 Peak host memory is therefore about two copies of the largest block one device receives (the
 slice as read, and its transposed / cast copy), whatever the model's size; peak device memory
 is the device's shard of the model plus one layer's shard of one weight. The same code loads
-onto one device (the ``SingleDeviceSharding`` case), so there is one loading path.
+onto one device (a single-device sharding), so there is one loading path.
 
 Quantize-at-load: :func:`place_param`'s ``make_block`` replaces :func:`read_block` as the
 producer of each host block; :mod:`paxcache.models.quantize` quantizes every block there
@@ -40,8 +40,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from kernels_pallas import compat
 
 __all__ = [
     "EXPERT",
@@ -209,7 +211,7 @@ def layer_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     Raises:
       ValueError: the layer axis itself is split (layers are scanned, never sharded).
     """
-    if isinstance(sharding, SingleDeviceSharding):
+    if compat.is_single_device_sharding(sharding):
         return sharding
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec)
