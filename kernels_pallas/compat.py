@@ -11,6 +11,8 @@ Differences covered, by the release that changed them:
   ``jax.sharding.make_single_device_sharding``, present on every supported version); its
   replacement for ``isinstance`` checks, ``jax.sharding.is_single_device_sharding``, is in
   0.12.1 but not 0.10.2: :func:`is_single_device_sharding`.
+* Pallas TPU: ``pl.reciprocal`` is deprecated in 0.12.1 in favour of ``pltpu.reciprocal``
+  (same keywords), which 0.10.2 does not have: :func:`tpu_reciprocal`.
 * ``compute_on`` (host offload, used by the GPU swap path): up to 0.10 it is a context manager
   ``compute_on("device_host")``, and the function form is ``compute_on2``; from 0.11 the
   function form is ``compute_on(f, *, compute_type=..., out_memory_spaces=...)`` and the
@@ -46,8 +48,8 @@ Differences covered, by the release that changed them:
   - the Triton custom call (``__gpu$xla.gpu.triton``) has no compatibility guarantee, so
     ``jax.export`` refuses it unless told: :data:`TRITON_EXPORT_CHECKS`.
 
-This module imports only ``jax``; the Mosaic GPU helpers import ``plgpu`` when called, so
-importing it never fails on a JAX build without Mosaic GPU support.
+This module imports only ``jax``; the Mosaic GPU and Pallas TPU helpers import ``plgpu`` /
+``pltpu`` when called, so importing it never fails on a JAX build without Mosaic GPU support.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ __all__ = [
     "mosaic_gpu_races_found",
     "mosaic_gpu_reset_interpreter",
     "mosaic_gpu_transpose",
+    "tpu_reciprocal",
     "TRITON_CALL_TARGET",
     "TRITON_EXPORT_CHECKS",
     "triton_compiler_params",
@@ -113,6 +116,28 @@ def is_single_device_sharding(sharding: Any) -> bool:
     if check is not None:
         return bool(check(sharding))
     return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas TPU
+# --------------------------------------------------------------------------------------------
+
+
+def tpu_reciprocal(x: jax.Array, *, approx: bool = False, full_range: bool = True) -> jax.Array:
+    """``1 / x`` inside a Pallas TPU kernel: ``pltpu.reciprocal`` (0.12.1), else ``pl.reciprocal``.
+
+    Both take the same keywords: ``approx`` (the TPU's reciprocal estimate, unrefined) and
+    ``full_range`` (False lets the compiler skip IEEE edge cases: wrong for inf, NaN, 0 and
+    the reciprocal of the smallest normal).
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    fn = getattr(pltpu, "reciprocal", None)
+    if fn is None:  # 0.10: only in jax.experimental.pallas
+        from jax.experimental import pallas as pl
+
+        fn = pl.reciprocal
+    return fn(x, approx=approx, full_range=full_range)
 
 
 # --------------------------------------------------------------------------------------------

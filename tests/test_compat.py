@@ -58,6 +58,26 @@ def test_is_single_device_sharding_tells_single_device_from_named_shardings():
         assert not compat.is_single_device_sharding(NamedSharding(mesh, PartitionSpec()))
 
 
+@pytest.mark.parametrize("approx", [False, True])
+@pytest.mark.parametrize("full_range", [False, True])
+def test_tpu_reciprocal_gives_one_over_x_in_an_interpreted_tpu_kernel(approx, full_range):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = compat.tpu_reciprocal(x_ref[...], approx=approx, full_range=full_range)
+
+    x = jnp.asarray(np.linspace(1.0, 1000.0, 8 * 128, dtype=np.float32).reshape(8, 128))
+    fn = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=pltpu.InterpretParams()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # 0.12 deprecates pl.reciprocal
+        out = np.asarray(jax.jit(fn)(x))
+    # approx: the TPU's unrefined estimate on a chip, a bfloat16 reciprocal when interpreted
+    np.testing.assert_allclose(out, 1.0 / np.asarray(x), rtol=2**-7 if approx else 1e-6)
+
+
 def test_compute_on_host_runs_on_host_memory_and_returns_host_arrays():
     dev = jax.devices()[0]
     host = make_single_device_sharding(dev, memory_kind="pinned_host")

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import kv_layout
+from kernels_pallas import compat, kv_layout
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2_E = 1.4426950408889634
@@ -594,16 +594,16 @@ def finish(
     """``acc / l`` (times an 8-bit cache's V scale) with rows that saw no key returning
     zeros; ``l_i`` ``[..., R, 1]`` or lane-dense ``[..., R, 128]``, ``acc`` ``[..., R, D]``.
 
-    ``reciprocal``: multiply by ``1 / l`` (``pl.reciprocal`` without IEEE edge cases: ``l`` is
-    0 or at least 1, the row max's own term) instead of dividing; ``approx``: the TPU's
-    reciprocal estimate without its refinement (for bf16 outputs: the exact path refines
-    the estimate with one Newton step, which doubles its bits to float32's 24, so it holds
-    about 12, bf16 keeps 8; RPA v3 takes it for outputs narrower than float32)."""
+    ``reciprocal``: multiply by ``1 / l`` (``compat.tpu_reciprocal`` without IEEE edge
+    cases: ``l`` is 0 or at least 1, the row max's own term) instead of dividing; ``approx``:
+    the TPU's reciprocal estimate without its refinement (for bf16 outputs: the exact path
+    refines the estimate with one Newton step, which doubles its bits to float32's 24, so it
+    holds about 12, bf16 keeps 8; RPA v3 takes it for outputs narrower than float32)."""
     l_i = jnp.where(l_i > 0.0, l_i, 1.0)
     if not (reciprocal or approx):
         out = acc / spread_lanes(l_i, acc.shape[-1])
     else:
-        inv = pl.reciprocal(l_i, approx=approx, full_range=False)
+        inv = compat.tpu_reciprocal(l_i, approx=approx, full_range=False)
         out = acc * spread_lanes(inv, acc.shape[-1])
     return out if v_scale is None else out * v_scale
 
