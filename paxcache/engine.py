@@ -474,15 +474,16 @@ class Engine:
         """The step's outputs: the output processor detokenizes what ``touched`` sequences
         gained and finds stop strings, which the scheduler then ends (freeing their blocks
         before the next plan); a request whose text fails fails alone."""
-        stops, failed = self.outputs.detokenize(touched)
-        if stops:
-            self.scheduler.stop_at(stops)
-        for rid in failed:
-            req = self.outputs.get(rid)
-            if req is not None:
-                self.scheduler.finish(req.seqs, "error", INTERNAL_ERROR)
-                touched = touched + req.seqs
-        return self.outputs.process(touched)
+
+        def end(stops: list[tuple[Seq, int]], failed: list[str]) -> None:
+            if stops:
+                self.scheduler.stop_at(stops)
+            for rid in failed:
+                req = self.outputs.get(rid)
+                if req is not None:
+                    self.scheduler.finish(req.seqs, "error", INTERNAL_ERROR)
+
+        return self.outputs.report(touched, end)
 
     def _run(self, plan: StepPlan) -> list[Seq]:
         """Carries ``plan`` out synchronously (swaps, then the step if it has rows), reads and

@@ -5,6 +5,7 @@ processor (:class:`OutputProcessor`): detokenization, stop strings, logprob entr
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,18 +251,7 @@ class OutputProcessor:
         stops: list[tuple[Any, int]] = []
         failed: dict[str, None] = {}
         for seq in touched:
-            if seq.request_id in failed or seq.decoder is None:
-                continue
-            try:
-                keep = _take_text(seq)
-            except Exception:  # noqa: BLE001 - this request fails, the others go on
-                logger.exception("request %s failed while detokenizing", seq.request_id)
-                if seq.is_finished:  # by its last token: the failure is what it reports
-                    seq.finish_reason, seq.error = "error", INTERNAL_ERROR
-                failed[seq.request_id] = None
-                continue
-            if keep is not None:
-                stops.append((seq, keep))
+            _detokenize_one(seq, stops, failed)
         return stops, list(failed)
 
     def process(self, touched: list[Any]) -> list[RequestOutput]:
@@ -272,14 +262,74 @@ class OutputProcessor:
         outputs, self._pending = self._pending, []
         reqs = {s.request_id: self._requests.get(s.request_id) for s in touched}
         for req in reqs.values():
+            if req is not None:
+                outputs.append(self._output(req))
+        return outputs
+
+    def report(
+        self, touched: list[Any], end: Callable[[list[tuple[Any, int]], list[str]], None]
+    ) -> list[RequestOutput]:
+        """:meth:`detokenize` then :meth:`process`, in one pass over ``touched`` (a step's
+        host work is mostly passes over its rows): a request with one sequence that reached
+        no stop string and did not fail gets its output as its sequence is detokenized; the
+        others' are built after ``end(stops, failed)``, called once when there are any
+        (:meth:`detokenize`'s two lists: the engine's scheduler ends those sequences and
+        fails those requests), in the order their requests were first touched, as
+        :meth:`process` orders them."""
+        outputs: list[Any]
+        outputs, self._pending = self._pending, []
+        requests = self._requests
+        stops: list[tuple[Any, int]] = []
+        failed: dict[str, None] = {}
+        later: list[tuple[int, RequestState]] = []  # (place in outputs, request)
+        seen: set[str] = set()
+        for seq in touched:
+            rid = seq.request_id
+            hit = _detokenize_one(seq, stops, failed)
+            if rid in seen:
+                continue
+            seen.add(rid)
+            req = requests.get(rid)
             if req is None:
                 continue
-            seqs = req.seqs
-            finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
-            outputs.append(req.output(finished=finished))
-            if finished:
-                self._requests.pop(req.request_id, None)
+            if hit or len(req.seqs) > 1:  # its sequences may change, or be touched later
+                later.append((len(outputs), req))
+                outputs.append(None)
+            else:
+                outputs.append(self._output(req))
+        if stops or failed:
+            end(stops, list(failed))
+        for place, req in later:
+            outputs[place] = self._output(req)
         return outputs
+
+    def _output(self, req: RequestState) -> RequestOutput:
+        """``req``'s output now; a request whose sequences all finished is forgotten."""
+        seqs = req.seqs
+        finished = seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
+        if finished:
+            self._requests.pop(req.request_id, None)
+        return req.output(finished=finished)
+
+
+def _detokenize_one(seq: Any, stops: list[tuple[Any, int]], failed: dict[str, None]) -> bool:
+    """:meth:`OutputProcessor.detokenize` of one sequence (:func:`_take_text`): a stop string
+    goes to ``stops``, a request whose detokenization raised to ``failed`` (logged). Returns
+    whether either happened now."""
+    if seq.decoder is None or seq.request_id in failed:
+        return False
+    try:
+        keep = _take_text(seq)
+    except Exception:  # noqa: BLE001 - this request fails, the others go on
+        logger.exception("request %s failed while detokenizing", seq.request_id)
+        if seq.is_finished:  # by its last token: the failure is what it reports
+            seq.finish_reason, seq.error = "error", INTERNAL_ERROR
+        failed[seq.request_id] = None
+        return True
+    if keep is None:
+        return False
+    stops.append((seq, keep))
+    return True
 
 
 def _take_text(seq: Any) -> int | None:

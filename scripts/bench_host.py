@@ -127,7 +127,8 @@ class Phases:
     def installed(self, eng: Engine) -> Iterator[None]:
         sched, outs = eng.scheduler, eng.outputs
         saved = (sched.schedule, sched.postprocess, eng._jit_step)
-        saved_outs = (outs.process, getattr(outs, "detokenize", None))  # newer builds
+        # Newer builds: detokenize, then report (detokenize and process in one pass).
+        saved_outs = tuple(getattr(outs, n, None) for n in ("process", "detokenize", "report"))
         saved_mod = (step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result)
         saved_push = IncrementalDecoder.push
         saved_chunk = getattr(IncrementalDecoder, "push_chunk", None)  # newer builds
@@ -153,6 +154,8 @@ class Phases:
         outs.process = self.timed("postprocess", outs.process)
         if saved_outs[1] is not None:
             outs.detokenize = self.timed("postprocess", saved_outs[1])
+        if saved_outs[2] is not None:
+            outs.report = self.timed("postprocess", saved_outs[2])
         eng._jit_step = dispatch
         step_lib.prepare_inputs = self.timed("prepare", step_lib.prepare_inputs)
         step_lib.read_result = overlap_lib.read_result = read
@@ -166,6 +169,8 @@ class Phases:
             outs.process = saved_outs[0]
             if saved_outs[1] is not None:
                 outs.detokenize = saved_outs[1]
+            if saved_outs[2] is not None:
+                outs.report = saved_outs[2]
             step_lib.prepare_inputs, step_lib.read_result, overlap_lib.read_result = saved_mod
             IncrementalDecoder.push = saved_push
             if saved_chunk is not None:

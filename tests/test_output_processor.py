@@ -186,3 +186,66 @@ def test_stop_reason_names_a_stop_token_id_but_not_eos():
         assert proc.detokenize([seq]) == ([], [])
         (out,) = proc.process([seq])
         assert out.outputs[0].stop_reason == want and out.outputs[0].text == "d"  # 3 only
+
+
+class _Exploding(_Letters):
+    def push(self, tok: int) -> str:
+        raise RuntimeError("a tokenizer bug")
+
+    push_chunk = push
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 2),  # n
+            st.sampled_from([None, ["bc"], ["d", "ea"]]),  # stop strings
+            st.booleans(),  # its decoder raises
+            st.lists(st.integers(0, 4), min_size=1, max_size=4),  # tokens per sequence
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    order=st.randoms(use_true_random=False),
+)
+def test_one_pass_report_gives_the_two_pass_outputs(requests, order):
+    """``report`` (detokenize and build outputs in one pass, the engine's) reports what
+    ``detokenize``, the scheduler's ending of stops and failures, then ``process`` report:
+    the same outputs in the same order, the same requests forgotten."""
+    touched_order: list[tuple[int, int]] = []
+    for r, (n, _, _, _) in enumerate(requests):
+        touched_order += [(r, i) for i in range(n)]
+    order.shuffle(touched_order)
+    touched_order += touched_order[:1]  # a sequence touched twice (a plan's failed ones)
+
+    def build():
+        proc, reqs = OutputProcessor(), []
+        for r, (n, stop, explodes, tokens) in enumerate(requests):
+            params = SamplingParams(max_tokens=8, n=n, stop=stop)
+            make = _Exploding if explodes else _Letters
+            seqs = new_request(f"r{r}", [1, 2], params, seed=0, make_decoder=make)
+            req = RequestState(f"r{r}", None, [1, 2], params, seqs)
+            proc.add(req)
+            for s in seqs:
+                _append(s, tokens)
+            reqs.append(req)
+        return proc, reqs, [reqs[r].seqs[i] for r, i in touched_order]
+
+    def end(proc, stops, failed):
+        for seq, _ in stops:
+            seq.finish("stop")
+        for rid in failed:
+            for seq in proc.get(rid).seqs:
+                seq.finish("error")
+
+    proc, _, touched = build()
+    stops, failed = proc.detokenize(touched)
+    end(proc, stops, failed)
+    want = proc.process(touched)
+    proc_one, _, touched_one = build()
+    calls = []
+    got = proc_one.report(touched_one, lambda s, f: calls.append(end(proc_one, s, f)))
+    assert got == want
+    assert len(calls) == (1 if stops or failed else 0)
+    assert [r.request_id for r in proc_one.requests()] == [r.request_id for r in proc.requests()]
