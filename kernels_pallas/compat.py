@@ -1,6 +1,6 @@
 """JAX version compatibility: the one module that knows how JAX's APIs differ across releases.
 
-paxcache and kernels_pallas support **JAX 0.10.2 (oldest) to 0.12.0.1 (newest release tested)**,
+paxcache and kernels_pallas support **JAX 0.10.2 (oldest) to 0.12.1 (newest release tested)**,
 with the matching jaxlib; ``pyproject.toml`` states the same range. Everywhere else the code
 calls the helpers below and never compares versions itself, so supporting a new JAX release
 means changing this file (and its tests, ``tests/test_compat.py``) only.
@@ -96,7 +96,7 @@ JAX_VERSION = jax_version()
 #: Oldest supported JAX release (pyproject.toml's lower bound).
 MIN_JAX = (0, 10, 2)
 #: Newest JAX release the whole test suite has passed on (CI's ``.ci/newest_jax.sh``).
-NEWEST_TESTED_JAX = (0, 12, 0)
+NEWEST_TESTED_JAX = (0, 12, 1)
 
 
 # --------------------------------------------------------------------------------------------
