@@ -473,15 +473,13 @@ class Engine:
     def _report(self, touched: list[Seq]) -> list[RequestOutput]:
         """The step's outputs: the output processor detokenizes what ``touched`` sequences
         gained and finds stop strings, which the scheduler then ends (freeing their blocks
-        before the next plan); a request whose text fails fails alone."""
+        before the next plan), in one pass; a request whose text fails fails alone."""
 
         def end(stops: list[tuple[Seq, int]], failed: list[str]) -> None:
             if stops:
                 self.scheduler.stop_at(stops)
-            for rid in failed:
-                req = self.outputs.get(rid)
-                if req is not None:
-                    self.scheduler.finish(req.seqs, "error", INTERNAL_ERROR)
+            for req in filter(None, map(self.outputs.get, failed)):
+                self.scheduler.finish(req.seqs, "error", INTERNAL_ERROR)
 
         return self.outputs.report(touched, end)
 

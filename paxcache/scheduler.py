@@ -619,9 +619,7 @@ class Scheduler:
         failed = dict.fromkeys(result.failed_requests)
         row_ok = result.row_ok
         refused = len(plan.rows) - int(row_ok[: len(plan.rows)].sum())
-        if refused:
-            # Rows are planned only when their blocks are free, so this is a bug in the block
-            # arithmetic; those rows simply run again next step (check_invariants reports it).
+        if refused:  # planned rows have free blocks: a block-arithmetic bug; they run again
             self.num_refused_rows += refused
             logger.warning("the allocator refused %d of %d planned rows", refused, len(plan.rows))
         record_prompt_logprobs(plan, result, failed)
@@ -752,6 +750,7 @@ class Scheduler:
         nothing more."""
         ran = np.asarray(ran).tolist()  # Python bools and ints: no numpy scalar per row
         tokens = np.asarray(result.tokens).tolist()
+        eos, max_len = self.eos_token_ids, self.max_model_len
         for i, (seq, q) in enumerate(plan.rows):
             if not ran[i] or seq.request_id in failed or seq.is_finished:
                 continue
@@ -774,8 +773,10 @@ class Scheduler:
                 if seq.logprobs is not None:  # raw: the output processor formats it
                     lp = (tok, result.logprob[j], result.top_ids[j], result.top_logprobs[j])
                     seq.logprobs.append(lp)
-                # Advances the grammar matcher, applies the token's stop conditions.
-                check_stop(seq, tok, self.eos_token_ids, self.max_model_len)
+                total = len(seq.token_ids)  # check_stop's conditions, inlined (a call less)
+                stops = seq.matcher is not None or tok in stop_ids(seq, eos)[1]
+                if stops or total - seq.num_prompt >= seq.params.max_tokens or total >= max_len:
+                    check_stop(seq, tok, eos, max_len)  # advances a grammar, decides the finish
             except Exception:  # noqa: BLE001 - this request fails, the others go on
                 logger.exception(
                     "request %s failed in its grammar or stop conditions; failing it alone",

@@ -408,43 +408,34 @@ def prepare_sampling(
       ``(sampling inputs, ids of requests that failed here)``.
     """
     r = shapes.max_rows
-    logits_rows = np.zeros(r, np.int32)
-    seeds = np.zeros(r, np.uint64)
-    steps = np.zeros(r, np.int64)
-    index = np.zeros(r, np.int64)
-    temperature = np.zeros(r, np.float32)
-    top_k = np.zeros(r, np.int32)
+    logits_rows, top_k = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    seeds, steps, index = np.zeros(r, np.uint64), np.zeros(r, np.int64), np.zeros(r, np.int64)
+    temperature, min_p = np.zeros(r, np.float32), np.zeros(r, np.float32)
     top_p = np.ones(r, np.float32)
-    min_p = np.zeros(r, np.float32)
     failed: set[str] = set()
-    samples, n = plan.samples, len(plan.samples)
-    logits_rows[:n] = [row_ends[row] for _, row in samples]
-    try:  # every sample at once: one array assignment per field (the usual case)
-        seqs = [seq for seq, _ in samples]
+
+    def put(at: slice, seqs: list) -> None:  # the samples ``seqs`` at rows ``at``
         params = [seq.params for seq in seqs]
-        seeds[:n] = [seq.seed & _U64 for seq in seqs]
-        steps[:n] = [len(seq.token_ids) - seq.num_prompt for seq in seqs]  # num_generated
-        index[:n] = [seq.index for seq in seqs]
-        temperature[:n] = [p.temperature for p in params]
-        vocab = shapes.vocab_size
-        top_k[:n] = [min(p.top_k, vocab) for p in params]
-        top_p[:n] = [p.top_p for p in params]
-        min_p[:n] = [p.min_p for p in params]
-    except Exception:  # noqa: BLE001 - a value that cannot be represented: find whose, below
-        for j, (seq, _) in enumerate(samples):  # row by row: the failing request alone
+        seeds[at] = [seq.seed & _U64 for seq in seqs]
+        steps[at] = [len(seq.token_ids) - seq.num_prompt for seq in seqs]  # num_generated
+        index[at] = [seq.index for seq in seqs]
+        temperature[at] = [p.temperature for p in params]
+        top_k[at] = [min(p.top_k, shapes.vocab_size) for p in params]
+        top_p[at], min_p[at] = [p.top_p for p in params], [p.min_p for p in params]
+
+    seqs = [seq for seq, _ in plan.samples]
+    logits_rows[: len(seqs)] = [row_ends[row] for _, row in plan.samples]
+    try:
+        put(slice(0, len(seqs)), seqs)  # one array assignment per field (the usual case)
+    except Exception:  # noqa: BLE001 - a value that cannot be represented: find whose
+        for j, seq in enumerate(seqs):
             try:
-                p = seq.params
-                seeds[j], steps[j], index[j] = seq.seed & _U64, seq.num_generated, seq.index
-                temperature[j], top_k[j] = p.temperature, min(p.top_k, shapes.vocab_size)
-                top_p[j], min_p[j] = p.top_p, p.min_p
+                put(slice(j, j + 1), [seq])
             except Exception:  # noqa: BLE001 - this request fails, the batch runs
                 temperature[j], top_k[j], top_p[j], min_p[j] = 0.0, 0, 1.0, 0.0
                 if seq.request_id not in failed:
-                    logger.exception(
-                        "request %s failed while preparing its sampling inputs; failing it alone",
-                        seq.request_id,
-                    )
                     failed.add(seq.request_id)
+                    logger.exception("request %s failed in its sampling inputs", seq.request_id)
     sampling = SamplingInputs(
         logits_rows=logits_rows,
         temperature=temperature,
