@@ -419,21 +419,19 @@ class Scheduler:
                     head, self._never_fits(head, "swapped back in" if swapped else "admitted"), plan
                 )
 
-        # Samples: a row that reaches the end of its tokens samples; so do its followers.
+        # One pass over the rows: each one's slot; a row that reaches the end of its tokens
+        # samples, so do its followers; its prompt positions, with prompt logprobs.
+        plan.rows, slot, samples = rows, self.block_manager.slot, plan.samples
         for i, (seq, q) in enumerate(rows):
-            if seq.num_computed + q == len(seq.token_ids):
-                plan.samples.append((seq, i))
+            plan.slots.append(slot(seq))
+            c = seq.num_computed
+            if c + q == len(seq.token_ids):
+                samples.append((seq, i))
                 for f in seq.followers:
                     if f.state == SeqState.RUNNING and f.leader is seq:
-                        plan.samples.append((f, i))
-        plan.rows = rows
-        plan.slots = [self.block_manager.slot(seq) for seq, _ in rows]
-        plan.prompt_positions = [
-            (i, p)
-            for i, (seq, q) in enumerate(rows)
-            if seq.prompt_logprobs is not None
-            for p in range(seq.num_computed, min(seq.num_computed + q, seq.num_prompt - 1))
-        ]
+                        samples.append((f, i))
+            if seq.prompt_logprobs is not None:
+                plan.prompt_positions += [(i, p) for p in range(c, min(c + q, seq.num_prompt - 1))]
         return plan
 
     def _plan_running(self) -> list[tuple[Sequence, int]]:
