@@ -100,14 +100,21 @@ def eligible(plan: StepPlan, eos_ids: Collection[int]) -> bool:
     """Whether ``plan`` can run as a multi-step decode: rows feed one token each, sample ``j``
     is row ``j``'s own sequence, no grammar and no prompt logprobs, and every row's stop ids
     fit in ``MAX_STOP_IDS``."""
+    return _eligible_stop_ids(plan, eos_ids) is not None
+
+
+def _eligible_stop_ids(plan: StepPlan, eos_ids: Collection[int]) -> list[tuple[int, ...]] | None:
+    """Each sample's stop ids when ``plan`` is :func:`eligible`, else None (one pass)."""
     if not plan.rows or plan.prompt_positions or len(plan.samples) != len(plan.rows):
-        return False
+        return None
+    ids = []
     for j, ((seq, q), (sampler, row)) in enumerate(zip(plan.rows, plan.samples, strict=True)):
         if q != 1 or row != j or sampler is not seq or seq.matcher is not None:
-            return False
-        if len(stop_ids(seq, eos_ids)[0]) > MAX_STOP_IDS:
-            return False
-    return True
+            return None
+        ids.append(stop_ids(seq, eos_ids)[0])
+        if len(ids[-1]) > MAX_STOP_IDS:
+            return None
+    return ids
 
 
 def prepare(
@@ -119,18 +126,20 @@ def prepare(
     max_model_len: int,
     exit_on_finish: bool,
     rope_switch_len: int | None = None,
+    stop_id_lists: list[tuple[int, ...]] | None = None,
 ) -> DecodeLoopInputs:
     """The loop inputs of an :func:`eligible` ``plan`` (host arrays) for ``num_steps`` (K)
     iterations; ``max_rows`` is R. Keys follow :func:`paxcache.step.prepare_sampling`'s
     rule ``(seed, tokens generated, completion index)``. With ``rope_switch_len``
     (longrope), a row whose K/V hold the short factors stops iterating once its sequence
     reaches one token past it: the scheduler recomputes it before its next token
-    (``Scheduler._recompute_outgrown``)."""
+    (``Scheduler._recompute_outgrown``). ``stop_id_lists``: each sample's stop ids, when
+    known (:func:`paxcache.sequence.stop_ids`)."""
     r = max_rows
     seqs = [seq for seq, _ in plan.samples]
     n = len(seqs)
     stops = np.full((r, MAX_STOP_IDS), -1, np.int32)
-    ids = [stop_ids(seq, eos_ids)[0] for seq in seqs]
+    ids = stop_id_lists if stop_id_lists is not None else [stop_ids(s, eos_ids)[0] for s in seqs]
     widths = set(map(len, ids))
     if len(widths) == 1:  # one array op (every row has as many stop ids: the usual case)
         width = widths.pop()
@@ -163,7 +172,8 @@ def for_plan(plan: StepPlan, scheduler: Scheduler, shapes: Any) -> DecodeLoopInp
     stop ids and limits from ``scheduler``, which also says whether a request waits (the
     loop then ends at the first finish, to give it the slot)."""
     eos = scheduler.eos_token_ids
-    if shapes.decode_steps < 2 or not eligible(plan, eos):
+    ids = _eligible_stop_ids(plan, eos) if shapes.decode_steps > 1 else None
+    if ids is None:
         return None
     return prepare(
         plan,
@@ -173,6 +183,7 @@ def for_plan(plan: StepPlan, scheduler: Scheduler, shapes: Any) -> DecodeLoopInp
         max_model_len=scheduler.max_model_len,
         exit_on_finish=scheduler.num_waiting > 0,
         rope_switch_len=scheduler.rope_switch_len,
+        stop_id_lists=ids,
     )
 
 
