@@ -82,6 +82,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import operator
 from collections.abc import Collection, Mapping
 
 import numpy as np
@@ -97,6 +98,8 @@ from paxcache.sequence import SeqState, Sequence, check_stop, stop_ids
 __all__ = ["Scheduler", "SeqState", "Sequence", "StepPlan", "StepResult"]
 
 logger = logging.getLogger(__name__)
+
+_AGE = operator.attrgetter("arrival", "index")  # Sequence.age, without a call per sequence
 
 _LONG_ROPE_SALT = "paxcache:longrope-long"
 """Tags the prefix-cache salt of sequences past ``rope_switch_len`` (with their own salt)."""
@@ -361,7 +364,7 @@ class Scheduler:
         was made by preempting (R3 then holds)."""
         preempted = False
         outgrown = [s for s in self.running if s.leader is None and self._outgrown(s)]
-        for seq in sorted(outgrown, key=lambda s: s.age):
+        for seq in sorted(outgrown, key=_AGE):
             if seq not in self.running:  # preempted as a newer unit of an older one's room
                 continue
             self.num_rope_recomputes += 1
@@ -369,7 +372,7 @@ class Scheduler:
             seq.num_computed = seq.num_allocated = 0
             seq.shared_last = False
             while not self._admit([[seq]], reserve=0):
-                newest = max(self.running, key=lambda s: s.age)
+                newest = max(self.running, key=_AGE)
                 if newest is not seq:
                     self._preempt(self._unit_of(newest), plan)
                 elif len(self.running) == 1:
@@ -439,9 +442,9 @@ class Scheduler:
         runnable = [s for s in self.running if s.leader is None]  # followers wait, no rows
         if not runnable:
             return []
-        oldest = min(runnable, key=lambda s: s.age)
-        decodes = sorted((s for s in runnable if s.remaining == 1), key=lambda s: s.age)
-        prefills = sorted((s for s in runnable if s.remaining > 1), key=lambda s: s.age)
+        oldest = min(runnable, key=_AGE)
+        decodes = sorted((s for s in runnable if len(s.token_ids) - s.num_computed == 1), key=_AGE)
+        prefills = sorted((s for s in runnable if len(s.token_ids) - s.num_computed > 1), key=_AGE)
         order = decodes + prefills if self.policy == "fifo" else prefills + decodes
         budget = self.max_num_batched_tokens
         rows: list[tuple[Sequence, int]] = []
@@ -466,7 +469,7 @@ class Scheduler:
         preempted = False
         bm = self.block_manager
         while rows and self.blocks_needed(rows) > bm.num_free_blocks:
-            unit = self._unit_of(max(self.running, key=lambda s: s.age))
+            unit = self._unit_of(max(self.running, key=_AGE))
             if len(unit) == len(self.running):
                 # The oldest unit is all that runs and still does not fit: it never will.
                 victim = unit[0]
