@@ -5,7 +5,6 @@ tests/test_lm_eval.py): a real server with the bundled tiny model on CPU, as a u
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from server_harness import free_port
+from server_harness import free_port, real_server_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +26,7 @@ def serve_process(*args: str, ready_timeout: float = 1800.0) -> Iterator[tuple[s
     port = free_port()
     cmd = [sys.executable, str(ROOT / "scripts/serve.py"), "--model", "tiny"]
     cmd += ["--port", str(port), "--log-level", "info", *args]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = real_server_env(PYTHONPATH=str(ROOT))
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below (a pipe could fill and block)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
     base = f"http://127.0.0.1:{port}"

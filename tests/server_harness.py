@@ -8,6 +8,7 @@ tests/test_security.py and tests/test_stress.py.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 import threading
@@ -22,7 +23,25 @@ from paxcache.models.tokenizer import ByteTokenizer
 from paxcache.outputs import CompletionOutput, RequestOutput
 from paxcache.sampling import SamplingParams
 
-__all__ = ["FakeEngine", "free_port", "metric_values", "serve_in_thread", "wait_idle"]
+__all__ = [
+    "FakeEngine",
+    "free_port",
+    "metric_values",
+    "real_server_env",
+    "serve_in_thread",
+    "wait_idle",
+]
+
+
+def real_server_env(**extra: str) -> dict[str, str]:
+    """The environment of a real ``scripts/serve.py`` a test starts: this process's, on the
+    CPU, with the ``XLA_FLAGS`` the suite started with (tests/conftest.py compiles the suite's
+    own programs without LLVM's optimizations; a server runs as a user's does)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    user_flags = os.environ.get("PAXCACHE_TEST_USER_XLA_FLAGS")
+    if user_flags is not None and "XLA_FLAGS" not in extra:
+        env["XLA_FLAGS"] = user_flags
+    return env
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import FakeEngine, serve_in_thread
+from server_harness import FakeEngine, real_server_env, serve_in_thread
 from server_harness import free_port as _free_port
 from server_harness import metric_values as _metric_values
 from server_harness import wait_idle as _wait_idle
@@ -520,7 +520,7 @@ class ServerProcess:
             "--no-prompt-logprobs-warmup",
             *extra,
         ]
-        env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+        env = real_server_env(**(env or {}))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
         )
