@@ -51,7 +51,7 @@ from flax import nnx
 from kernels_pallas.buckets import power_of_two_buckets
 from paxcache import allocator, decode_loop, kv_cache, packing
 from paxcache.attention import metadata_from_state
-from paxcache.sampling import MAX_LOGPROBS, SampleOutput, request_keys, sample, token_logprobs
+from paxcache.sampling import MAX_LOGPROBS, SampleOutput, sample, sequence_keys, token_logprobs
 from paxcache.scheduler import StepPlan, StepResult
 
 __all__ = [
@@ -83,8 +83,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_U64 = (1 << 64) - 1  # a request seed is taken modulo 2**64
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
@@ -409,16 +407,12 @@ def prepare_sampling(
     """
     r = shapes.max_rows
     logits_rows, top_k = np.zeros(r, np.int32), np.zeros(r, np.int32)
-    seeds, steps, index = np.zeros(r, np.uint64), np.zeros(r, np.int64), np.zeros(r, np.int64)
     temperature, min_p = np.zeros(r, np.float32), np.zeros(r, np.float32)
     top_p = np.ones(r, np.float32)
     failed: set[str] = set()
 
     def put(at: slice, seqs: list) -> None:  # the samples ``seqs`` at rows ``at``
         params = [seq.params for seq in seqs]
-        seeds[at] = [seq.seed & _U64 for seq in seqs]
-        steps[at] = [len(seq.token_ids) - seq.num_prompt for seq in seqs]  # num_generated
-        index[at] = [seq.index for seq in seqs]
         temperature[at] = [p.temperature for p in params]
         top_k[at] = [min(p.top_k, shapes.vocab_size) for p in params]
         top_p[at], min_p[at] = [p.top_p for p in params], [p.min_p for p in params]
@@ -442,7 +436,7 @@ def prepare_sampling(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
-        keys=request_keys(seeds, steps, index),
+        keys=sequence_keys(seqs, r)[0],  # seeds are ints, fixed at arrival: they never fail
     )
     return sampling, failed
 
