@@ -29,8 +29,9 @@
 * ``--xla_backend_optimization_level=0`` in ``XLA_FLAGS`` (unless ``XLA_FLAGS`` names a level,
   and not in the TPU compile gate, where libtpu is installed): XLA:CPU then compiles with
   LLVM's optimizations off. The suite's programs are small and most run a few times, so it is
-  bound by compiling them, not running them: CI's suites ran ~30% faster with it (e.g.
-  ``tests/test_decode_variant.py``, 37 s -> 26 s on JAX 0.12.1). HLO passes (fusion, layout,
+  mostly bound by compiling them: each CI suite ran ~16% faster with it (2922 -> 2441 s on JAX
+  0.10.2), compile-bound tests 2-3x faster, run-bound ones (``tests/test_stress.py``) ~1.7x
+  slower. HLO passes (fusion, layout,
   sharding) are unaffected, so tests that read compiled HLO see the same programs; tests that
   compare two paths compile both the same way. Subprocess workers inherit it; a real
   ``scripts/serve.py`` started by a test does not (``server_harness.real_server_env``: the
