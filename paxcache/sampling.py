@@ -518,6 +518,7 @@ def sample(
     min_p: jax.Array,
     keys: jax.Array,
     num_logprobs: int = 0,
+    top_wanted: jax.Array | None = None,
 ) -> SampleOutput:
     """Samples one token per row, each row with its own settings and key.
 
@@ -529,6 +530,9 @@ def sample(
       min_p: f32[B] in [0, 1]; 0 = off.
       keys: u32[B, 2] raw threefry key data (see ``request_keys``) or typed keys ``key<fry>[B]``.
       num_logprobs: static number ``k`` of top log-probabilities to return per row.
+      top_wanted: optional ``bool[]``: whether any row reads its top ``k``; when False the
+        top-``k`` search (a sort-like pass over ``[B, V]``) is skipped and ``top_ids`` /
+        ``top_logprobs`` are zeros. None: always computed.
 
     Returns:
       ``SampleOutput(tokens i32[B], logprob f32[B], top_ids i32[B, k], top_logprobs f32[B, k])``.
@@ -562,10 +566,16 @@ def sample(
 
     tokens = jax.lax.cond(jnp.all(greedy_rows), lambda: greedy_tok, sampled)
 
-    return token_logprobs(logits, tokens, num_logprobs=num_logprobs)
+    return token_logprobs(logits, tokens, num_logprobs=num_logprobs, top_wanted=top_wanted)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, *, num_logprobs: int) -> SampleOutput:
+def token_logprobs(
+    logits: jax.Array,
+    tokens: jax.Array,
+    *,
+    num_logprobs: int,
+    top_wanted: jax.Array | None = None,
+) -> SampleOutput:
     """Log-probabilities of given tokens under raw logits (no temperature or filters), with
     each row's top ``num_logprobs``; traceable (``sample`` and the step's prompt logprobs).
 
@@ -573,6 +583,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, *, num_logprobs: int) -
       logits: ``f32[B, V]`` (any float dtype; computed in f32).
       tokens: ``i32[B]`` the token whose log-probability each row reports.
       num_logprobs: static ``k``.
+      top_wanted: optional ``bool[]``; False skips the top-``k`` search (zeros instead).
 
     Returns:
       ``SampleOutput(tokens, logprob f32[B], top_ids i32[B, k], top_logprobs f32[B, k])``.
@@ -580,10 +591,19 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, *, num_logprobs: int) -
     b, v = logits.shape
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    if num_logprobs > 0:
-        top_logprobs, top_ids = jax.lax.top_k(logp, min(num_logprobs, v))
-        top_ids = top_ids.astype(jnp.int32)
-    else:
-        top_logprobs = jnp.zeros((b, 0), jnp.float32)
-        top_ids = jnp.zeros((b, 0), jnp.int32)
+    k = min(num_logprobs, v)
+
+    def top() -> tuple[jax.Array, jax.Array]:
+        top_logprobs, top_ids = jax.lax.top_k(logp, k)
+        return top_logprobs, top_ids.astype(jnp.int32)
+
+    def none() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32)
+
+    if k <= 0:
+        top_logprobs, top_ids = none()
+    elif top_wanted is None:
+        top_logprobs, top_ids = top()
+    else:  # a runtime switch: a batch where no row asked for them skips the search
+        top_logprobs, top_ids = jax.lax.cond(jnp.asarray(top_wanted, bool).reshape(()), top, none)
     return SampleOutput(tokens, logprob, top_ids, top_logprobs)

@@ -210,6 +210,8 @@ class SamplingInputs:
       min_p: ``f32[R]``; 0 = off.
       keys: ``u32[R, 2]`` raw threefry keys, a pure function of (seed, tokens generated,
         completion index): a request's draws do not depend on its batch.
+      top_wanted: ``bool[]`` whether any sample reports top logprobs (``logprobs > 0``):
+        otherwise the step skips the top-``num_logprobs`` search over the vocabulary.
     """
 
     logits_rows: jax.Array
@@ -218,6 +220,7 @@ class SamplingInputs:
     top_p: jax.Array
     min_p: jax.Array
     keys: jax.Array
+    top_wanted: jax.Array
 
 
 @flax.struct.dataclass
@@ -437,6 +440,7 @@ def prepare_sampling(
         top_p=top_p,
         min_p=min_p,
         keys=sequence_keys(seqs, r)[0],  # seeds are ints, fixed at arrival: they never fail
+        top_wanted=np.asarray(any(seq.params.logprobs for seq in seqs), bool),
     )
     return sampling, failed
 
@@ -736,7 +740,14 @@ def _iteration(
     if inputs.allowed is not None:  # before sampling and logprobs: the constrained distribution
         logits = apply_allowed(logits.astype(jnp.float32), inputs.allowed)
     sampled = sample(
-        logits, s.temperature, s.top_k, s.top_p, s.min_p, s.keys, num_logprobs=config.num_logprobs
+        logits,
+        s.temperature,
+        s.top_k,
+        s.top_p,
+        s.min_p,
+        s.keys,
+        num_logprobs=config.num_logprobs,
+        top_wanted=s.top_wanted,
     )
     if config.fuse_allocator:
         # Blocks the rows filled become visible to prefix lookups (other slots: no change).

@@ -147,6 +147,26 @@ class SampleVariantsTest(chex.TestCase):
         np.testing.assert_array_equal(out.top_ids[:, 0], out.tokens)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_top_logprobs_are_searched_only_when_a_row_wants_them(temperature):
+    """``top_wanted=False`` skips the top-k search (zeros) and changes nothing else: the same
+    tokens and sampled-token logprobs as with it; True gives ``lax.top_k``'s."""
+    b = 8
+    logits = _logits(b, seed=5)
+    args = (logits, *_row_args(b, temperature=temperature), _keys(b))
+    f = jax.jit(sample, static_argnames=("num_logprobs",))
+    skipped = f(*args, num_logprobs=4, top_wanted=jnp.asarray(False))
+    searched = f(*args, num_logprobs=4, top_wanted=jnp.asarray(True))
+    always = f(*args, num_logprobs=4)
+    np.testing.assert_array_equal(skipped.tokens, always.tokens)
+    np.testing.assert_array_equal(skipped.logprob, always.logprob)
+    chex.assert_shape((skipped.top_ids, skipped.top_logprobs), (b, 4))
+    assert not np.asarray(skipped.top_ids).any() and not np.asarray(skipped.top_logprobs).any()
+    chex.assert_trees_all_equal(searched, always)
+    ref_lp, ref_ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), 4)
+    np.testing.assert_array_equal(searched.top_ids, ref_ids)
+
+
 def test_top_k_one_equals_greedy_at_any_temperature():
     b = 8
     logits = _logits(b, seed=1)

@@ -75,7 +75,8 @@ def test_a_plan_becomes_one_padded_pytree():
     # Keys: a pure function of (seed, tokens generated, completion index).
     want = request_keys([3, 3, 3, 3], [0, 1, 0, 0], [0, 0, 0, 1])
     np.testing.assert_array_equal(s.keys, want)
-    assert len(jax.tree.leaves(inputs)) == 12  # every leaf costs host dispatch time
+    assert not s.top_wanted  # no sample asked for top logprobs: the step skips the search
+    assert len(jax.tree.leaves(inputs)) == 13  # every leaf costs host packing time
 
 
 def test_empty_inputs_have_the_buckets_shape_and_run_nothing():
@@ -108,6 +109,25 @@ def test_a_sample_whose_values_cannot_be_represented_fails_its_request_only():
     inputs, failed = prepare_inputs(plan, SHAPES)
     assert failed == {"bad"}
     np.testing.assert_allclose(inputs.sampling.temperature[:2], [0.0, 0.5])
+
+
+def test_the_step_searches_top_logprobs_only_when_a_sample_reports_them():
+    """``SamplingInputs.top_wanted``: True when any sample has ``logprobs > 0`` (``0`` reports
+    only the sampled token's logprob, which the step always computes)."""
+
+    def wanted(*params):
+        rows = [_seq(f"r{i}", 4, 3, 4, **p)[0] for i, p in enumerate(params)]
+        plan = StepPlan(
+            rows=[(s, 1) for s in rows],
+            slots=list(range(len(rows))),
+            samples=[(s, i) for i, s in enumerate(rows)],
+        )
+        return bool(prepare_inputs(plan, SHAPES)[0].sampling.top_wanted)
+
+    assert not wanted({}, {"temperature": 0.5})
+    assert not wanted({"logprobs": 0}, {})
+    assert wanted({}, {"logprobs": 2})
+    assert wanted({"logprobs": 1})
 
 
 def test_a_plan_over_the_largest_bucket_is_refused():
