@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
@@ -53,3 +54,15 @@ def test_special_token_spellings_encode_to_their_ids():
     assert OURS.encode("<bo<bos>s>", add_special_tokens=False) == [60, 98, 111, 256, 115, 62]
     assert OURS.decode([256, 104, 257], skip_special_tokens=False) == "<bos>h<eos>"
     assert OURS.decode([256, 104, 257]) == "h"
+
+
+@settings(max_examples=50, deadline=None)
+@given(ids=st.lists(st.integers(0, 258), max_size=40), skip=st.booleans())
+def test_byte_tokenizer_decodes_an_array_of_ids_as_their_list(ids, skip):
+    """``decode`` of a numpy (or jax) array of ids is the text of the same ids as a list, not
+    of the array's raw buffer; ids past the bytes (specials) are dropped in either form."""
+    tok = ByteTokenizer()
+    want = tok.decode(ids, skip_special_tokens=skip)
+    for arr in (np.asarray(ids, np.int64), np.asarray(ids, np.int32)):
+        assert tok.decode(arr, skip_special_tokens=skip) == want
+        assert tok.decode_bytes(arr) == tok.decode_bytes(ids)

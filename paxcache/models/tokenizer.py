@@ -53,6 +53,8 @@ MAX_TEMPLATE_SEQUENCE_LEN = 1 << 20
 
 _MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
 
+_IS_BYTE = range(256).__contains__  # ByteTokenizer: whether an id is a byte (not a special)
+
 
 class ChatTemplateError(PaxcacheError):
     """A chat template failed to compile or render.
@@ -183,10 +185,12 @@ class ByteTokenizer:
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """Ids -> raw bytes, dropping ids >= 256 (specials)."""
+        if type(ids) is not list and type(ids) is not tuple:
+            ids = list(map(int, ids))  # an array: bytes() would copy its buffer, not its ids
         try:  # the common case, every id a byte: one C call
             return bytes(ids)
         except (ValueError, TypeError):
-            return bytes([i for i in map(int, ids) if 0 <= i < 256])
+            return bytes(filter(_IS_BYTE, map(int, ids)))  # C-level filter: no Python loop
 
     def byte_decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], bytes]:
         """Ids -> the bytes whose UTF-8 decoding (``errors="replace"``) is their text, as
