@@ -518,7 +518,7 @@ def sample(
     min_p: jax.Array,
     keys: jax.Array,
     num_logprobs: int = 0,
-    top_wanted: jax.Array | None = None,
+    logprobs_wanted: jax.Array | None = None,
 ) -> SampleOutput:
     """Samples one token per row, each row with its own settings and key.
 
@@ -530,9 +530,9 @@ def sample(
       min_p: f32[B] in [0, 1]; 0 = off.
       keys: u32[B, 2] raw threefry key data (see ``request_keys``) or typed keys ``key<fry>[B]``.
       num_logprobs: static number ``k`` of top log-probabilities to return per row.
-      top_wanted: optional ``bool[]``: whether any row reads its top ``k``; when False the
-        top-``k`` search (a sort-like pass over ``[B, V]``) is skipped and ``top_ids`` /
-        ``top_logprobs`` are zeros. None: always computed.
+      logprobs_wanted: optional ``bool[]``, whether any row reports logprobs: when False the
+        log-softmax and the top-``k`` search (a sort-like pass over ``[B, V]``) are skipped
+        and ``logprob``, ``top_ids`` and ``top_logprobs`` are zeros. None: always computed.
 
     Returns:
       ``SampleOutput(tokens i32[B], logprob f32[B], top_ids i32[B, k], top_logprobs f32[B, k])``.
@@ -566,7 +566,7 @@ def sample(
 
     tokens = jax.lax.cond(jnp.all(greedy_rows), lambda: greedy_tok, sampled)
 
-    return token_logprobs(logits, tokens, num_logprobs=num_logprobs, top_wanted=top_wanted)
+    return token_logprobs(logits, tokens, num_logprobs=num_logprobs, wanted=logprobs_wanted)
 
 
 def token_logprobs(
@@ -574,7 +574,7 @@ def token_logprobs(
     tokens: jax.Array,
     *,
     num_logprobs: int,
-    top_wanted: jax.Array | None = None,
+    wanted: jax.Array | None = None,
 ) -> SampleOutput:
     """Log-probabilities of given tokens under raw logits (no temperature or filters), with
     each row's top ``num_logprobs``; traceable (``sample`` and the step's prompt logprobs).
@@ -583,27 +583,32 @@ def token_logprobs(
       logits: ``f32[B, V]`` (any float dtype; computed in f32).
       tokens: ``i32[B]`` the token whose log-probability each row reports.
       num_logprobs: static ``k``.
-      top_wanted: optional ``bool[]``; False skips the top-``k`` search (zeros instead).
+      wanted: optional ``bool[]``, whether any row reads them: False skips the log-softmax
+        over ``[B, V]`` and the top-``k`` search (a runtime ``lax.cond``), giving zeros.
+        None: always computed.
 
     Returns:
       ``SampleOutput(tokens, logprob f32[B], top_ids i32[B, k], top_logprobs f32[B, k])``.
     """
     b, v = logits.shape
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    k = min(num_logprobs, v)
+    k = max(0, min(num_logprobs, v))
 
-    def top() -> tuple[jax.Array, jax.Array]:
+    def computed() -> tuple[jax.Array, jax.Array, jax.Array]:
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        logprob = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        if k == 0:
+            return logprob, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
         top_logprobs, top_ids = jax.lax.top_k(logp, k)
-        return top_logprobs, top_ids.astype(jnp.int32)
+        return logprob, top_ids.astype(jnp.int32), top_logprobs
 
-    def none() -> tuple[jax.Array, jax.Array]:
-        return jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32)
+    def skipped() -> tuple[jax.Array, jax.Array, jax.Array]:
+        zeros = jnp.zeros((b, k), jnp.float32)
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), zeros
 
-    if k <= 0:
-        top_logprobs, top_ids = none()
-    elif top_wanted is None:
-        top_logprobs, top_ids = top()
-    else:  # a runtime switch: a batch where no row asked for them skips the search
-        top_logprobs, top_ids = jax.lax.cond(jnp.asarray(top_wanted, bool).reshape(()), top, none)
+    if wanted is None:
+        logprob, top_ids, top_logprobs = computed()
+    else:  # a batch where no row reports logprobs skips the passes over the vocabulary
+        logprob, top_ids, top_logprobs = jax.lax.cond(
+            jnp.asarray(wanted, bool).reshape(()), computed, skipped
+        )
     return SampleOutput(tokens, logprob, top_ids, top_logprobs)

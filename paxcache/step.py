@@ -210,8 +210,9 @@ class SamplingInputs:
       min_p: ``f32[R]``; 0 = off.
       keys: ``u32[R, 2]`` raw threefry keys, a pure function of (seed, tokens generated,
         completion index): a request's draws do not depend on its batch.
-      top_wanted: ``bool[]`` whether any sample reports top logprobs (``logprobs > 0``):
-        otherwise the step skips the top-``num_logprobs`` search over the vocabulary.
+      logprobs_wanted: ``bool[]`` whether any sample reports logprobs (``logprobs`` not
+        None): otherwise the step skips the log-softmax and the top-``num_logprobs`` search
+        over the vocabulary (and reads none back: :func:`read_result`).
     """
 
     logits_rows: jax.Array
@@ -220,7 +221,7 @@ class SamplingInputs:
     top_p: jax.Array
     min_p: jax.Array
     keys: jax.Array
-    top_wanted: jax.Array
+    logprobs_wanted: jax.Array
 
 
 @flax.struct.dataclass
@@ -440,7 +441,7 @@ def prepare_sampling(
         top_p=top_p,
         min_p=min_p,
         keys=sequence_keys(seqs, r)[0],  # seeds are ints, fixed at arrival: they never fail
-        top_wanted=np.asarray(any(seq.params.logprobs for seq in seqs), bool),
+        logprobs_wanted=np.asarray(any(seq.params.logprobs is not None for seq in seqs), bool),
     )
     return sampling, failed
 
@@ -747,7 +748,7 @@ def _iteration(
         s.min_p,
         s.keys,
         num_logprobs=config.num_logprobs,
-        top_wanted=s.top_wanted,
+        logprobs_wanted=s.logprobs_wanted,
     )
     if config.fuse_allocator:
         # Blocks the rows filled become visible to prefix lookups (other slots: no change).

@@ -148,23 +148,25 @@ class SampleVariantsTest(chex.TestCase):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_top_logprobs_are_searched_only_when_a_row_wants_them(temperature):
-    """``top_wanted=False`` skips the top-k search (zeros) and changes nothing else: the same
-    tokens and sampled-token logprobs as with it; True gives ``lax.top_k``'s."""
+def test_logprobs_are_computed_only_when_a_row_reports_them(temperature):
+    """``logprobs_wanted=False`` skips the log-softmax and the top-k search (zeros) and
+    changes no token; True gives what ``None`` (always) gives: ``lax.top_k``'s."""
     b = 8
     logits = _logits(b, seed=5)
     args = (logits, *_row_args(b, temperature=temperature), _keys(b))
     f = jax.jit(sample, static_argnames=("num_logprobs",))
-    skipped = f(*args, num_logprobs=4, top_wanted=jnp.asarray(False))
-    searched = f(*args, num_logprobs=4, top_wanted=jnp.asarray(True))
+    skipped = f(*args, num_logprobs=4, logprobs_wanted=jnp.asarray(False))
+    wanted = f(*args, num_logprobs=4, logprobs_wanted=jnp.asarray(True))
     always = f(*args, num_logprobs=4)
     np.testing.assert_array_equal(skipped.tokens, always.tokens)
-    np.testing.assert_array_equal(skipped.logprob, always.logprob)
     chex.assert_shape((skipped.top_ids, skipped.top_logprobs), (b, 4))
-    assert not np.asarray(skipped.top_ids).any() and not np.asarray(skipped.top_logprobs).any()
-    chex.assert_trees_all_equal(searched, always)
-    ref_lp, ref_ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), 4)
-    np.testing.assert_array_equal(searched.top_ids, ref_ids)
+    for x in (skipped.logprob, skipped.top_ids, skipped.top_logprobs):
+        assert not np.asarray(x).any()
+    chex.assert_trees_all_equal(wanted, always)
+    logp = jax.nn.log_softmax(logits, -1)
+    ref_lp, ref_ids = jax.lax.top_k(logp, 4)
+    np.testing.assert_array_equal(wanted.top_ids, ref_ids)
+    chex.assert_trees_all_close(wanted.logprob, logp[jnp.arange(b), wanted.tokens], atol=1e-6)
 
 
 def test_top_k_one_equals_greedy_at_any_temperature():

@@ -75,7 +75,7 @@ def test_a_plan_becomes_one_padded_pytree():
     # Keys: a pure function of (seed, tokens generated, completion index).
     want = request_keys([3, 3, 3, 3], [0, 1, 0, 0], [0, 0, 0, 1])
     np.testing.assert_array_equal(s.keys, want)
-    assert not s.top_wanted  # no sample asked for top logprobs: the step skips the search
+    assert not s.logprobs_wanted  # no sample reports logprobs: the step computes none
     assert len(jax.tree.leaves(inputs)) == 13  # every leaf costs host packing time
 
 
@@ -111,9 +111,9 @@ def test_a_sample_whose_values_cannot_be_represented_fails_its_request_only():
     np.testing.assert_allclose(inputs.sampling.temperature[:2], [0.0, 0.5])
 
 
-def test_the_step_searches_top_logprobs_only_when_a_sample_reports_them():
-    """``SamplingInputs.top_wanted``: True when any sample has ``logprobs > 0`` (``0`` reports
-    only the sampled token's logprob, which the step always computes)."""
+def test_the_step_computes_logprobs_only_when_a_sample_reports_them():
+    """``SamplingInputs.logprobs_wanted``: True when any sample has ``logprobs`` set (``0``
+    too: it reports the sampled token's logprob)."""
 
     def wanted(*params):
         rows = [_seq(f"r{i}", 4, 3, 4, **p)[0] for i, p in enumerate(params)]
@@ -122,10 +122,10 @@ def test_the_step_searches_top_logprobs_only_when_a_sample_reports_them():
             slots=list(range(len(rows))),
             samples=[(s, i) for i, s in enumerate(rows)],
         )
-        return bool(prepare_inputs(plan, SHAPES)[0].sampling.top_wanted)
+        return bool(prepare_inputs(plan, SHAPES)[0].sampling.logprobs_wanted)
 
     assert not wanted({}, {"temperature": 0.5})
-    assert not wanted({"logprobs": 0}, {})
+    assert wanted({"logprobs": 0}, {})
     assert wanted({}, {"logprobs": 2})
     assert wanted({"logprobs": 1})
 
