@@ -37,7 +37,9 @@ read and the next dispatch, which the device spends on the step already queued),
 for ``--steps / 8`` steps, the same tokens), ``multistep_overlap`` (both, the accelerator
 default: the next 8-iteration loop is dispatched before the one in flight is read): each is
 measured when the engine takes its arguments, and listed as not built otherwise.
-``tokens_per_s_over_sync`` is a row's tokens/s over the sync row of the same model and rows.
+``tokens_per_s_over_sync`` is a row's tokens/s over the sync row of the same model and rows;
+``tokens_per_s_over_k1`` a multi-step row's over its single-step twin with the same
+scheduling (``multistep`` over ``sync``, ``multistep_overlap`` over ``overlap``).
 
     python scripts/bench_host.py [--quick] [--json bench/results/host_<date>.json]
 """
@@ -262,7 +264,8 @@ def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> di
 
 
 COLUMNS = (
-    "model", "mode", "rows", "tokens_per_s", "tokens_per_s_over_sync", "step_ms", "fused_ms",
+    "model", "mode", "rows", "tokens_per_s", "tokens_per_s_over_sync", "tokens_per_s_over_k1",
+    "step_ms", "fused_ms",
     "step_over_fused", "fused_busy_core_ms", "host_us_per_token", "device_idle_us_per_step",
     "schedule_us", "prepare_us", "dispatch_us", "wait_us", "postprocess_us", "detokenize_us",
 )  # fmt: skip
@@ -290,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
                 speedup = rows[-1]["tokens_per_s"] / sync[0]["tokens_per_s"]
                 rows[-1]["tokens_per_s_over_sync"] = round(speedup, 2)
             rows[-1].setdefault("tokens_per_s_over_sync", None)
+            # A multi-step row over its single-step twin with the same scheduling.
+            twin = {"multistep": "sync", "multistep_overlap": "overlap"}.get(mode)
+            same = [r for r in rows if (r["mode"], r["model"], r["rows"]) == (twin, model_name, n)]
+            rows[-1]["tokens_per_s_over_k1"] = (
+                round(rows[-1]["tokens_per_s"] / same[0]["tokens_per_s"], 2) if same else None
+            )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(" | ".join(COLUMNS))
     for r in rows:
