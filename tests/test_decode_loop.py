@@ -384,3 +384,33 @@ def test_a_rows_chunk_is_taken_exactly_as_token_by_token_stop_checks(
     else:
         assert (seq.token_ids, seq.num_computed, seq.finish_reason) == before
         assert seq.new_ids == [] and seq.stop_reason is None and not seq.ends_on_stop_token
+
+
+@pytest.mark.parametrize("decode_steps, overlap", [(1, False), (1, True), (4, True)])
+def test_sampled_token_logprobs_equal_the_dense_forward_whatever_the_batch_asks(
+    model, decode_steps, overlap
+):
+    """A request's generated-token logprobs and top logprobs are the dense forward's, in a
+    batch where other requests ask for none: the step computes them only for batches that
+    ask (``SamplingInputs.logprobs_wanted``), through single steps, overlapped continuations
+    and multi-step loops, and a batch that asks nothing reports nothing."""
+    import jax
+    import jax.numpy as jnp
+    from tiny_models import forward
+
+    eng = _engine(model, decode_steps, async_scheduling=overlap)
+    rng = np.random.default_rng(11)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (9, 5, 14)]
+    asks = SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.0, logprobs=2)
+    plain = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0)
+    outs = eng.generate(prompts, [plain, asks, plain])
+    assert all(o.outputs[0].logprobs is None for o in (outs[0], outs[2]))
+    got = outs[1].outputs[0]
+    ids = prompts[1] + got.token_ids
+    logits = forward(model, jnp.asarray(ids, jnp.int32)[None])[0].astype(jnp.float32)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))[len(prompts[1]) - 1 : -1]
+    assert [e["token_id"] for e in got.logprobs] == got.token_ids
+    want = logp[np.arange(len(got.token_ids)), got.token_ids]
+    np.testing.assert_allclose([e["logprob"] for e in got.logprobs], want, atol=1e-4, rtol=0)
+    tops = np.sort(logp, axis=-1)[:, ::-1][:, :2]
+    np.testing.assert_allclose([[lp for _, lp in e["top"]] for e in got.logprobs], tops, atol=1e-4)
