@@ -741,15 +741,9 @@ def _iteration(
     if inputs.allowed is not None:  # before sampling and logprobs: the constrained distribution
         logits = apply_allowed(logits.astype(jnp.float32), inputs.allowed)
     sampled = sample(
-        logits,
-        s.temperature,
-        s.top_k,
-        s.top_p,
-        s.min_p,
-        s.keys,
-        num_logprobs=config.num_logprobs,
-        logprobs_wanted=s.logprobs_wanted,
-    )
+        logits, s.temperature, s.top_k, s.top_p, s.min_p, s.keys,
+        num_logprobs=config.num_logprobs, logprobs_wanted=s.logprobs_wanted,
+    )  # fmt: skip
     if config.fuse_allocator:
         # Blocks the rows filled become visible to prefix lookups (other slots: no change).
         target = jnp.where(row_ok, inputs.slot_ids, num_slots)
