@@ -454,20 +454,29 @@ def _filtered_sample(
     key = _order_key(scaled)  # u32[B, V]
     k_min = jnp.min(key, axis=-1)
     k_max = jnp.max(key, axis=-1)
-    # top-k: the largest t with #{key >= t} >= k.
+    # top-k: the largest t with #{key >= t} >= k (k_min for a row without one). Each search
+    # is 32 masked passes over [B, V]: a batch where no row has the filter skips it.
     k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v))
-    t_k = _largest_threshold(k_min, k_max, lambda t: jnp.sum(key >= t[:, None], axis=-1) >= k)
-    # top-p over the distribution renormalized after top-k: the largest t whose kept mass
-    # reaches top_p of the top-k mass (the smallest most-likely set with that mass).
-    probs = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
-    mass_k = jnp.sum(jnp.where(key >= t_k[:, None], probs, 0.0), axis=-1)
-    target = top_p * mass_k
-    t_p = _largest_threshold(
-        t_k,
-        k_max,
-        lambda t: jnp.sum(jnp.where(key >= t[:, None], probs, 0.0), axis=-1) >= target,
+    t_k = jax.lax.cond(
+        jnp.any(k < v),
+        lambda: _largest_threshold(k_min, k_max, lambda t: jnp.sum(key >= t[:, None], -1) >= k),
+        lambda: k_min,
     )
-    t = jnp.where(top_p >= 1.0, t_k, t_p)
+
+    def nucleus() -> jax.Array:
+        # top-p over the distribution renormalized after top-k: the largest t whose kept mass
+        # reaches top_p of the top-k mass (the smallest most-likely set with that mass).
+        probs = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+        mass_k = jnp.sum(jnp.where(key >= t_k[:, None], probs, 0.0), axis=-1)
+        target = top_p * mass_k
+        t_p = _largest_threshold(
+            t_k,
+            k_max,
+            lambda t: jnp.sum(jnp.where(key >= t[:, None], probs, 0.0), axis=-1) >= target,
+        )
+        return jnp.where(top_p >= 1.0, t_k, t_p)
+
+    t = jax.lax.cond(jnp.any(top_p < 1.0), nucleus, lambda: t_k)
     keep = key >= t[:, None]
     # min-p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p). Ratios are unchanged
     # by renormalization, so the order of filters does not matter for this one.

@@ -362,9 +362,15 @@ def _jitted(fn):
     return _JITTED.setdefault(fn, jax.jit(fn))
 
 
-@settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**16), temperature=st.sampled_from([0.3, 1.0, 2.0]))
-def test_threshold_filters_match_the_sorting_oracle(seed, temperature):
+@settings(max_examples=16, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    temperature=st.sampled_from([0.3, 1.0, 2.0]),
+    batch_has=st.sampled_from(["every filter", "no top-k", "no top-p", "only min-p"]),
+)
+def test_threshold_filters_match_the_sorting_oracle(seed, temperature, batch_has):
+    """The sort-free filters sample what a full sort does, in batches that mix the filters
+    and in batches where no row has top-k or top-p (whose threshold searches are skipped)."""
     from paxcache.sampling import _filtered_sample, _filtered_sample_sorted
 
     b, v = 16, 50
@@ -372,8 +378,10 @@ def test_threshold_filters_match_the_sorting_oracle(seed, temperature):
     scaled = jnp.asarray(rng.normal(size=(b, v)) * 3 / temperature, jnp.float32)
     scaled = scaled.at[0, 10:].set(-jnp.inf)  # a row with masked vocabulary
     gumbel = jax.random.gumbel(jax.random.key(seed), (b, v), jnp.float32)
-    top_k = jnp.asarray(rng.choice([0, 1, 2, 5, 49, 50, 80], size=b), jnp.int32)
-    top_p = jnp.asarray(rng.choice([1.0, 0.99, 0.9, 0.5, 0.1, 1e-6], size=b), jnp.float32)
+    ks = [0, 50, 80] if batch_has in ("no top-k", "only min-p") else [0, 1, 2, 5, 49, 50, 80]
+    ps = [1.0] if batch_has in ("no top-p", "only min-p") else [1.0, 0.99, 0.9, 0.5, 0.1, 1e-6]
+    top_k = jnp.asarray(rng.choice(ks, size=b), jnp.int32)  # 50 and 80 >= V: no filter
+    top_p = jnp.asarray(rng.choice(ps, size=b), jnp.float32)
     min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.05, 0.3, 1.0], size=b), jnp.float32)
     fast = _jitted(_filtered_sample)(scaled, gumbel, top_k, top_p, min_p)
     oracle = _jitted(_filtered_sample_sorted)(scaled, gumbel, top_k, top_p, min_p)
