@@ -59,6 +59,12 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(q for _, q in self.rows)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether a sample reports sampled-token logprobs (``logprobs`` set, 0 included):
+        the step computes them (``SamplingInputs.logprobs_wanted``) and reads them back."""
+        return any(seq.params.logprobs is not None for seq, _ in self.samples)
+
 
 @dataclasses.dataclass
 class StepResult:

@@ -441,7 +441,7 @@ def prepare_sampling(
         top_p=top_p,
         min_p=min_p,
         keys=sequence_keys(seqs, r)[0],  # seeds are ints, fixed at arrival: they never fail
-        logprobs_wanted=np.asarray(any(seq.params.logprobs is not None for seq in seqs), bool),
+        logprobs_wanted=np.asarray(plan.wants_logprobs, bool),
     )
     return sampling, failed
 
@@ -527,7 +527,7 @@ def read_result(
     }
     if out.steps is not None:
         fetch["steps"] = out.steps
-    if any(s.params.logprobs is not None for s, _ in plan.samples):
+    if plan.wants_logprobs:
         fetch.update(
             logprob=out.sampled.logprob,
             top_ids=out.sampled.top_ids,
