@@ -664,7 +664,8 @@ def test_pallas_gpu_without_gpu_module_raises_not_implemented():
 )
 def test_tpu_ragged_kernel_for_group_sizes_off_the_8_row_tile(h, k_heads):
     """G = 3, 5, 6, 7 (Qwen2 shapes): query blocks of TQ tokens with TQ * G a multiple of 8
-    (G = 6: 12 tokens, 72 rows); 30 tokens span three blocks and split sequences."""
+    (the default rule's 128 rows: G = 6 takes 16 tokens, 96 rows); 30 tokens span two
+    blocks and split sequences."""
     from kernels_pallas.tpu.ragged_paged_attention import default_queries_per_block
 
     g = h // k_heads

@@ -169,3 +169,39 @@ def test_kv_cache_vmem_bytes_is_the_larger_kernels_kv_double_buffer_on_the_chip(
     gemma = dict(llama, head_dim=256)  # 8 KiB per token: decode 2048 keys in 32 MiB
     assert vmem(2048, "TPU v5 lite", **gemma) == 2 * 2048 * 8192
     assert vmem(2048, "TPU v5 lite", **dict(gemma, dtype=jnp.int8)) == 2 * 2048 * 4096
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    g=hypothesis.strategies.integers(1, 16),
+    rows=hypothesis.strategies.integers(8, 4096),
+    num_tokens=hypothesis.strategies.integers(1, 5000),
+)
+def test_query_blocks_are_the_largest_power_of_two_within_the_rows(g, rows, num_tokens):
+    """TQ is a power of two of at most ``rows / G`` tokens (the largest; at least the 8-row
+    tile's), so block edges fall on the compute steps' masked widths; a batch that fits
+    takes one block."""
+    from kernels_pallas.tpu.ragged_paged_attention import default_queries_per_block
+
+    tq = default_queries_per_block(num_tokens, g, rows)
+    full = default_queries_per_block(10**6, g, rows)
+    assert full & (full - 1) == 0 and (full * g) % 8 == 0
+    assert full * g <= rows or (full // 2 * g) % 8 != 0  # within the rows, or the tile's
+    assert 2 * full * g > rows  # the largest
+    assert tq == (num_tokens if num_tokens <= full else full)
+
+
+def test_tpu7x_blocks_hold_qwen2s_256_tokens_and_llamas_1024_rows():
+    """TPU7x's 2048 target rows (RPA v3's TPU7x blocks): G = 7 with 4 kv heads of head_dim
+    128 takes 256-token blocks (1792 rows, within the 20 MiB row budget); Llama-3-8B's 8 kv
+    heads stay at 1024 rows (256 tokens); v5e keeps 128 tokens for G = 7."""
+    from kernels_pallas.tpu import ragged_paged_attention as rag
+
+    def tokens(kind: str, kv_heads: int, g: int) -> int:
+        rows = rag.block_rows(rag.ragged_blocks(kind), kv_heads, 128, 2)
+        return rag.default_queries_per_block(10**6, g, rows)
+
+    assert tokens("TPU7x", 4, 7) == 256
+    assert rag.block_rows(rag.ragged_blocks("TPU7x"), 8, 128, 2) == 1024
+    assert tokens("TPU7x", 8, 4) == 256
+    assert tokens("TPU v5 lite", 4, 7) == 128

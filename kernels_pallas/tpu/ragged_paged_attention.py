@@ -165,6 +165,14 @@ class RaggedBlocks:
 #: 1024 x 1024 need 106 MiB (scratch 41 + temporaries): a step's f32 logits of every kv head
 #: are held to 32 MiB (:func:`step_keys`; 8 kv heads x 1024 rows x 1024 keys), so 16 or 32 kv
 #: heads take 512 keys.
+#:
+#: TPU7x takes 2048 rows (within its 20 MiB row budget: Qwen2-7B's G = 7 gets 256-token
+#: blocks, Llama-3-8B stays at 1024 rows), the blocks RPA v3's TPU7x rule takes: Qwen2-7B
+#: (2026-12-06, with power-of-two blocks) reads what RPA v3 does (a 2048-token chunk at ctx
+#: 2048: 34 -> 18 MiB; the mixed batch 542.5 -> 527.5 MiB) for 1-6% more bundles per useful
+#: flop (8.992e-06 -> 9.542e-06, 1.621e-05 -> 1.637e-05; RPA v3 1.019e-05, 1.889e-05); at
+#: ctx 8192 226 -> 114 MiB, 7.066e-06 -> 7.155e-06 (RPA v3 7.956e-06). One kv head with
+#: G = 8 (a 70B model at tensor parallel 8): 8.5 -> 4.5 MiB, 1.066e-05 -> 1.068e-05.
 _V5E_V6E_BLOCKS = RaggedBlocks(
     rows=1024, keys=1024, headroom=60 * _MIB, row_budget=40 * _MIB, vmem_cap=120 * _MIB,
     kv_budget=16 * _MIB, logits_budget=32 * _MIB,
@@ -172,7 +180,7 @@ _V5E_V6E_BLOCKS = RaggedBlocks(
 RAGGED_BLOCKS = {
     "TPU v5 lite": _V5E_V6E_BLOCKS,
     "TPU v6 lite": _V5E_V6E_BLOCKS,
-    "TPU7x": RaggedBlocks(rows=1024, keys=512, headroom=40 * _MIB),
+    "TPU7x": RaggedBlocks(rows=2048, keys=512, headroom=40 * _MIB),
 }
 DEFAULT_RAGGED_BLOCKS = RaggedBlocks(rows=128, keys=512, headroom=16 * _MIB)
 
@@ -238,11 +246,21 @@ def masked_step_widths(pages: int, block_size: int, lane_aligned: bool = True) -
 
 
 def default_queries_per_block(num_tokens: int, g: int, rows: int | None = None) -> int:
-    """``TQ``: about ``rows / G`` tokens (default: the default rule's rows), ``TQ * G`` a
-    multiple of 8, or all ``T`` tokens."""
+    """``TQ``: the largest power of two of at most ``rows / G`` tokens (default: the default
+    rule's rows; at least enough for ``TQ * G`` to be a multiple of 8), or all ``T`` tokens.
+
+    Chunks are mostly powers of two long (512, 2048 tokens): a block of a power of two of
+    tokens divides them, where a block of, say, 144 tokens leaves a last block of padding rows
+    that still walks the whole context. It is also RPA v3's rule (1024 rows, 2048 on TPU7x,
+    over G rounded up to a power of two), so a chunk reads the KV bytes RPA v3 does. Qwen2-7B
+    (G = 7) took 144-token blocks before (the nearest multiple of 8): static schedule, v5e, a
+    64-decode + 512-token mixed batch 2.036e-05 -> 1.903e-05 bundles per useful flop and
+    542.7 -> 542.5 MiB of KV read (RPA v3: 542.5), a 2048-token chunk at ctx 2048 1.413e-05
+    -> 1.225e-05 (``scripts/kernel_cycles.py --fused``, 2026-12-06).
+    """
     rows = rows or DEFAULT_RAGGED_BLOCKS.rows
-    align = _SUBLANES // math.gcd(g, _SUBLANES)
-    tq = max(align, round(rows / g / align) * align)
+    align = _SUBLANES // math.gcd(g, _SUBLANES)  # a power of two: so is every TQ below
+    tq = max(align, 1 << (max(1, rows // g).bit_length() - 1))
     return num_tokens if num_tokens <= tq else tq
 
 
