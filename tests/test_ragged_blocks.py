@@ -179,8 +179,8 @@ def test_kv_cache_vmem_bytes_is_the_larger_kernels_kv_double_buffer_on_the_chip(
 )
 def test_query_blocks_are_the_largest_power_of_two_within_the_rows(g, rows, num_tokens):
     """TQ is a power of two of at most ``rows / G`` tokens (the largest; at least the 8-row
-    tile's), so block edges fall on the compute steps' masked widths; a batch that fits
-    takes one block."""
+    tile's), so a chunk of a power of two of tokens splits into whole blocks; a batch that
+    fits takes one block."""
     from kernels_pallas.tpu.ragged_paged_attention import default_queries_per_block
 
     tq = default_queries_per_block(num_tokens, g, rows)
