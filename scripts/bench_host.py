@@ -17,8 +17,12 @@ decode steps of ``Engine.step()``. Each step's host thread is split into:
   text allows);
 * ``host_us``: the step's wall time less ``dispatch_us`` and ``wait_us`` (on the CPU backend
   the call of a small program runs it in the calling thread, so dispatch holds device time
-  there); ``device_idle_us``: the wall time from one step's ``read_result`` returning to the
-  next step's dispatch (the device has nothing to run), per step.
+  there); ``host_cpu_us``: the same on the host thread's CPU clock (``time.thread_time``),
+  which leaves out the time XLA:CPU's threads take the host thread's core away: on a CPU the
+  "device" shares the host's cores, so an overlapped step's ``host_us`` counts waits for a
+  core that an accelerator would not cause; ``device_idle_us``: the wall time from one
+  step's ``read_result`` returning to the next step's dispatch (the device has nothing to
+  run), per step.
 
 ``fused_ms`` is the engine's compiled step alone on the same decode batch (its inputs built
 once, then called back to back, blocking on each), ``step_over_fused`` the steady-state
@@ -117,6 +121,7 @@ class Phases:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.cpu: dict[str, float] = collections.defaultdict(float)  # host thread's CPU time
         self.last_ready = None  # perf_counter when the last read_result returned
         self.idle: list[float] = []
 
@@ -142,18 +147,20 @@ class Phases:
         jit_step, read_result = eng._jit_step, step_lib.read_result
 
         def dispatch(*args: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if self.last_ready is not None:
                 self.idle.append(t0 - self.last_ready)
             out = jit_step(*args)
             self.seconds["dispatch"] += time.perf_counter() - t0
+            self.cpu["dispatch"] += time.thread_time() - c0
             return out
 
         def read(*args: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = read_result(*args)
             self.last_ready = time.perf_counter()
             self.seconds["wait"] += self.last_ready - t0
+            self.cpu["wait"] += time.thread_time() - c0
             return out
 
         sched.schedule = self.timed("schedule", sched.schedule)
@@ -224,12 +231,14 @@ def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> di
     steps = max(4, steps // eng.decode_steps)  # the same tokens in every mode
     phases = Phases()
     walls: list[float] = []
+    cpu_total = 0.0  # the host thread's CPU time over the timed steps
     tokens = 0
     with phases.installed(eng):
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             outs = eng.step()
             walls.append(time.perf_counter() - t0)
+            cpu_total += time.thread_time() - c0
             tokens += sum(len(s.new_token_ids) for o in outs for s in o.outputs)
     from bench_peer import _time_engine_device_step
 
@@ -240,6 +249,7 @@ def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> di
     sec = phases.seconds
     step_s = statistics.median(walls)
     host = total - sec["wait"] - sec["dispatch"]
+    host_cpu = cpu_total - phases.cpu["wait"] - phases.cpu["dispatch"]
     row = {
         "model": model_name,
         "mode": mode,
@@ -253,6 +263,7 @@ def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> di
         "fused_busy_core_ms": round(fused_busy * 1e3, 3),
         "host_us_per_step": round(host / steps * 1e6, 1),
         "host_us_per_token": round(host / max(tokens, 1) * 1e6, 2),
+        "host_cpu_us_per_token": round(host_cpu / max(tokens, 1) * 1e6, 2),
         "device_idle_us_per_step": round(statistics.median(phases.idle) * 1e6, 1)
         if phases.idle
         else None,
@@ -266,7 +277,8 @@ def run_one(model_name: str, rows: int, mode: str, steps: int, iters: int) -> di
 COLUMNS = (
     "model", "mode", "rows", "tokens_per_s", "tokens_per_s_over_sync", "tokens_per_s_over_k1",
     "step_ms", "fused_ms",
-    "step_over_fused", "fused_busy_core_ms", "host_us_per_token", "device_idle_us_per_step",
+    "step_over_fused", "fused_busy_core_ms", "host_us_per_token", "host_cpu_us_per_token",
+    "device_idle_us_per_step",
     "schedule_us", "prepare_us", "dispatch_us", "wait_us", "postprocess_us", "detokenize_us",
 )  # fmt: skip
 

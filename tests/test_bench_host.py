@@ -22,3 +22,21 @@ def test_every_mode_of_the_host_benchmark_is_built_by_this_engine(monkeypatch):
     assert all(bench.supported(mode) for mode in bench.MODES)
     monkeypatch.setitem(bench.MODES, "bogus", {"decode_step": 8})  # a misspelt option
     assert not bench.supported("bogus")
+
+
+def test_the_lockstep_host_benchmark_steps_both_builds_alike(monkeypatch):
+    """scripts/bench_host_ab.py steps one engine per build alternately and reports each
+    build's host time: the same tree twice gives both the same tokens and a host time."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(
+        "bench_host_ab_under_test", SCRIPTS / "bench_host_ab.py"
+    )
+    ab = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_host_ab_under_test", ab)
+    spec.loader.exec_module(ab)
+    root = str(SCRIPTS.parent)
+    acc = ab.lockstep([root, root + "/"], "sync", rows=2, rounds=1, steps=3)
+    a, b = acc[root], acc[root + "/"]
+    assert len(a["per_step"]) == len(b["per_step"]) == 3
+    assert a["tokens"] == b["tokens"] == 2 * 3  # one token per row per step
+    assert a["host_cpu_s"] > 0 and b["host_cpu_s"] > 0
