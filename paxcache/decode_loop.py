@@ -158,7 +158,7 @@ def prepare(
             left = np.where(short, np.minimum(left, rope_switch_len - lens + 1), left)
         max_new[:n] = np.maximum(1, left)
     return DecodeLoopInputs(
-        keys=sequence_keys(seqs, r, range(num_steps)),
+        keys=sequence_keys(seqs, r, range(num_steps), zeros_if_greedy=True),
         stop_ids=stops,
         max_new=max_new,
         exit_on_finish=np.asarray(exit_on_finish),

@@ -137,13 +137,14 @@ class RequestState:
         ``output_kind="delta"``); text that may still turn out to be the start of a stop
         string is held back until it cannot."""
         comps = []
-        hold, delta = self._hold, self._delta
-        for i, s in enumerate(self.seqs):
+        hold, delta, seqs = self._hold, self._delta, self.seqs
+        for i, s in enumerate(seqs):
             if s.logprobs is not None:
                 self._format_logprobs(i, s.logprobs)
-            text_len = len(s.text)
-            visible = text_len if s.is_finished else max(s.emitted, text_len - hold)
-            new_text = s.text[s.emitted : visible]
+            text, emitted = s.text, s.emitted
+            text_len = len(text)
+            visible = text_len if s.is_finished else max(emitted, text_len - hold)
+            new_text = text[emitted:visible] if visible > emitted else ""
             s.emitted = visible
             if delta:  # only what is new: linear in the output length, however long
                 start = s.num_prompt + self.sent_tokens[i]
@@ -157,7 +158,8 @@ class RequestState:
             else:
                 token_ids = s.token_ids[s.num_prompt :]  # a copy
                 logprobs = list(s.logprobs) if s.logprobs is not None else None
-                text = s.text if visible == text_len else s.text[:visible]
+                if visible != text_len:
+                    text = text[:visible]
             comps.append(
                 CompletionOutput(
                     s.index,
@@ -171,18 +173,20 @@ class RequestState:
                 )
             )
             s.new_ids = []  # reported: this list now belongs to the output
-        prompt_lps = self.seqs[0].prompt_logprobs
-        if prompt_lps is not None and not self.prompt_logprobs_ready:
-            self.prompt_logprobs_ready = all(e is not None for e in prompt_lps[1:])
-        if not self.prompt_logprobs_ready or (delta and self.sent_prompt_logprobs):
-            prompt_lps = None
-        elif delta:
-            self.sent_prompt_logprobs = True
-        first = self.seqs[0]
+        first = seqs[0]
+        prompt_lps = first.prompt_logprobs
+        if prompt_lps is not None:
+            if not self.prompt_logprobs_ready:
+                self.prompt_logprobs_ready = all(e is not None for e in prompt_lps[1:])
+            if not self.prompt_logprobs_ready or (delta and self.sent_prompt_logprobs):
+                prompt_lps = None
+            elif delta:
+                self.sent_prompt_logprobs = True
         error, preemptions = first.error, first.num_preemptions
-        for s in self.seqs[1:]:  # n > 1
-            error = error or s.error
-            preemptions += s.num_preemptions
+        if len(seqs) > 1:  # n > 1
+            for s in seqs[1:]:
+                error = error or s.error
+                preemptions += s.num_preemptions
         return RequestOutput(
             self.request_id,
             self.prompt,

@@ -168,7 +168,8 @@ def loop_continuation(
     keep_rows[: len(keep)] = keep
     # Keys from each row's first sample in prev on: prev is unread, so ``num_generated`` is
     # what it was when prev was planned.
-    keys = sequence_keys([seq for seq, _ in plan.samples], r, range(2 * num_steps))
+    seqs = [seq for seq, _ in plan.samples]
+    keys = sequence_keys(seqs, r, range(2 * num_steps), zeros_if_greedy=True)
     nxt = decode_loop.next_inputs(
         prev.placed, state, prev.out.sampled.tokens, prev.out.steps, keys, keep_rows
     )
@@ -251,7 +252,7 @@ def continuation(
         top_k=kept(old.top_k, 0),
         top_p=kept(old.top_p, 1),
         min_p=kept(old.min_p, 0),
-        keys=sequence_keys([seq for seq, _ in rows], r, (1,))[0],  # one token on
+        keys=sequence_keys([seq for seq, _ in rows], r, (1,), zeros_if_greedy=True)[0],  # one on
     )
     slots = np.zeros(r, np.int32)
     slots[:n] = np.asarray(inputs.slot_ids)[keep]

@@ -342,10 +342,22 @@ def request_keys(
     return np.stack([hi, lo], axis=-1)
 
 
-def sequence_keys(seqs: Sequence[Any], num_rows: int, ahead: Sequence[int] = (0,)) -> np.ndarray:
+def sequence_keys(
+    seqs: Sequence[Any],
+    num_rows: int,
+    ahead: Sequence[int] = (0,),
+    *,
+    zeros_if_greedy: bool = False,
+) -> np.ndarray:
     """``u32[len(ahead), num_rows, 2]``: for each ``a`` in ``ahead``, row ``j``'s key for the
     sample ``a`` tokens after the next one of ``seqs[j]`` (its ``seed``, ``num_generated``
-    and ``index``: :func:`request_keys`' rule); rows past ``len(seqs)`` are padding."""
+    and ``index``: :func:`request_keys`' rule); rows past ``len(seqs)`` are padding.
+
+    With ``zeros_if_greedy``, a batch whose every sequence samples greedily (``params.greedy``)
+    gets zeros: :func:`sample` reads no key of a greedy row, so the step's tokens are the same
+    and the host skips the hashing (a step's inputs)."""
+    if zeros_if_greedy and all(seq.params.temperature <= GREEDY_EPS for seq in seqs):
+        return np.zeros((len(ahead), num_rows, 2), np.uint32)
     seeds = np.zeros(num_rows, np.uint64)
     generated = np.zeros(num_rows, np.int64)
     index = np.zeros(num_rows, np.int64)

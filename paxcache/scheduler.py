@@ -440,13 +440,13 @@ class Scheduler:
     def _plan_running(self) -> list[tuple[Sequence, int]]:
         """R1: the running sequences' rows in policy order, the oldest always among them."""
         runnable = [s for s in self.running if s.leader is None]  # followers wait, no rows
-        if not runnable:
-            return []
-        oldest = min(runnable, key=_AGE)
         decodes = sorted((s for s in runnable if len(s.token_ids) - s.num_computed == 1), key=_AGE)
+        budget = self.max_num_batched_tokens
+        if len(decodes) == len(runnable) <= budget:  # all decodes fit: the loop's rows, at once
+            return [(s, 1) for s in decodes]
+        oldest = min(runnable, key=_AGE)
         prefills = sorted((s for s in runnable if len(s.token_ids) - s.num_computed > 1), key=_AGE)
         order = decodes + prefills if self.policy == "fifo" else prefills + decodes
-        budget = self.max_num_batched_tokens
         rows: list[tuple[Sequence, int]] = []
         oldest_planned = False
         for seq in order:
@@ -680,11 +680,10 @@ class Scheduler:
             touched.update(order)
 
     def _take_chunk(self, seq: Sequence, toks: list[int], result: StepResult, j: int) -> bool:
-        """Appends the ``toks`` one decode row of a multi-step decode generated (sample ``j``
-        of ``result``; with their logprobs) and applies the stop conditions to them at once,
-        exactly as ``len(toks)`` single steps would; False, changing nothing, when that is
-        not certain (a grammar, a stop or length condition before the last token). Stop
-        strings are the output processor's, as after a single step (:meth:`stop_at`)."""
+        """Appends the ``toks`` a multi-step decode row generated (sample ``j`` of ``result``,
+        with logprobs) and applies the stop conditions at once, as ``len(toks)`` single steps
+        would; False, changing nothing, when that is not certain (a grammar, a stop or length
+        condition before the last token). Stop strings are the output processor's."""
         if seq.matcher is not None:
             return False
         eos, max_len, n = self.eos_token_ids, self.max_model_len, len(toks)

@@ -440,7 +440,8 @@ def prepare_sampling(
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
-        keys=sequence_keys(seqs, r)[0],  # seeds are ints, fixed at arrival: they never fail
+        # Seeds are ints, fixed at arrival: they never fail. Unused by a greedy batch: zeros.
+        keys=sequence_keys(seqs, r, zeros_if_greedy=True)[0],
         logprobs_wanted=np.asarray(plan.wants_logprobs, bool),
     )
     return sampling, failed

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from paxcache import SamplingParams
-from paxcache.sampling import request_keys
+from paxcache.sampling import request_keys, sample, sequence_keys
 from paxcache.scheduler import StepPlan
 from paxcache.sequence import new_request
 from paxcache.step import (
@@ -165,11 +165,25 @@ def test_multi_step_decodes_get_one_program_per_row_bucket_and_k_keys_per_sample
 
 @pytest.mark.parametrize("seed", [2**64 - 1, 2**63, -5])
 def test_sample_keys_take_any_seed_modulo_two_to_the_64(seed):
-    (a,) = _seq("a", 4, 0, 4)
-    (b,) = _seq("b", 4, 0, 4)
+    (a,) = _seq("a", 4, 0, 4, temperature=0.7)
+    (b,) = _seq("b", 4, 0, 4)  # greedy: a batch with one sampled row hashes every row's key
     a.seed = seed
     plan = StepPlan(rows=[(a, 4), (b, 4)], slots=[0, 1], samples=[(a, 0), (b, 1)])
     inputs, failed = prepare_inputs(plan, SHAPES)
     assert not failed
     want = request_keys([seed % 2**64, 3], [0, 0], [0, 0])
     np.testing.assert_array_equal(inputs.sampling.keys[:2], want)
+
+
+def test_an_all_greedy_batch_skips_its_keys_and_samples_the_same_tokens():
+    (a,) = _seq("a", 4, 0, 4)
+    (b,) = _seq("b", 4, 0, 4, temperature=1e-6)  # below GREEDY_EPS: greedy too
+    plan = StepPlan(rows=[(a, 4), (b, 4)], slots=[0, 1], samples=[(a, 0), (b, 1)])
+    inputs, _ = prepare_inputs(plan, SHAPES)
+    np.testing.assert_array_equal(inputs.sampling.keys, 0)
+    hashed = sequence_keys([a, b], SHAPES.max_rows)[0]
+    assert np.any(hashed != 0)
+    logits = jax.random.normal(jax.random.key(0), (SHAPES.max_rows, 32))
+    s = inputs.sampling
+    args = (logits, s.temperature, s.top_k, s.top_p, s.min_p)
+    chex.assert_trees_all_equal(sample(*args, s.keys).tokens, sample(*args, hashed).tokens)

@@ -94,11 +94,14 @@ class IncrementalDecoder:
         either). Otherwise it pushes them one by one (two decodes each), here, so the caller
         never does.
         """
+        if self._utf8 is not None:  # the bytes path: a list (of ints) is taken as it is
+            if type(ids) is not list:
+                ids = list(map(int, ids))
+            self.ids.extend(ids)
+            return self._utf8.decode(self._to_bytes(ids)) if ids else ""
         ids = list(map(int, ids))
         if not ids:
             return ""
-        if self._utf8 is not None:
-            return self._push_bytes(ids)
         at_once = self._chunk_at_once(ids)
         if at_once is not None:
             return at_once

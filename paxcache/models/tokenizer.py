@@ -53,8 +53,6 @@ MAX_TEMPLATE_SEQUENCE_LEN = 1 << 20
 
 _MAX_TOKENIZER_CONFIG_BYTES = 64 << 20
 
-_IS_BYTE = range(256).__contains__  # ByteTokenizer: whether an id is a byte (not a special)
-
 
 class ChatTemplateError(PaxcacheError):
     """A chat template failed to compile or render.
@@ -187,10 +185,17 @@ class ByteTokenizer:
         """Ids -> raw bytes, dropping ids >= 256 (specials)."""
         if type(ids) is not list and type(ids) is not tuple:
             ids = list(map(int, ids))  # an array: bytes() would copy its buffer, not its ids
-        try:  # the common case, every id a byte: one C call
-            return bytes(ids)
-        except (ValueError, TypeError):
-            return bytes(filter(_IS_BYTE, map(int, ids)))  # C-level filter: no Python loop
+        if not ids or max(ids) < 256:
+            try:  # the common case, every id a byte: one C call
+                return bytes(ids)
+            except (ValueError, TypeError):  # a negative id, or not an integer
+                pass
+        # Specials (or a model whose vocabulary is larger than the bytes, such as bench_host's
+        # micro model): a list comprehension, half the time of raising and filtering here.
+        try:
+            return bytes([i for i in ids if 0 <= i < 256])
+        except TypeError:  # ids that are not integers but convert to them
+            return bytes([i for i in map(int, ids) if 0 <= i < 256])
 
     def byte_decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], bytes]:
         """Ids -> the bytes whose UTF-8 decoding (``errors="replace"``) is their text, as
