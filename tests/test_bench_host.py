@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -24,6 +26,7 @@ def test_every_mode_of_the_host_benchmark_is_built_by_this_engine(monkeypatch):
     assert not bench.supported("bogus")
 
 
+@pytest.mark.slow  # two engines built and warmed up in subprocesses: 85 s beside CI's suites
 def test_the_lockstep_host_benchmark_steps_both_builds_alike(monkeypatch):
     """scripts/bench_host_ab.py steps one engine per build alternately and reports each
     build's host time: the same tree twice gives both the same tokens and a host time."""
