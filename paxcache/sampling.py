@@ -356,7 +356,7 @@ def sequence_keys(
     With ``zeros_if_greedy``, a batch whose every sequence samples greedily (``params.greedy``)
     gets zeros: :func:`sample` reads no key of a greedy row, so the step's tokens are the same
     and the host skips the hashing (a step's inputs)."""
-    if zeros_if_greedy and all(seq.params.temperature <= GREEDY_EPS for seq in seqs):
+    if zeros_if_greedy and all(seq.params.greedy for seq in seqs):
         return np.zeros((len(ahead), num_rows, 2), np.uint32)
     seeds = np.zeros(num_rows, np.uint64)
     generated = np.zeros(num_rows, np.int64)

@@ -12,14 +12,18 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def test_every_mode_of_the_host_benchmark_is_built_by_this_engine(monkeypatch):
+def _load_script(monkeypatch, name: str):
+    """``scripts/<name>.py`` as a module (the scripts directory importable, as when run)."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(
-        "bench_host_under_test", SCRIPTS / "bench_host.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_host_under_test", bench)
-    spec.loader.exec_module(bench)
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, f"{name}_under_test", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_mode_of_the_host_benchmark_is_built_by_this_engine(monkeypatch):
+    bench = _load_script(monkeypatch, "bench_host")
     assert set(bench.MODES) == {"sync", "overlap", "multistep", "multistep_overlap"}
     assert all(bench.supported(mode) for mode in bench.MODES)
     monkeypatch.setitem(bench.MODES, "bogus", {"decode_step": 8})  # a misspelt option
@@ -30,13 +34,7 @@ def test_every_mode_of_the_host_benchmark_is_built_by_this_engine(monkeypatch):
 def test_the_lockstep_host_benchmark_steps_both_builds_alike(monkeypatch):
     """scripts/bench_host_ab.py steps one engine per build alternately and reports each
     build's host time: the same tree twice gives both the same tokens and a host time."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(
-        "bench_host_ab_under_test", SCRIPTS / "bench_host_ab.py"
-    )
-    ab = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_host_ab_under_test", ab)
-    spec.loader.exec_module(ab)
+    ab = _load_script(monkeypatch, "bench_host_ab")
     root = str(SCRIPTS.parent)
     acc = ab.lockstep([root, root + "/"], "sync", rows=2, rounds=1, steps=3)
     a, b = acc[root], acc[root + "/"]

@@ -95,10 +95,7 @@ class IncrementalDecoder:
         never does.
         """
         if self._utf8 is not None:  # the bytes path: a list (of ints) is taken as it is
-            if type(ids) is not list:
-                ids = list(map(int, ids))
-            self.ids.extend(ids)
-            return self._utf8.decode(self._to_bytes(ids)) if ids else ""
+            return self._push_bytes(ids if type(ids) is list else list(map(int, ids)))
         ids = list(map(int, ids))
         if not ids:
             return ""
